@@ -1,0 +1,291 @@
+"""Selective compensation: calibration statistics, block-local channel selection, K-Ext weights.
+
+Block-local selection (paper 5.3, B.1): within every group of 8 consecutive input channels,
+exactly k = 8 * ratio channels are chosen by a calibration score, one 8-bit mask per group.
+Because every group contributes the same number of channels, the fused quantizer can write
+the residue extension without any run-time reordering.
+
+The K-Ext identity this module maintains (paper Eq. 6):
+    [X_hat | R_hat_S] @ [W | W_S]_hat^T  ==  X_hat W_hat^T + R_hat_S W_hat_S^T
+where [W | W_S] is extended OFFLINE (selected input channels copied after the base ones,
+zero-padded to the format's block) and quantized in that extended layout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from . import formats
+from .formats import QuantizedTensor
+
+__all__ = [
+    "RATIOS",
+    "GROUP",
+    "ChannelStats",
+    "Selection",
+    "select_channels",
+    "QLinearWeight",
+    "prepare_weight",
+    "extend_weight",
+    "save_layers",
+    "load_layers",
+]
+
+GROUP = 8
+RATIOS: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
+
+
+def _check_ratio(ratio: float) -> int:
+    if ratio not in RATIOS:
+        raise ValueError(f"compensation ratio must be one of {RATIOS}, got {ratio!r}")
+    return int(round(GROUP * ratio))
+
+
+class ChannelStats:
+    """Streaming per-channel activation statistics over calibration tokens (constant memory).
+
+    update(x) takes x: [..., K] activations; the statistics are sums in float64, so the result
+    does not depend on how the tokens were batched (up to float64 rounding).
+    """
+
+    def __init__(self, in_features: int):
+        self.in_features = in_features
+        self.count = 0
+        self.sum_abs = torch.zeros(in_features, dtype=torch.float64)
+        self.sum_sq = torch.zeros(in_features, dtype=torch.float64)
+
+    def update(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected activations with K={self.in_features}, got {x.shape[-1]}")
+        x2 = x.detach().reshape(-1, self.in_features).to("cpu", torch.float64)
+        if not bool(torch.isfinite(x2).all()):
+            raise ValueError("calibration activations contain NaN or Inf")
+        self.count += x2.shape[0]
+        self.sum_abs += x2.abs().sum(0)
+        self.sum_sq += (x2 * x2).sum(0)
+
+    def mean_abs(self) -> torch.Tensor:
+        """float64 [K]: mean |x| per channel (the paper's salience score)."""
+        if self.count == 0:
+            raise ValueError("no calibration tokens were recorded")
+        return self.sum_abs / self.count
+
+    def mean_sq(self) -> torch.Tensor:
+        """float64 [K]: mean x^2 per channel."""
+        if self.count == 0:
+            raise ValueError("no calibration tokens were recorded")
+        return self.sum_sq / self.count
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Block-local channel selection for one linear layer.
+
+    masks: uint8 [K // 8]; bit j of masks[g] selects channel 8 * g + j.
+    ratio: the compensation ratio (k = 8 * ratio channels per group).
+    """
+
+    masks: torch.Tensor
+    ratio: float
+
+    def __post_init__(self):
+        k = _check_ratio(self.ratio)
+        if self.masks.dtype != torch.uint8 or self.masks.dim() != 1:
+            raise ValueError("selection masks must be a 1-D uint8 tensor (one byte per group)")
+        bits = torch.tensor([1 << j for j in range(GROUP)], dtype=torch.uint8)
+        per_group = ((self.masks.unsqueeze(-1) & bits) != 0).sum(-1)
+        if bool((per_group != k).any()):
+            raise ValueError(f"every 8-channel group must select exactly {k} channels "
+                             f"for ratio {self.ratio}")
+
+    @property
+    def in_features(self) -> int:
+        return self.masks.numel() * GROUP
+
+    @property
+    def k(self) -> int:
+        return int(round(GROUP * self.ratio))
+
+    @property
+    def indices(self) -> torch.Tensor:
+        """int64 [K * ratio]: selected channels, group by group, ascending within a group."""
+        bits = torch.tensor([1 << j for j in range(GROUP)], dtype=torch.uint8)
+        sel = ((self.masks.unsqueeze(-1) & bits) != 0).reshape(-1)
+        return torch.nonzero(sel).reshape(-1)
+
+    def extension_length(self, fmt: str) -> int:
+        return formats.extension_length(self.indices.numel(), fmt)
+
+
+def select_channels(scores: torch.Tensor, ratio: float) -> Selection:
+    """Top-k = 8 * ratio channels inside every group of 8 by score (ties: lower index wins).
+
+    scores: [K] float (e.g. ChannelStats.mean_abs()); K % 8 == 0.
+    """
+    k = _check_ratio(ratio)
+    scores = torch.as_tensor(scores).reshape(-1).to(torch.float64)
+    if scores.numel() % GROUP:
+        raise ValueError(f"K={scores.numel()} is not a multiple of the group size {GROUP}")
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError("channel scores contain NaN or Inf")
+    groups = scores.reshape(-1, GROUP)
+    order = torch.sort(-groups, dim=-1, stable=True).indices[:, :k]
+    masks = (torch.ones_like(order, dtype=torch.int64) << order).sum(-1).to(torch.uint8)
+    return Selection(masks, ratio)
+
+
+def extend_weight(w: torch.Tensor, selection: Selection, fmt: str) -> torch.Tensor:
+    """W: [N, K] float -> [N, K + ext] float: selected input channels appended, zero-padded."""
+    if w.shape[-1] != selection.in_features:
+        raise ValueError(f"weight has K={w.shape[-1]}, selection was made for "
+                         f"K={selection.in_features}")
+    sel = w.index_select(-1, selection.indices.to(w.device))
+    pad = selection.extension_length(fmt) - sel.shape[-1]
+    return torch.cat([w, torch.nn.functional.pad(sel, (0, pad))], dim=-1)
+
+
+@dataclass(frozen=True)
+class QLinearWeight:
+    """A linear layer's FP4 weight, prepared offline.
+
+    q:            QuantizedTensor [N, K] (no selection) or [N, K + ext] (K-Ext layout).
+    in_features:  K, the base reduction length.
+    selection:    the K-Ext channel selection, or None.
+    input_scale:  NVFP4 static activation tensor scale (ModelOpt input_scale) or None (dynamic).
+    """
+
+    q: QuantizedTensor
+    in_features: int
+    selection: Selection | None = None
+    input_scale: torch.Tensor | None = None
+    meta: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def fmt(self) -> str:
+        return self.q.fmt
+
+    @property
+    def out_features(self) -> int:
+        return self.q.codes.shape[0]
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.selection is None else self.selection.ratio
+
+    def base(self) -> QuantizedTensor:
+        """The base weight [N, K]: identical to quantize(W) because blocks never straddle K."""
+        k = self.in_features
+        bs = self.q.block_size
+        return QuantizedTensor(self.q.fmt, self.q.codes[:, : k // 2], self.q.scales[:, : k // bs],
+                               self.q.global_scale)
+
+    def extension(self) -> QuantizedTensor:
+        """The selected weight rows W_S quantized in the extended layout [N, ext]."""
+        if self.selection is None:
+            raise ValueError("this weight has no K-Ext extension")
+        k = self.in_features
+        bs = self.q.block_size
+        return QuantizedTensor(self.q.fmt, self.q.codes[:, k // 2:], self.q.scales[:, k // bs:],
+                               self.q.global_scale)
+
+
+def prepare_weight(w: torch.Tensor, fmt: str, selection: Selection | None = None,
+                   input_scale=None) -> QLinearWeight:
+    """Quantize a linear weight W: [N, K] (out x in) offline, optionally in the K-Ext layout."""
+    if w.dim() != 2:
+        raise ValueError(f"a linear weight is [out_features, in_features], got shape {tuple(w.shape)}")
+    full = w if selection is None else extend_weight(w, selection, fmt)
+    if fmt == "nvfp4":
+        # The extension only copies channels, so amax (and alpha) is that of W itself.
+        q = formats.quantize(full, fmt, global_scale=formats.nvfp4_global_scale(w.float()))
+    else:
+        q = formats.quantize(full, fmt)
+    isc = None
+    if input_scale is not None:
+        if fmt != "nvfp4":
+            raise ValueError("input_scale is an NVFP4 tensor scale; MXFP4 has none")
+        isc = formats._check_global_scale(input_scale, "cpu")
+    return QLinearWeight(q, w.shape[1], selection, isc)
+
+
+# ----------------------------------------------------------------------------- safetensors I/O
+
+_FORMAT_KEY = "resgen_format"
+_VERSION_KEY = "resgen_checkpoint_version"
+_CHECKPOINT_VERSION = "1"
+
+
+def save_layers(path: str | Path, layers: Mapping[str, QLinearWeight]) -> None:
+    """Write prepared layers with safetensors, ModelOpt field names plus resgen's own.
+
+    Per layer `name`: name.weight (uint8 packed E2M1 [N, K(+ext)/2]), name.weight_scale (E4M3 or
+    E8M0 uint8), name.weight_scale_2 (NVFP4 alpha), name.input_scale (NVFP4, static only),
+    name.resgen_channel_mask (uint8 [K/8]), name.resgen_ratio and name.resgen_in_features.
+    """
+    from safetensors.torch import save_file
+
+    fmts = {layer.fmt for layer in layers.values()}
+    if len(fmts) > 1:
+        raise ValueError("one checkpoint file holds one FP4 format")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, layer in layers.items():
+        tensors[f"{name}.weight"] = layer.q.codes.contiguous()
+        tensors[f"{name}.weight_scale"] = layer.q.scales.contiguous()
+        if layer.q.global_scale is not None:
+            tensors[f"{name}.weight_scale_2"] = layer.q.global_scale.reshape(())
+        if layer.input_scale is not None:
+            tensors[f"{name}.input_scale"] = layer.input_scale.reshape(())
+        tensors[f"{name}.resgen_in_features"] = torch.tensor(layer.in_features, dtype=torch.int64)
+        if layer.selection is not None:
+            tensors[f"{name}.resgen_channel_mask"] = layer.selection.masks.contiguous()
+            tensors[f"{name}.resgen_ratio"] = torch.tensor(layer.selection.ratio,
+                                                           dtype=torch.float32)
+    meta = {_FORMAT_KEY: fmts.pop() if fmts else "", _VERSION_KEY: _CHECKPOINT_VERSION,
+            "resgen_layers": json.dumps(sorted(layers))}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_layers(path: str | Path) -> dict[str, QLinearWeight]:
+    """Read layers written by save_layers; validates format, dtypes and shapes."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get(_VERSION_KEY) != _CHECKPOINT_VERSION:
+            raise ValueError(f"{path}: not a resgen checkpoint of version {_CHECKPOINT_VERSION}")
+        fmt = meta.get(_FORMAT_KEY)
+        formats.block_size(fmt)
+        names = json.loads(meta["resgen_layers"])
+        out: dict[str, QLinearWeight] = {}
+        keys = set(f.keys())
+        for name in names:
+            def get(suffix, _name=name):
+                key = f"{_name}.{suffix}"
+                return f.get_tensor(key) if key in keys else None
+
+            codes, scales = get("weight"), get("weight_scale")
+            if codes is None or scales is None or codes.dtype != torch.uint8:
+                raise ValueError(f"{path}: layer {name!r} lacks a packed uint8 weight or scales")
+            want = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
+            if scales.dtype != want:
+                raise ValueError(f"{path}: layer {name!r} has {scales.dtype} scales, {fmt} "
+                                 f"needs {want}")
+            if scales.shape[-1] * formats.block_size(fmt) != codes.shape[-1] * 2:
+                raise ValueError(f"{path}: layer {name!r} scales do not match its weight")
+            gs = get("weight_scale_2")
+            if (gs is None) != (fmt == "mxfp4"):
+                raise ValueError(f"{path}: layer {name!r} global scale does not fit {fmt}")
+            mask = get("resgen_channel_mask")
+            sel = None if mask is None else Selection(mask, float(get("resgen_ratio")))
+            k = int(get("resgen_in_features"))
+            ext = 0 if sel is None else sel.extension_length(fmt)
+            if codes.shape[-1] * 2 != k + ext:
+                raise ValueError(f"{path}: layer {name!r} weight width does not match K + ext")
+            q = QuantizedTensor(fmt, codes, scales, None if gs is None else gs.float().reshape(()))
+            out[name] = QLinearWeight(q, k, sel, get("input_scale"))
+        return out

@@ -1,0 +1,343 @@
+"""Block-scaled FP4 formats: NVFP4 and MXFP4, bit-exact quantization and residues.
+
+Everything in resgen is checked against this module, so every operation is spelled out in
+FP32 in a fixed order that the GPU kernels reproduce:
+
+NVFP4 (paper Eq. 8-10; NVIDIA's ModelOpt layout)
+    alpha = amax(x) / (6 * 448)                  # FP32 tensor scale (or a static one)
+    s     = amax_block / 6                       # per 16 elements, FP32 division
+    sf    = E4M3_rne_sat(s / alpha)              # stored scale, saturating at 448
+    d     = alpha * sf                           # FP32 product (the effective scale)
+    code  = E2M1_rne_sat(x / d)                  # FP32 division, saturating at +-6
+    x_hat = d * value(code)
+
+MXFP4 (OCP MX v1.0)
+    e     = clamp(floor(log2(amax_block)) - 2, -127, 127)     # per 32 elements
+    code  = E2M1_rne_sat(x * 2^-e);  x_hat = value(code) * 2^e;  stored E8M0 = e + 127
+
+Packing: two E2M1 codes per byte, the EVEN element in the LOW nibble. Codes keep the sign of
+their input (IEEE): a negative value that rounds to zero is stored as -0 (0x8).
+
+A block whose effective scale is zero (all-zero block, or an NVFP4 block whose scale underflows
+E4M3 relative to alpha) has all-zero codes and dequantizes to exact zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+__all__ = [
+    "FORMATS",
+    "QuantizedTensor",
+    "block_size",
+    "quantize",
+    "dequantize",
+    "quantize_with_residue",
+    "e2m1_values",
+    "e2m1_encode",
+    "e2m1_decode",
+    "e4m3_round",
+    "pack_fp4",
+    "unpack_fp4",
+    "nvfp4_global_scale",
+    "E2M1_MAX",
+    "E4M3_MAX",
+]
+
+Format = Literal["nvfp4", "mxfp4"]
+FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
+_BLOCK = {"nvfp4": 16, "mxfp4": 32}
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Rounding boundaries between consecutive E2M1 magnitudes, with the direction a tie goes:
+# to the even code (mantissa bit 0): 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+_BOUNDARIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+               (3.5, True), (5.0, False))
+_ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def block_size(fmt: str) -> int:
+    """Elements per scale block: 16 for NVFP4, 32 for MXFP4."""
+    _check_format(fmt)
+    return _BLOCK[fmt]
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in _BLOCK:
+        raise ValueError(f"unknown FP4 format {fmt!r}; expected one of {FORMATS}")
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A block-scaled FP4 tensor of logical shape [..., K].
+
+    codes:        uint8 [..., K // 2], two E2M1 codes per byte, even element in the low nibble.
+    scales:       NVFP4: torch.float8_e4m3fn [..., K // 16];  MXFP4: uint8 E8M0 [..., K // 32].
+    global_scale: NVFP4: float32 0-dim tensor alpha;  MXFP4: None.
+    """
+
+    fmt: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
+
+    @property
+    def block_size(self) -> int:
+        return _BLOCK[self.fmt]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def to(self, device: torch.device | str) -> "QuantizedTensor":
+        gs = None if self.global_scale is None else self.global_scale.to(device)
+        return QuantizedTensor(self.fmt, self.codes.to(device), self.scales.to(device), gs)
+
+    def __getitem__(self, index) -> "QuantizedTensor":
+        """Index the leading (row) dimensions; the K dimension is never sliced."""
+        return QuantizedTensor(self.fmt, self.codes[index], self.scales[index], self.global_scale)
+
+    def scale_values(self) -> torch.Tensor:
+        """Block scales as float32 [..., K // block] WITHOUT the NVFP4 global scale."""
+        if self.fmt == "nvfp4":
+            return self.scales.to(torch.float32)
+        return torch.ldexp(torch.ones_like(self.scales, dtype=torch.float32),
+                           self.scales.to(torch.int32) - 127)
+
+
+# ----------------------------------------------------------------------------- element codecs
+
+
+def e2m1_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 [16]: the value of every E2M1 code 0..15 (code 8 is -0.0)."""
+    mag = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=device)
+    return torch.cat([mag, -mag])
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to E2M1 codes (uint8 0..15), nearest-even, saturating at +-6.
+
+    The magnitude code is the number of rounding boundaries below |v| (a tie counts when it
+    rounds up); accumulating comparisons in place is the fastest exact form on the CPU.
+    """
+    a = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for bound, tie_up in _BOUNDARIES:
+        code += (a >= bound) if tie_up else (a > bound)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 codes (uint8 0..15)."""
+    return e2m1_values(codes.device)[codes.long()]
+
+
+def e4m3_round(v: torch.Tensor) -> torch.Tensor:
+    """E4M3 (float8_e4m3fn) round-to-nearest-even of non-negative float32, saturating at 448."""
+    return torch.clamp(v, max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K] codes -> uint8 [..., K // 2]; even element in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"cannot pack an odd number of FP4 codes ({codes.shape[-1]})")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K // 2] -> uint8 [..., K] codes."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _as_float32(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _ACCEPTED_DTYPES:
+        raise TypeError(
+            f"{fmt} quantization takes a float16/bfloat16/float32 tensor, got dtype {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("cannot quantize a 0-dim tensor: the last dimension is K")
+    bs = _BLOCK[fmt]
+    if x.shape[-1] % bs:
+        raise ValueError(
+            f"{fmt} needs the last dimension K to be a multiple of {bs}, got K={x.shape[-1]} "
+            f"(resgen never pads silently; pad the channels explicitly)")
+    xf = x.to(torch.float32)
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError(f"{fmt} quantization input contains NaN or Inf")
+    return xf
+
+
+def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic NVFP4 tensor scale alpha = amax(x) / (6 * 448) as a float32 0-dim tensor.
+
+    An all-zero tensor gets alpha = 1 (any positive value works: every code is zero). An alpha
+    that would underflow FP32 normals is raised to the smallest normal float32, which keeps
+    s / alpha <= 448 and never divides by zero.
+    """
+    amax = x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros(())
+    alpha = amax / (E2M1_MAX * E4M3_MAX)
+    tiny = torch.finfo(torch.float32).tiny
+    alpha = torch.where(amax == 0, torch.ones_like(alpha), torch.clamp(alpha, min=tiny))
+    return alpha.reshape(())
+
+
+def _check_global_scale(global_scale, device) -> torch.Tensor:
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=device).reshape(())
+    if not bool(torch.isfinite(gs)) or float(gs) <= 0:
+        raise ValueError(f"NVFP4 global_scale must be a positive finite number, got {float(gs)}")
+    return gs
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def _quantize_blocks(xf: torch.Tensor, fmt: str, alpha: torch.Tensor | None):
+    """xf: float32 [..., K] -> (codes uint8 [..., K], scales, effective scale f32 [..., K/bs, 1])."""
+    bs = _BLOCK[fmt]
+    blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // bs, bs)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    if fmt == "nvfp4":
+        sf = e4m3_round((amax / E2M1_MAX) / alpha)
+        d = alpha * sf.to(torch.float32)
+        # A zero effective scale divides by +inf instead: finite / inf = +-0, exact zeros.
+        v = blocks / torch.where(d > 0, d, torch.full_like(d, float("inf")))
+        scales = sf.squeeze(-1)
+    else:
+        # floor(log2(amax)) exactly: amax = m * 2^E with m in [0.5, 1) -> E - 1.
+        exp = torch.frexp(amax).exponent.to(torch.int32) - 1
+        e = torch.where(amax > 0, exp - 2, torch.full_like(exp, -127)).clamp(-127, 127)
+        v = torch.ldexp(blocks, -e)
+        d = torch.ldexp(torch.ones_like(amax), e)
+        scales = (e + 127).to(torch.uint8).squeeze(-1)
+    codes = e2m1_encode(v).reshape(xf.shape)
+    return codes, scales, d
+
+
+def quantize(x: torch.Tensor, fmt: str = "nvfp4", global_scale=None) -> QuantizedTensor:
+    """Quantize x: [..., K] float to block-scaled FP4.
+
+    fmt: "nvfp4" (K % 16 == 0) or "mxfp4" (K % 32 == 0).
+    global_scale: NVFP4 only: a static tensor scale alpha (e.g. a calibrated ModelOpt
+        input_scale); None computes alpha = amax(x) / 2688 from x. Must be None for MXFP4.
+    """
+    _check_format(fmt)
+    xf = _as_float32(x, fmt)
+    alpha = _resolve_alpha(xf, fmt, global_scale)
+    codes, scales, _ = _quantize_blocks(xf, fmt, alpha)
+    return QuantizedTensor(fmt, pack_fp4(codes), scales, alpha)
+
+
+def _resolve_alpha(xf: torch.Tensor, fmt: str, global_scale) -> torch.Tensor | None:
+    if fmt == "mxfp4":
+        if global_scale is not None:
+            raise ValueError("MXFP4 has no global scale; pass global_scale=None")
+        return None
+    if global_scale is None:
+        return nvfp4_global_scale(xf)
+    return _check_global_scale(global_scale, xf.device)
+
+
+def dequantize(q: QuantizedTensor, *, apply_global_scale: bool = True) -> torch.Tensor:
+    """QuantizedTensor -> float32 [..., K].
+
+    NVFP4: x_hat = (alpha * sf) * value(code), in that FP32 order (the quantizer's order).
+    apply_global_scale=False returns sf * value(code) instead: exact in FP32 (E2M1 x E4M3 needs
+    at most 6 significant bits), which is what the reference GEMMs accumulate before applying
+    the global scales once.
+    """
+    _check_format(q.fmt)
+    bs = q.block_size
+    vals = e2m1_decode(unpack_fp4(q.codes))
+    vals = vals.reshape(*vals.shape[:-1], vals.shape[-1] // bs, bs)
+    scale = q.scale_values().unsqueeze(-1)
+    if q.fmt == "nvfp4" and apply_global_scale:
+        scale = q.global_scale * scale
+    return (scale * vals).reshape(q.shape)
+
+
+def _selected_indices(channels, k: int, device) -> torch.Tensor:
+    if hasattr(channels, "indices"):
+        idx = channels.indices
+        if getattr(channels, "in_features", k) != k:
+            raise ValueError(
+                f"channel selection was made for K={channels.in_features}, input has K={k}")
+    else:
+        idx = torch.as_tensor(channels)
+    idx = idx.to(device=device, dtype=torch.long).reshape(-1)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k):
+        raise ValueError(f"selected channel indices must lie in [0, {k})")
+    return idx
+
+
+def extension_length(n_selected: int, fmt: str) -> int:
+    """Channels of the K-Ext extension: n_selected rounded up to the format's block size."""
+    bs = block_size(fmt)
+    return -(-n_selected // bs) * bs
+
+
+def quantize_with_residue(x: torch.Tensor, fmt: str = "nvfp4", channels=None,
+                          global_scale=None) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """Quantize x: [..., K] and its residue R = x - dequantize(base).
+
+    Returns (base, res). NVFP4: res has its own E4M3 block scales and SHARES base.global_scale
+    (paper B.2); MXFP4: res has its own E8M0 scales.
+    channels: None -> res covers all K channels (M-Ext). Otherwise a selection (an object with
+        `.indices`, e.g. resgen.calibrate.Selection, or a 1-D index tensor in extension order):
+        res holds R[..., indices] packed contiguously as the K-Ext extension, zero-padded to a
+        multiple of the block size; res.shape[-1] == extension_length(len(indices), fmt).
+    """
+    _check_format(fmt)
+    xf = _as_float32(x, fmt)
+    alpha = _resolve_alpha(xf, fmt, global_scale)
+    idx = None if channels is None else _selected_indices(channels, xf.shape[-1], xf.device)
+    (codes, scales), (rcodes, rscales) = residue_pair(xf, fmt, alpha, idx)
+    return (QuantizedTensor(fmt, pack_fp4(codes), scales, alpha),
+            QuantizedTensor(fmt, pack_fp4(rcodes), rscales, alpha))
+
+
+def residue_pair(xf: torch.Tensor, fmt: str, alpha: torch.Tensor | None,
+                 idx: torch.Tensor | None = None):
+    """Unchecked core of quantize_with_residue on float32 xf: [..., K].
+
+    alpha may be any float32 tensor broadcastable to [..., K // block, 1] (one tensor scale per
+    row, as ResAttn's query quantizer uses). Returns ((codes, scales), (res_codes, res_scales))
+    with UNPACKED uint8 codes.
+    """
+    codes, scales, d = _quantize_blocks(xf, fmt, alpha)
+    bs = _BLOCK[fmt]
+    vals = e2m1_decode(codes).reshape(*xf.shape[:-1], xf.shape[-1] // bs, bs)
+    residue = xf - (d * vals).reshape(xf.shape)
+    if idx is not None:
+        residue = residue.index_select(-1, idx)
+        pad = extension_length(idx.numel(), fmt) - idx.numel()
+        if pad:
+            residue = torch.nn.functional.pad(residue, (0, pad))
+    rcodes, rscales, _ = _quantize_blocks(residue, fmt, alpha)
+    return (codes, scales), (rcodes, rscales)
+
+
+def cat(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
+    """Concatenate quantized tensors along K (blocks never straddle the seam).
+
+    NVFP4 parts must share one global scale (as base and residue do)."""
+    fmt = parts[0].fmt
+    if any(p.fmt != fmt for p in parts):
+        raise ValueError("cannot concatenate different FP4 formats")
+    gs = parts[0].global_scale
+    if fmt == "nvfp4" and any(not torch.equal(p.global_scale, gs) for p in parts):
+        raise ValueError("NVFP4 parts must share one global scale to be concatenated")
+    return QuantizedTensor(fmt, torch.cat([p.codes for p in parts], -1),
+                           torch.cat([p.scales for p in parts], -1), gs)

@@ -1,0 +1,191 @@
+"""Reference operators: the oracle every resgen kernel is checked against.
+
+All of them run on CPU or CUDA tensors with plain torch. Products of FP4 values are formed
+exactly (E2M1 x E4M3 fits FP32, and the reductions run in float64), global scales are applied
+once, and results are returned in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import torch
+
+from . import formats
+from .calibrate import QLinearWeight
+from .formats import QuantizedTensor
+from .kvcache import PagedKVCache
+
+__all__ = ["Compensation", "linear", "decode_attention", "nmse", "attention_fp32",
+           "quantize_query", "check_compensation"]
+
+Compensation = Union[Literal["none", "full"], float]
+
+
+def nmse(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Pooled NMSE: total squared error / total squared reference (float64)."""
+    out64, ref64 = out.double(), ref.double()
+    den = float((ref64 * ref64).sum())
+    if den == 0:
+        raise ValueError("pooled NMSE is undefined for an all-zero reference")
+    return float(((out64 - ref64) ** 2).sum()) / den
+
+
+def check_compensation(compensation: Compensation, qweight: QLinearWeight) -> None:
+    """Raise ValueError unless `compensation` can run on `qweight`."""
+    if compensation in ("none", "full"):
+        return
+    if isinstance(compensation, str):
+        raise ValueError(f"compensation must be 'none', 'full' or a ratio, got {compensation!r}")
+    if qweight.selection is None:
+        raise ValueError("a compensation ratio needs a weight prepared with a channel selection")
+    if float(compensation) != qweight.selection.ratio:
+        raise ValueError(f"the weight was prepared for ratio {qweight.selection.ratio}, "
+                         f"not {compensation}")
+
+
+def _unit(q: QuantizedTensor) -> torch.Tensor:
+    return formats.dequantize(q, apply_global_scale=False).double()
+
+
+def _global(q: QuantizedTensor) -> torch.Tensor:
+    one = torch.ones((), dtype=torch.float32, device=q.device)
+    return one if q.global_scale is None else q.global_scale.to(torch.float32)
+
+
+def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation = "none",
+           ) -> torch.Tensor:
+    """Reference FP4 linear layer. x: [..., K] float -> float32 [..., N].
+
+    compensation:
+      "none"  plain W4A4:  Y = X_hat W_hat^T
+      "full"  M-Ext:       Y = X_hat W_hat^T + R_hat W_hat^T, each product formed separately,
+                           scaled, then added in FP32 (the fold)
+      ratio   K-Ext:       Y = [X_hat | R_hat_S] [W_hat | W_hat_S]^T, one reduction over K + ext
+    Activations are quantized with qweight.input_scale (static NVFP4 alpha) when set, else
+    dynamically. Global scales alpha_x * alpha_w (FP32) are applied once per product.
+    """
+    check_compensation(compensation, qweight)
+    fmt = qweight.fmt
+    k = qweight.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"input has K={x.shape[-1]}, the weight expects K={k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    channels = qweight.selection if compensation not in ("none", "full") else None
+    base, res = formats.quantize_with_residue(x2, fmt, channels=channels,
+                                              global_scale=qweight.input_scale)
+    w = qweight.q.to(x.device)
+    ab = _global(base) * _global(w)
+    wb = _unit(w)[:, :k]
+    if compensation == "none":
+        y = (_unit(base) @ wb.T).float() * ab
+    elif compensation == "full":
+        y = (_unit(base) @ wb.T).float() * ab + (_unit(res) @ wb.T).float() * ab
+    else:
+        xe = torch.cat([_unit(base), _unit(res)], dim=-1)
+        y = (xe @ _unit(w).T).float() * ab
+    return y.reshape(*lead, -1)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def quantize_query(q: torch.Tensor, *, scale: Literal["row", "tensor"] = "row"):
+    """Split queries q: [B, Hq, D] into NVFP4 base and residue (16-element blocks along D).
+
+    scale="row": one dynamic tensor scale per (batch, head) row, which is what the ResAttn
+    kernels compute in-register; "tensor": one for the whole query tensor.
+    Returns (base, res, alpha) with alpha: float32 [B, Hq, 1] (row) broadcastable.
+    """
+    b, h, d = q.shape
+    if scale == "tensor":
+        base, res = formats.quantize_with_residue(q, "nvfp4")
+        return base, res, base.global_scale.expand(b, h, 1)
+    qf = q.float()
+    alpha = qf.abs().amax(-1, keepdim=True) / (formats.E2M1_MAX * formats.E4M3_MAX)
+    tiny = torch.finfo(torch.float32).tiny
+    alpha = torch.where(alpha == 0, torch.ones_like(alpha), alpha.clamp(min=tiny))
+    (c, sc), (rc, rsc) = formats.residue_pair(qf, "nvfp4", alpha.unsqueeze(-1))
+
+    def mk(codes, scales):
+        return QuantizedTensor("nvfp4", formats.pack_fp4(codes), scales, None)
+
+    return mk(c, sc), mk(rc, rsc), alpha
+
+
+def _round_e4m3(v: torch.Tensor) -> torch.Tensor:
+    sign = torch.sign(v)
+    return sign * formats.e4m3_round(v.abs()).float()
+
+
+def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, *, compensation: bool = True,
+                     pv: Literal["fp32", "bf16", "fp8"] = "fp32",
+                     query_scale: Literal["row", "tensor"] = "row",
+                     sm_scale: float | None = None) -> torch.Tensor:
+    """Reference ResAttn decode attention over a paged NVFP4 KV cache.
+
+    q: [B, Hq, D] float; block_tables: int [B, max_pages]; seq_lens: int [B].
+    scores = (Q_hat K_hat^T + R_hat K_hat^T) * sm_scale, the two products added in FP32 before
+    the softmax (compensation=False drops R_hat: the plain NVFP4-KV baseline).
+    pv: "fp32" exact P V_hat; "bf16" P rounded to BF16 (V_hat / alpha_v is exact in BF16);
+        "fp8" P and V_hat / alpha_v rounded to E4M3, as the paper's FP8 PV.
+    A sequence of length 0 yields zeros. Returns float32 [B, Hq, D].
+    """
+    bsz, hq, d = q.shape
+    hkv = cache.num_kv_heads
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if d != cache.head_dim:
+        raise ValueError(f"query head dim {d} != cache head dim {cache.head_dim}")
+    scale = sm_scale if sm_scale is not None else d ** -0.5
+    base, res, alpha_q = quantize_query(q, scale=query_scale)
+    qu = formats.dequantize(base, apply_global_scale=False).double()
+    ru = formats.dequantize(res, apply_global_scale=False).double()
+    out = torch.zeros(bsz, hq, d, dtype=torch.float32, device=q.device)
+    group = hq // hkv
+    for b in range(bsz):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        ku, vu = cache.gather_unit(block_tables[b], n)   # [Hkv, n, D] float64, no alpha
+        for h in range(hkv):
+            heads = slice(h * group, (h + 1) * group)
+            s = qu[b, heads] @ ku[h].T
+            if compensation:
+                s = (s.float() + (ru[b, heads] @ ku[h].T).float()).double()
+            s = s * alpha_q[b, heads].double() * float(cache.k_scale) * scale
+            m = s.amax(-1, keepdim=True)
+            p = torch.exp(s - m)
+            l_sum = p.sum(-1, keepdim=True)
+            v = vu[h]
+            if pv == "bf16":
+                p = p.to(torch.bfloat16).double()
+            elif pv == "fp8":
+                p = _round_e4m3(p.float()).double()
+                v = _round_e4m3(v.float()).double()
+            elif pv != "fp32":
+                raise ValueError(f"pv must be 'fp32', 'bf16' or 'fp8', got {pv!r}")
+            out[b, heads] = ((p @ v) / l_sum * float(cache.v_scale)).float()
+    return out
+
+
+def attention_fp32(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
+                   sm_scale: float | None = None) -> torch.Tensor:
+    """Exact GQA decode attention in float64 -> float32 on unquantized K/V.
+
+    q: [B, Hq, D]; k[b], v[b]: [Hkv, n_b, D]. The reference for "total error" studies.
+    """
+    bsz, hq, d = q.shape
+    scale = sm_scale if sm_scale is not None else d ** -0.5
+    out = torch.zeros(bsz, hq, d, dtype=torch.float32, device=q.device)
+    for b in range(bsz):
+        kb, vb = k[b].double(), v[b].double()
+        if kb.shape[1] == 0:
+            continue
+        group = hq // kb.shape[0]
+        qb = q[b].double().reshape(kb.shape[0], group, d)
+        p = torch.softmax(qb @ kb.transpose(1, 2) * scale, dim=-1)
+        out[b] = (p @ vb).reshape(hq, d).float()
+    return out
