@@ -1,0 +1,222 @@
+"""Typed variant and problem representation shared by every kernel family.
+
+A variant is a frozen, slotted dataclass whose fields are ints, bools, or enums (subclasses of
+`Choice`). `key()` is canonical JSON (sorted keys, the family name included), `name()` a
+human-readable label that is never parsed back. `from_dict()` is the ONLY way a variant is
+rebuilt from untrusted data (a tuning database): every field must be present, of its declared
+type, and within the declared range, or a ValueError is raised. No string from a database is
+ever rendered into kernel source: templates only see the typed fields.
+
+A problem (workload) is likewise a frozen dataclass with a canonical key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = ["Choice", "VariantBase", "ProblemBase", "LinearProblem", "AttentionProblem",
+           "canonical_json", "sha256_json", "IntRange"]
+
+
+class Choice(str, enum.Enum):
+    """Base for enum-valued variant axes; serialized by value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """Allowed values of an int field: attach as field(metadata={"range": IntRange(...)})."""
+
+    lo: int
+    hi: int
+    pow2: bool = False
+
+    def check(self, name: str, v: int) -> None:
+        if not (self.lo <= v <= self.hi) or (self.pow2 and v & (v - 1)):
+            kind = "a power of two " if self.pow2 else ""
+            raise ValueError(f"field {name}={v} must be {kind}in [{self.lo}, {self.hi}]")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def _to_jsonable(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, tuple):
+        return [_to_jsonable(x) for x in v]
+    return v
+
+
+def _parse_field(cls, f: dataclasses.Field, raw: Any) -> Any:
+    hints = typing.get_type_hints(cls)
+    tp = hints[f.name]
+    origin = typing.get_origin(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(raw)
+        except ValueError:
+            raise ValueError(f"field {f.name}={raw!r} is not one of "
+                             f"{[m.value for m in tp]}") from None
+    if tp is bool:
+        if not isinstance(raw, bool):
+            raise ValueError(f"field {f.name} must be a bool, got {raw!r}")
+        return raw
+    if tp is int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ValueError(f"field {f.name} must be an int, got {raw!r}")
+        rng = f.metadata.get("range")
+        if rng is not None:
+            rng.check(f.name, raw)
+        return raw
+    if tp is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ValueError(f"field {f.name} must be a number, got {raw!r}")
+        return float(raw)
+    if tp is str:
+        if not isinstance(raw, str):
+            raise ValueError(f"field {f.name} must be a string, got {raw!r}")
+        allowed = f.metadata.get("allowed")
+        if allowed is not None and raw not in allowed:
+            raise ValueError(f"field {f.name}={raw!r} is not one of {sorted(allowed)}")
+        return raw
+    if origin is tuple:
+        (elt, _ellipsis) = typing.get_args(tp)
+        if not isinstance(raw, list) or not all(isinstance(x, elt) and not isinstance(x, bool)
+                                                for x in raw):
+            raise ValueError(f"field {f.name} must be a list of {elt.__name__}")
+        return tuple(raw)
+    raise TypeError(f"unsupported variant field type {tp!r} for {cls.__name__}.{f.name}")
+
+
+class _Keyed:
+    __slots__ = ()
+
+    """key()/from_dict() for frozen dataclasses with a `family` or `op` class tag."""
+
+    TAG: ClassVar[str] = "family"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {f.name: _to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        d[self.TAG] = getattr(type(self), self.TAG.upper())
+        return d
+
+    def key(self) -> str:
+        """Canonical JSON of every field plus the family/op tag."""
+        return canonical_json(self.as_dict())
+
+    def digest(self) -> str:
+        return sha256_json(self.as_dict())
+
+    @classmethod
+    def from_dict(cls, d: Any):
+        """Validated parse of untrusted data; raises ValueError on anything unexpected."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{cls.__name__}: expected an object, got {type(d).__name__}")
+        tag = getattr(cls, cls.TAG.upper())
+        if d.get(cls.TAG) != tag:
+            raise ValueError(f"{cls.__name__}: {cls.TAG} must be {tag!r}, got {d.get(cls.TAG)!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = set(d) - names - {cls.TAG}
+        missing = names - set(d)
+        if extra or missing:
+            raise ValueError(f"{cls.__name__}: unexpected fields {sorted(extra)}, "
+                             f"missing {sorted(missing)}")
+        kwargs = {f.name: _parse_field(cls, f, d[f.name]) for f in dataclasses.fields(cls)}
+        return cls(**kwargs)
+
+    @classmethod
+    def from_key(cls, key: str):
+        try:
+            d = json.loads(key)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{cls.__name__}: key is not JSON: {e}") from None
+        return cls.from_dict(d)
+
+
+class VariantBase(_Keyed):
+    """Base of every kernel variant dataclass (declare FAMILY and `@dataclass(frozen=True,
+    slots=True)` on the subclass)."""
+
+    __slots__ = ()
+    TAG: ClassVar[str] = "family"
+    FAMILY: ClassVar[str] = ""
+
+    def name(self) -> str:
+        """Human-readable label; never parsed back."""
+        parts = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            short = f.metadata.get("short", f.name)
+            parts.append(f"{short}{_to_jsonable(v)}" if not isinstance(v, bool)
+                         else (short if v else f"no{short}"))
+        return f"{self.FAMILY}:" + "_".join(str(p) for p in parts)
+
+
+class ProblemBase(_Keyed):
+    __slots__ = ()
+    TAG: ClassVar[str] = "op"
+    OP: ClassVar[str] = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LinearProblem(ProblemBase):
+    """One FP4 linear layer call: Y[M, N] = X[M, K] W[N, K]^T with compensation.
+
+    compensation: "none" | "full" | "0.125" | "0.25" | "0.5" | "1.0" (K-Ext ratios as strings so
+    keys stay exact). m is the real token count; the database stores buckets (see runtime).
+    static_scale: NVFP4 activation tensor scale given (calibrated) rather than computed.
+    """
+
+    OP: ClassVar[str] = "linear"
+    fmt: str = dataclasses.field(default="nvfp4", metadata={"allowed": ("nvfp4", "mxfp4")})
+    compensation: str = dataclasses.field(
+        default="none", metadata={"allowed": ("none", "full", "0.125", "0.25", "0.5", "1.0")})
+    m: int = dataclasses.field(default=1, metadata={"range": IntRange(1, 1 << 20)})
+    n: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
+    k: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
+    static_scale: bool = True
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.compensation in ("none", "full") else float(self.compensation)
+
+    @property
+    def rows(self) -> int:
+        """Activation rows the GEMM sees: 2M for M-Ext, else M."""
+        return 2 * self.m if self.compensation == "full" else self.m
+
+    def k_ext(self, block: int) -> int:
+        """Reduction length including the K-Ext extension (padded to the block)."""
+        r = self.ratio
+        if r is None:
+            return self.k
+        sel = int(self.k * r)
+        return self.k + -(-sel // block) * block
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionProblem(ProblemBase):
+    """One ResAttn decode call over a paged NVFP4 KV cache."""
+
+    OP: ClassVar[str] = "decode_attention"
+    batch: int = dataclasses.field(default=1, metadata={"range": IntRange(1, 4096)})
+    q_heads: int = dataclasses.field(default=32, metadata={"range": IntRange(1, 1024)})
+    kv_heads: int = dataclasses.field(default=8, metadata={"range": IntRange(1, 1024)})
+    head_dim: int = dataclasses.field(default=128, metadata={"range": IntRange(16, 1024)})
+    kv_len: int = dataclasses.field(default=8192, metadata={"range": IntRange(0, 1 << 24)})
+    page_size: int = dataclasses.field(default=32, metadata={"range": IntRange(1, 4096)})
+    compensation: bool = True
