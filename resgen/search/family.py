@@ -1,0 +1,117 @@
+"""The interface every kernel family implements, and the family registry.
+
+A family (e.g. "linear_sm90_mma": the Hopper decode FP4 linear layer) ties together a variant
+dataclass, its space and validity predicate, a Jinja2 template, the arguments CuTe DSL compiles
+against, and a runner that prepares real inputs, checks a variant against the reference and
+times it. The tuner, the database and the runtime only ever talk to this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
+
+from .variant import ProblemBase, VariantBase
+
+__all__ = ["KernelFamily", "Runner", "CheckResult", "register", "get_family", "families",
+           "families_for"]
+
+
+@dataclass
+class CheckResult:
+    """Outcome of comparing one variant's output with the reference."""
+
+    ok: bool
+    rel_err: float          # ||out - ref|| / ||ref||
+    tolerance: float
+    detail: str = ""        # why it failed (NaN, unwritten outputs, error too large, ...)
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """A compiled variant bound to prepared inputs for one problem on one device."""
+
+    def __call__(self) -> Any:
+        """Run the whole timed operation once (e.g. activation quantization + GEMM + fold)."""
+
+    def check(self) -> CheckResult:
+        """Fresh random inputs, poisoned outputs, compare with the reference."""
+
+    def rotate(self, i: int) -> None:
+        """Switch to input set i (cold-L2 rotation); sets are prepared up front."""
+
+
+class KernelFamily(Protocol):
+    NAME: ClassVar[str]
+    VARIANT: ClassVar[type[VariantBase]]
+    PROBLEM: ClassVar[type[ProblemBase]]
+    TEMPLATE: ClassVar[str]
+    ARCHS: ClassVar[tuple[str, ...]]          # e.g. ("sm_90a",)
+
+    def space(self, problem: ProblemBase, arch: str) -> Sequence[VariantBase]:
+        """Every candidate variant in a fixed, deterministic order (ties resolve to earlier)."""
+
+    def why_invalid(self, variant: VariantBase, problem: ProblemBase, arch: str) -> str | None:
+        """None if the variant can run this problem on this arch, else the reason."""
+
+    def default(self, problem: ProblemBase, arch: str) -> VariantBase:
+        """A safe variant valid for any problem the family accepts (the runtime's fallback)."""
+
+    def template_params(self, variant: VariantBase, problem: ProblemBase) -> dict[str, Any]:
+        """Ints/bools/enum values the template renders with (never raw database strings)."""
+
+    def compile_key(self, variant: VariantBase, problem: ProblemBase) -> ProblemBase:
+        """The part of the problem a compiled kernel is specialized on (e.g. with m dropped if
+        M is a run-time argument), so one compile serves many M buckets."""
+
+    def compile_args(self, variant: VariantBase, problem: ProblemBase) -> list[Any]:
+        """Arguments for cute.compile (fake tensors / constants): compiling needs no GPU."""
+
+    def runner(self, compiled: Any, variant: VariantBase, problem: ProblemBase,
+               device: Any, n_sets: int = 1, seed: int = 0) -> Runner:
+        """Prepare n_sets input sets on `device` and bind the compiled kernel."""
+
+
+_REGISTRY: dict[str, KernelFamily] = {}
+
+
+def register(family: KernelFamily) -> KernelFamily:
+    _REGISTRY[family.NAME] = family
+    return family
+
+
+_BUILTIN = ("resgen.search.linear_sm90", "resgen.search.quant_sm90",
+            "resgen.search.attention_sm90")
+
+
+def _load_builtin() -> None:
+    # Family implementations live in resgen/search/<family>.py (the search layer may import
+    # resgen.kernels, never the reverse) and register themselves on import.
+    import importlib
+
+    for mod in _BUILTIN:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:   # a family not written yet
+            if e.name != mod:
+                raise
+
+
+def get_family(name: str) -> KernelFamily:
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel family {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def families() -> dict[str, KernelFamily]:
+    _load_builtin()
+    return dict(_REGISTRY)
+
+
+def families_for(op: str, arch: str) -> list[KernelFamily]:
+    return [f for f in families().values() if f.PROBLEM.OP == op and arch in f.ARCHS]
+
+
+Factory = Callable[[], KernelFamily]
