@@ -269,7 +269,7 @@ def dequantize(q: QuantizedTensor, *, apply_global_scale: bool = True) -> torch.
 
 
 def _selected_indices(channels, k: int, device) -> torch.Tensor:
-    if hasattr(channels, "indices"):
+    if not isinstance(channels, torch.Tensor) and hasattr(channels, "indices"):
         idx = channels.indices
         if getattr(channels, "in_features", k) != k:
             raise ValueError(
