@@ -1,0 +1,451 @@
+"""Device-side FP4 quantization math for CuTe DSL kernels: the bit-exact GPU twin of resgen.formats.
+
+Every function here runs at TRACE time inside a `@cute.kernel` / `@cute.jit` function and emits
+straight-line code on DSL scalars (`Float32`, `Uint32`); a "list" is a Python list of DSL scalars
+(a register array unrolled at trace time, never indexed dynamically, so never local memory).
+Python ints/floats are accepted wherever a scalar is. Nothing here branches on device values.
+
+Exactness contract: the FP32 operations that resgen.formats performs are emitted as inline PTX
+with an explicit rounding modifier and WITHOUT .ftz (`div.rn.f32`, `mul.rn.f32`, `add.rn.f32`,
+`sub.rn.f32`): IEEE results, subnormals kept, and ptxas never contracts an explicitly rounded
+mul/add pair into an FMA (the DSL's own `a * b - c` does get fused, which would change residues).
+
+API (stable: the GEMM prologue and the attention query split call these)
+--------------------------------------------------------------------------
+Exact FP32 arithmetic and bit casts
+    div_rn(a, b), mul_rn(a, b), add_rn(a, b), sub_rn(a, b) -> Float32
+    fmin(a, b), fmax(a, b) -> Float32               (min.f32 / max.f32; exact, no NaN inputs)
+    f32_bits(x) -> Uint32,  bits_f32(u) -> Float32  (reinterpretation, no conversion)
+    sel_u32(p, a, b) -> Uint32, sel_f32(p, a, b) -> Float32   (p ? a : b, branch free)
+    abs_max(xs) -> Float32                          max |x| over a list
+    group_max(v, lanes) -> Float32                  max over aligned groups of `lanes` adjacent
+                                                    lanes (1, 2, 4, 8, 16 or 32; butterfly
+                                                    shuffles: all 32 lanes of the warp must call)
+BF16
+    bf16x2_to_f32(w) -> (lo, hi)                    exact widening of a packed pair (element 0 low)
+    pack_bf16x2_exact(lo, hi) -> Uint32             packs two FP32 values that are EXACTLY bf16
+                                                    (FP4 value x block scale always is): the high
+                                                    halves are taken, no rounding (one PRMT)
+E2M1 elements
+    e2m1_round(v) -> (code, value)                  RNE to E2M1 saturating at +-6; code uint 0..15
+                                                    (sign bit 3 from v's sign bit: -0 -> 8); value is
+                                                    the signed E2M1 value of code as Float32
+    e2m1_decode(code) -> Float32
+    pack_codes(codes) -> Uint32                     up to 8 codes, element 0 in the low nibble
+Scales
+    e4m3_encode(v) -> Uint32 byte                   E4M3 RNE satfinite (cvt.rn.satfinite.e4m3x2.f32)
+    e4m3_decode(byte) -> Float32                    exact (subnormals included)
+    nvfp4_tensor_scale(amax) -> Float32             dynamic alpha = amax / 2688, formats'
+                                                    zero -> 1 and FLT_MIN floor rules
+    nvfp4_block_scale(amax, alpha) -> (byte, sf, d) byte = E4M3(amax/6/alpha), sf its value, d = alpha*sf
+    mxfp4_block_scale(amax) -> (byte, scale, inv)   byte = E8M0 e+127, scale = 2^e, inv = 2^-e
+One block held in registers (block = 16 NVFP4 / 32 MXFP4 elements spread over `lanes` lanes)
+    Block = NamedTuple(codes, values, scale_byte, scale, d)
+        codes/values: per element (see e2m1_round); scale_byte: the stored scale (E4M3 / E8M0);
+        scale: its value (sf or 2^e, what the BF16 GEMM operand multiplies by, alpha excluded);
+        d: the effective dequantization scale (alpha*sf or 2^e)
+    quantize_block(xs, fmt, alpha, lanes) -> Block  alpha: Float32 tensor scale (NVFP4) / None (MXFP4)
+    quantize_block_with_amax(xs, fmt, alpha, amax) -> Block   when the block amax is known
+    residues(xs, block) -> list[Float32]            r = x - d * value (FP32, formats' order)
+    operand_values(block) -> list[Float32]          value * scale: the exact BF16 GEMM operand
+    select_by_mask(rs, mask, k) -> list[Float32]    the k entries of an 8-entry list whose bit is
+                                                    set in `mask` (Uint32 byte), ascending
+Global memory (raw 64-bit addresses, Int64; alignment is the caller's promise)
+    ld_global_v4(addr) -> 4 x Uint32 (ld.global.nc: input read once, read-only path)
+    ld_global_f32(addr) -> Float32
+    st_global_v4(addr, w0..w3, pred=None), st_global_v2(addr, w0, w1, pred=None),
+    st_global_u32 / st_global_u16 / st_global_u8(addr, w, pred=None)   (low bits of w stored)
+        pred: optional DSL Boolean; the store happens only where it is true (PTX predication)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from cutlass import Boolean, Float32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+import cutlass.cute as cute
+
+__all__ = [
+    "div_rn", "mul_rn", "add_rn", "sub_rn", "fmin", "fmax", "f32_bits", "bits_f32",
+    "sel_u32", "sel_f32", "abs_max", "group_max",
+    "bf16x2_to_f32", "pack_bf16x2_exact",
+    "e2m1_round", "e2m1_decode", "pack_codes",
+    "e4m3_encode", "e4m3_decode", "nvfp4_tensor_scale", "nvfp4_block_scale",
+    "mxfp4_block_scale",
+    "Block", "quantize_block", "quantize_block_with_amax", "residues", "operand_values",
+    "select_by_mask",
+    "ld_global_v4", "ld_global_f32", "st_global_v4", "st_global_v2", "st_global_u32",
+    "st_global_u16", "st_global_u8",
+    "BLOCK", "E2M1_MAX", "E4M3_MAX", "NVFP4_ALPHA_DIVISOR",
+]
+
+BLOCK = {"nvfp4": 16, "mxfp4": 32}
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+NVFP4_ALPHA_DIVISOR = E2M1_MAX * E4M3_MAX      # 2688: alpha = amax / 2688
+
+# FP32 bit patterns used below.
+_SIGN = 0x80000000
+_ABS = 0x7FFFFFFF
+_EXP = 0x7F800000
+_ONE = 0x3F800000            # 1.0
+_FOUR = 0x40800000           # 4.0
+_MAGIC_SHIFT = 22 << 23      # adding 22 to the exponent: 2^e -> 2^(e+22)
+_MIN_NORMAL = 0x00800000     # 2^-126 (FLT_MIN)
+_TWO_POW_120 = 0x7B800000    # 2^120: E4M3 bits placed at FP32 bit 20 need this factor
+_TWO_POW_M127 = 0x00400000   # 2^-127 (subnormal): the E8M0 scale of byte 0
+
+
+# ----------------------------------------------------------------------------- inline PTX
+
+
+def _u32(v) -> Uint32:
+    return v if isinstance(v, Uint32) else Uint32(v)
+
+
+def _f32(v) -> Float32:
+    return v if isinstance(v, Float32) else Float32(v)
+
+
+def _asm(ret_type, template: str, constraints: str, *operands):
+    """A pure (side-effect free) inline PTX instruction; the compiler may CSE or move it."""
+    return llvm.inline_asm(ret_type, [o.ir_value() for o in operands], template, constraints,
+                           has_side_effects=False, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _asm_effect(template: str, constraints: str, *operands) -> None:
+    """An inline PTX instruction with side effects (stores): never removed or merged."""
+    llvm.inline_asm(None, [o.ir_value() for o in operands], template, constraints,
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _f32_op(instr: str, a, b) -> Float32:
+    return Float32(_asm(T.f32(), f"{instr} $0, $1, $2;", "=f,f,f", _f32(a), _f32(b)))
+
+
+def div_rn(a, b) -> Float32:
+    """IEEE a / b, round to nearest even, subnormals kept (div.rn.f32)."""
+    return _f32_op("div.rn.f32", a, b)
+
+
+def mul_rn(a, b) -> Float32:
+    """IEEE a * b (mul.rn.f32): never fused with a following add."""
+    return _f32_op("mul.rn.f32", a, b)
+
+
+def add_rn(a, b) -> Float32:
+    return _f32_op("add.rn.f32", a, b)
+
+
+def sub_rn(a, b) -> Float32:
+    return _f32_op("sub.rn.f32", a, b)
+
+
+def fmin(a, b) -> Float32:
+    return _f32_op("min.f32", a, b)
+
+
+def fmax(a, b) -> Float32:
+    return _f32_op("max.f32", a, b)
+
+
+def f32_bits(x) -> Uint32:
+    return Uint32(llvm.bitcast(T.i32(), _f32(x).ir_value()))
+
+
+def bits_f32(u) -> Float32:
+    return Float32(llvm.bitcast(T.f32(), _u32(u).ir_value()))
+
+
+def _min_u32(a, b) -> Uint32:
+    return Uint32(_asm(T.i32(), "min.u32 $0, $1, $2;", "=r,r,r", _u32(a), _u32(b)))
+
+
+def _max_u32(a, b) -> Uint32:
+    return Uint32(_asm(T.i32(), "max.u32 $0, $1, $2;", "=r,r,r", _u32(a), _u32(b)))
+
+
+def sel_u32(p, a, b) -> Uint32:
+    """p ? a : b for a DSL Boolean p."""
+    from cutlass.cutlass_dsl import select_
+
+    return Uint32(select_(p, _u32(a), _u32(b)))
+
+
+def sel_f32(p, a, b) -> Float32:
+    from cutlass.cutlass_dsl import select_
+
+    return Float32(select_(p, _f32(a), _f32(b)))
+
+
+def _prmt(a, b, selector: int) -> Uint32:
+    return Uint32(_asm(T.i32(), f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
+                       _u32(a), _u32(b)))
+
+
+# ----------------------------------------------------------------------------- reductions
+
+
+def abs_max(xs: Sequence) -> Float32:
+    """max |x| over a non-empty list (exact; |x| only clears the sign bit)."""
+    m = bits_f32(f32_bits(xs[0]) & _ABS)
+    for x in xs[1:]:
+        m = fmax(m, bits_f32(f32_bits(x) & _ABS))
+    return m
+
+
+def group_max(v, lanes: int) -> Float32:
+    """Max of v over aligned groups of `lanes` adjacent lanes (a power of two <= 32).
+
+    Butterfly shuffles: every lane of the warp must execute this (no lane may be masked off)."""
+    if lanes < 1 or lanes > 32 or lanes & (lanes - 1):
+        raise ValueError(f"lanes must be a power of two in [1, 32], got {lanes}")
+    v = _f32(v)
+    off = lanes // 2
+    while off:
+        v = fmax(v, cute.arch.shuffle_sync_bfly(v, offset=off))
+        off //= 2
+    return v
+
+
+# ----------------------------------------------------------------------------- bf16
+
+
+def bf16x2_to_f32(w) -> tuple[Float32, Float32]:
+    """Packed bf16 pair (element 0 in the low half) -> two exact Float32."""
+    w = _u32(w)
+    return bits_f32(w << 16), bits_f32(w & 0xFFFF0000)
+
+
+def pack_bf16x2_exact(lo, hi) -> Uint32:
+    """Two Float32 that are exactly representable in bf16 -> packed pair (lo in the low half).
+
+    Takes the high 16 bits of each (no rounding): exact for FP4 value x block scale, which
+    needs at most 6 significant bits (E2M1 x E4M3) or is a power-of-two multiple (MXFP4)."""
+    return _prmt(f32_bits(lo), f32_bits(hi), 0x7632)
+
+
+# ----------------------------------------------------------------------------- E2M1
+
+
+def e2m1_round(v) -> tuple[Uint32, Float32]:
+    """Round v to E2M1 (nearest, ties to the even code, saturating at +-6).
+
+    Returns (code, value): code in 0..15 with the sign of v in bit 3 (so -0 and negative values
+    that round to 0 give code 8, as formats.e2m1_encode), value the signed E2M1 value of code.
+
+    Method (exact, branch free): a = min(|v|, 6); the E2M1 grid step is 0.5 below 2, 1 in
+    [2, 4), 2 from 4, so adding M = 2^22, 2^23 or 2^24 (chosen from a's exponent) rounds a to a
+    multiple of the step with FP32 round-to-nearest-even, whose ties go to the even multiple =
+    the even code; subtracting M gives the grid value q exactly. q * 2^-126 places q's exponent
+    and mantissa bit at FP32 bits 22..24 (0.5 becomes the subnormal 2^-127), so its bits >> 22
+    are the magnitude code.
+    """
+    b = f32_bits(v)
+    sign = b & _SIGN
+    a = fmin(bits_f32(b & _ABS), E2M1_MAX)
+    e = _min_u32(_max_u32(f32_bits(a) & _EXP, _ONE), _FOUR)
+    magic = bits_f32(e + _MAGIC_SHIFT)
+    q = sub_rn(add_rn(a, magic), magic)
+    code = (f32_bits(mul_rn(q, bits_f32(_MIN_NORMAL))) >> 22) | (sign >> 28)
+    return code, bits_f32(f32_bits(q) | sign)
+
+
+def e2m1_decode(code) -> Float32:
+    """E2M1 code (0..15) -> signed value: magnitude bits at FP32 bit 22 times 2^126 (exact)."""
+    code = _u32(code)
+    mag = mul_rn(bits_f32((code & 7) << 22), bits_f32(0x7E800000))   # 0x7E800000 = 2^126
+    return bits_f32(f32_bits(mag) | ((code & 8) << 28))
+
+
+def pack_codes(codes: Sequence) -> Uint32:
+    """Up to 8 E2M1 codes -> one word, element 0 in the low nibble (formats.pack_fp4 order)."""
+    if not 1 <= len(codes) <= 8:
+        raise ValueError(f"pack_codes takes 1..8 codes, got {len(codes)}")
+    w = _u32(codes[0])
+    for i, c in enumerate(codes[1:], start=1):
+        w = w | (_u32(c) << (4 * i))
+    return w
+
+
+# ----------------------------------------------------------------------------- scales
+
+
+def e4m3_encode(v) -> Uint32:
+    """Non-negative Float32 -> E4M3 byte, RNE, saturating at 448 (and +inf -> 448)."""
+    return Uint32(_asm(T.i32(),
+                       "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $1; "
+                       "cvt.u32.u16 $0, t; }", "=r,f", _f32(v))) & 0xFF
+
+
+def e4m3_decode(byte) -> Float32:
+    """E4M3 byte (sign ignored) -> Float32, exact: bits at FP32 bit 20, times 2^120."""
+    return mul_rn(bits_f32((_u32(byte) & 0x7F) << 20), bits_f32(_TWO_POW_120))
+
+
+def nvfp4_tensor_scale(amax) -> Float32:
+    """Dynamic NVFP4 alpha from the tensor amax, as formats.nvfp4_global_scale:
+    amax / 2688 (FP32 division), 1 for an all-zero tensor, at least FLT_MIN otherwise."""
+    amax = _f32(amax)
+    alpha = fmax(div_rn(amax, NVFP4_ALPHA_DIVISOR), bits_f32(_MIN_NORMAL))
+    return sel_f32(amax == Float32(0.0), Float32(1.0), alpha)
+
+
+def nvfp4_block_scale(amax, alpha) -> tuple[Uint32, Float32, Float32]:
+    """(E4M3 byte, its value sf, effective scale d = alpha * sf) for one block's amax."""
+    s = div_rn(amax, E2M1_MAX)
+    byte = e4m3_encode(div_rn(s, alpha))
+    sf = e4m3_decode(byte)
+    return byte, sf, mul_rn(alpha, sf)
+
+
+def mxfp4_block_scale(amax) -> tuple[Uint32, Float32, Float32]:
+    """(E8M0 byte = e + 127, 2^e, 2^-e) with e = clamp(floor(log2 amax) - 2, -127, 127).
+
+    floor(log2 amax) is the unbiased FP32 exponent; a subnormal or zero amax gives e = -127.
+    A finite amax has e <= 125, so 2^-e is always a normal number; 2^e for e = -127 is the
+    subnormal 2^-127."""
+    ef = f32_bits(amax) >> 23
+    byte = _max_u32(ef, 2) - 2
+    scale = bits_f32(sel_u32(byte == Uint32(0), _TWO_POW_M127, byte << 23))
+    inv = bits_f32((Uint32(254) - byte) << 23)
+    return byte, scale, inv
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+class Block(NamedTuple):
+    """One quantized block, per lane: this lane's elements of it plus the shared scale."""
+
+    codes: list          # Uint32 per element, 0..15
+    values: list         # Float32 per element: signed E2M1 value of the code
+    scale_byte: Uint32   # stored scale: E4M3 (NVFP4) or E8M0 (MXFP4) byte
+    scale: Float32       # its value (sf or 2^e): the BF16 operand multiplier, alpha excluded
+    d: Float32           # effective dequantization scale: alpha * sf (NVFP4) or 2^e (MXFP4)
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in BLOCK:
+        raise ValueError(f"unknown FP4 format {fmt!r}")
+
+
+def quantize_block(xs: Sequence, fmt: str, alpha=None, lanes: int = 1) -> Block:
+    """Quantize one block held by `lanes` adjacent lanes, len(xs) elements each.
+
+    xs: Float32 list (this lane's elements, in channel order); len(xs) * lanes must equal the
+    block size (16 NVFP4, 32 MXFP4). alpha: NVFP4 tensor scale (Float32), None for MXFP4.
+    """
+    _check_fmt(fmt)
+    if len(xs) * lanes != BLOCK[fmt]:
+        raise ValueError(f"{fmt} block is {BLOCK[fmt]} elements, got {len(xs)} x {lanes} lanes")
+    return quantize_block_with_amax(xs, fmt, alpha, group_max(abs_max(xs), lanes))
+
+
+def quantize_block_with_amax(xs: Sequence, fmt: str, alpha, amax) -> Block:
+    """quantize_block when the block amax is already known (e.g. reduced another way)."""
+    _check_fmt(fmt)
+    if fmt == "nvfp4":
+        if alpha is None:
+            raise ValueError("NVFP4 needs the tensor scale alpha")
+        byte, sf, d = nvfp4_block_scale(amax, alpha)
+        # formats divides by +inf when d == 0: finite / inf = +-0 keeps the sign (code 0 / 8).
+        div = sel_f32(d > Float32(0.0), d, float("inf"))
+        rounded = [e2m1_round(div_rn(x, div)) for x in xs]
+        scale = sf
+    else:
+        if alpha is not None:
+            raise ValueError("MXFP4 has no tensor scale; pass alpha=None")
+        byte, d, inv = mxfp4_block_scale(amax)
+        # x * 2^-e is torch.ldexp's product: exact unless it underflows (then RNE, as torch).
+        rounded = [e2m1_round(mul_rn(x, inv)) for x in xs]
+        scale = d
+    return Block([c for c, _ in rounded], [v for _, v in rounded], byte, scale, d)
+
+
+def residues(xs: Sequence, block: Block) -> list:
+    """r = x - d * value in FP32 (two roundings, formats' order: never an FMA)."""
+    return [sub_rn(x, mul_rn(block.d, v)) for x, v in zip(xs, block.values)]
+
+
+def operand_values(block: Block) -> list:
+    """value * scale per element: exact, and exactly representable in bf16."""
+    return [mul_rn(v, block.scale) for v in block.values]
+
+
+def select_by_mask(rs: Sequence, mask, k: int) -> list:
+    """The k entries of the 8-entry list rs whose bit is set in mask, lowest channel first.
+
+    mask: Uint32 holding one selection byte with exactly k bits set (calibrate.Selection).
+    Register-only compaction: walk the channels from 7 down to 0 and push each selected value
+    onto the front of a k-slot queue (k selects per channel), so no dynamic indexing."""
+    if len(rs) != 8 or k not in (1, 2, 4, 8):
+        raise ValueError(f"select_by_mask takes 8 values and k in (1, 2, 4, 8), got {len(rs)}, {k}")
+    if k == 8:
+        return list(rs)
+    mask = _u32(mask)
+    out = [Float32(0.0)] * k
+    for j in range(7, -1, -1):
+        p = (mask & (1 << j)) != Uint32(0)
+        out = [sel_f32(p, rs[j], out[0])] + [sel_f32(p, out[i - 1], out[i]) for i in range(1, k)]
+    return out
+
+
+# ----------------------------------------------------------------------------- global memory
+
+
+def _i64(a) -> Int64:
+    return a if isinstance(a, Int64) else Int64(a)
+
+
+def ld_global_v4(addr) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """16-byte load through the read-only path (addr 16-byte aligned)."""
+    ty = llvm.StructType.get_literal([T.i32()] * 4)
+    r = llvm.inline_asm(ty, [_i64(addr).ir_value()],
+                        "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
+                        "=r,=r,=r,=r,l", has_side_effects=False, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4))
+
+
+def ld_global_f32(addr) -> Float32:
+    return Float32(_asm(T.f32(), "ld.global.nc.f32 $0, [$1];", "=f,l", _i64(addr)))
+
+
+def _store(op: str, operands: str, addr, words: Sequence, pred) -> None:
+    """`op [addr], operands;` optionally predicated on a DSL Boolean (PTX predication, no branch)."""
+    args = [_i64(addr)] + [_u32(w) for w in words]
+    cons = "l" + ",r" * len(words)
+    if pred is None:
+        _asm_effect(f"{op} [$0], {operands};", cons, *args)
+    else:
+        n = len(args)
+        _asm_effect(f"{{ .reg .pred p; setp.ne.b32 p, ${n}, 0; @p {op} [$0], {operands}; }}",
+                    cons + ",r", *args, sel_u32(pred, 1, 0))
+
+
+def st_global_v4(addr, w0, w1, w2, w3, pred=None) -> None:
+    """16-byte store (addr 16-byte aligned); pred: optional Boolean, store only where true."""
+    _store("st.global.v4.b32", "{$1, $2, $3, $4}", addr, (w0, w1, w2, w3), pred)
+
+
+def st_global_v2(addr, w0, w1, pred=None) -> None:
+    _store("st.global.v2.b32", "{$1, $2}", addr, (w0, w1), pred)
+
+
+def st_global_u32(addr, w, pred=None) -> None:
+    _store("st.global.b32", "$1", addr, (w,), pred)
+
+
+def st_global_u16(addr, w, pred=None) -> None:
+    """Stores the low 16 bits of w (PTX lets st take a wider register than its type)."""
+    _store("st.global.b16", "$1", addr, (w,), pred)
+
+
+def st_global_u8(addr, w, pred=None) -> None:
+    """Stores the low 8 bits of w."""
+    _store("st.global.b8", "$1", addr, (w,), pred)
