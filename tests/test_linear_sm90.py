@@ -1,0 +1,239 @@
+"""linear_sm90_mma on the CPU: the frag16 layout and bit tricks proved exact by the emulator,
+the variant space and predicate, and compile-only checks of the kernel for sm_90a."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resgen import calibrate as C
+from resgen import formats as F
+from resgen import reference as R
+from resgen.kernels import layouts as L
+from resgen.kernels.linear_sm90 import make_xop, operand_values, xop_layout_for
+
+
+def _qweight(fmt, n=48, k=512, seed=0, ratio=None, input_scale=None):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    x = torch.randn(7, k, generator=g)
+    sel = None
+    if ratio is not None:
+        st = C.ChannelStats(k)
+        st.update(x)
+        sel = C.select_channels(st.mean_abs(), ratio)
+    return x, C.prepare_weight(w, fmt, sel, input_scale=input_scale)
+
+
+def _adversarial_nvfp4(n=32, k=256, seed=0) -> C.QLinearWeight:
+    """Every code (with -0) against every non-negative finite E4M3 scale, zero blocks included."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)
+    sbytes = torch.arange(0, 0x7F, dtype=torch.uint8)            # 0x7F is NaN
+    nb = n * k // 16
+    sb = sbytes[torch.randint(0, len(sbytes), (nb,), generator=g)]
+    sb[: len(sbytes)] = sbytes                                     # each scale at least once
+    scales = sb.view(torch.float8_e4m3fn).reshape(n, k // 16)
+    # zero-scale blocks carry zero codes (what the quantizer produces)
+    zero = (scales.to(torch.float32) == 0).repeat_interleave(16, dim=1)
+    codes = torch.where(zero, torch.zeros_like(codes), codes)
+    q = F.QuantizedTensor("nvfp4", F.pack_fp4(codes), scales, torch.tensor(0.37))
+    return C.QLinearWeight(q, k)
+
+
+def _adversarial_mxfp4(n=32, k=256, seed=0) -> C.QLinearWeight:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)
+    e = torch.randint(9, 136, (n, k // 32), generator=g, dtype=torch.int32)
+    e[0, 0], e[0, 1] = 9, 135
+    e[1, 0] = 3                                                    # tiny but all-zero block
+    codes[1, :32] = torch.tensor([0, 8] * 16, dtype=torch.uint8)   # +0 / -0 only
+    q = F.QuantizedTensor("mxfp4", F.pack_fp4(codes), e.to(torch.uint8), None)
+    return C.QLinearWeight(q, k)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("make", [_adversarial_nvfp4, _adversarial_mxfp4])
+def test_fragment_values_are_exact_dequantized_weights(make):
+    """Decoded pair x expanded scale, multiplied in BF16, equals w_hat / alpha * 2^-7 bit for
+    bit at every (row, column): -0, subnormal E2M1 x 2^-126, every scale byte."""
+    qw = make()
+    wt = L.prepare_sm90_weight(qw)
+    frag = L.fragment_weight_values(wt)
+    dense = L.dense_from_fragments(frag)
+    ref = F.dequantize(qw.q, apply_global_scale=False)
+    assert torch.equal(dense * 128, ref)
+    # signs too: torch.equal treats -0 == +0, so compare sign bits of the BF16 values
+    assert torch.equal(torch.signbit(dense * 128), torch.signbit(ref))
+
+
+def test_pair_decode_of_every_code_is_e2m1_times_2_pow_minus_126():
+    codes = torch.arange(16, dtype=torch.int64)
+    for s in range(8):
+        w = (codes << L._NIB_SHIFT[s]).to(torch.int32)
+        r = L.decode_pairs(w)                                      # [16, 4]
+        p, half = L._SLOT_ROW[s] + 2 * (L._SLOT_COL[s] // 2), L._SLOT_COL[s] % 2
+        bits = (r[:, p] >> (16 * half)) & 0xFFFF
+        val = L._bf16_halves(bits)[:, 0].float()
+        assert torch.equal(val, F.e2m1_values() * 2.0 ** -126)
+        assert torch.equal(torch.signbit(val), torch.signbit(F.e2m1_values()))
+        others = [q for q in range(4) if q != p]
+        assert bool((r[:, others] == 0).all()), "a code leaked into another pair"
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+def test_scale_expansion_matches_brief_formula_and_value(fmt):
+    # every byte prep can emit: NVFP4 ((8 + 9) << 3) | 7 = 143 at most, MXFP4 E <= 135
+    b = torch.arange(144 if fmt == "nvfp4" else L._MX_E_MAX + 1, dtype=torch.int64)
+    bits = L.expand_scale_bits(b, fmt)
+    assert torch.equal(bits, L._prmt_imad_expand(b, fmt))
+    assert torch.equal(bits & 0xFFFF, bits >> 16)
+    val = L._bf16_halves(bits)[:, 0].float()
+    if fmt == "nvfp4":
+        e, f = (b >> 3) - 9, b & 7
+        want = torch.ldexp(1 + f.float() / 8, (e + 119).int())
+    else:
+        want = torch.ldexp(torch.ones(len(b)), (b - 127 + 119).int())
+    assert torch.equal(val, want)
+
+
+def test_nvfp4_scale_bytes_cover_every_e4m3_value():
+    v = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    q = F.QuantizedTensor("nvfp4", torch.zeros(len(v), 8, dtype=torch.uint8),
+                          v.reshape(-1, 1), torch.tensor(1.0))
+    b = L.scale_bytes(q).reshape(-1).to(torch.int64)
+    e, f = (b >> 3) - 9, b & 7
+    got = torch.ldexp(1 + f.float() / 8, e.int())
+    want = v.to(torch.float32)
+    nz = want > 0
+    assert torch.equal(got[nz], want[nz])
+    assert bool((b[~nz] == 0).all())
+
+
+def test_mxfp4_scale_range_is_checked():
+    qw = _adversarial_mxfp4()
+    codes = F.unpack_fp4(qw.q.codes)
+    big = qw.q.scales.clone()
+    big[2, 0] = 136
+    with pytest.raises(ValueError, match="above"):
+        L.prepare_sm90_weight(C.QLinearWeight(F.QuantizedTensor("mxfp4", qw.q.codes, big, None),
+                                               qw.in_features))
+    small = qw.q.scales.clone()
+    small[2, 0] = 8
+    assert bool((codes[2, :32] & 7).any())
+    with pytest.raises(ValueError, match="below"):
+        L.prepare_sm90_weight(C.QLinearWeight(F.QuantizedTensor("mxfp4", qw.q.codes, small,
+                                                                 None), qw.in_features))
+
+
+def test_prepare_rejects_bad_shapes_and_packing():
+    _, qw = _qweight("nvfp4", n=40)
+    with pytest.raises(ValueError, match="% 16"):
+        L.prepare_sm90_weight(qw)
+    _, qw = _qweight("nvfp4")
+    with pytest.raises(ValueError, match="packing"):
+        L.prepare_sm90_weight(qw, packing="zigzag")
+
+
+def test_layout_shapes_and_padding():
+    _, qw = _qweight("nvfp4", n=32, k=320)                  # K not a multiple of 256
+    wt = L.prepare_sm90_weight(qw)
+    assert wt.kp == 512 and wt.kw == 320
+    assert wt.words.shape == (2, 8, 32, 4) and wt.words.dtype == torch.int32
+    assert wt.scales.shape == (2, 2, 32, 8) and wt.scales.dtype == torch.uint8
+    dense = L.dense_from_fragments(L.fragment_weight_values(wt))
+    assert bool((dense[:, 320:] == 0).all())
+    _, qm = _qweight("mxfp4", n=32, k=320)
+    wm = L.prepare_sm90_weight(qm)
+    assert wm.scales.shape == (2, 2, 16, 8)
+
+
+def test_word_bits_follow_the_documented_map():
+    """Place one distinct code per (row, column) and read it back from the documented bits."""
+    n, k = 16, 256
+    codes = (torch.arange(n * k) % 15 + 1).reshape(n, k).to(torch.uint8)
+    q = F.QuantizedTensor("nvfp4", F.pack_fp4(codes), torch.ones(n, k // 16).to(
+        torch.float8_e4m3fn), torch.tensor(1.0))
+    wt = L.prepare_sm90_weight(C.QLinearWeight(q, k))
+    words = wt.words.to(torch.int64) & 0xFFFFFFFF
+    for kq in (0, 3):
+        for lane in (0, 5, 31):
+            g, t = lane // 4, lane % 4
+            for j in range(4):
+                w = int(words[0, kq, lane, j])
+                for s in range(8):
+                    row = g + 8 * L._SLOT_ROW[s]
+                    col = 64 * kq + 16 * t + 4 * j + L._SLOT_COL[s]
+                    assert (w >> L._NIB_SHIFT[s]) & 0xF == int(codes[row, col])
+
+
+# ----------------------------------------------------------------------------- emulator
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+@pytest.mark.parametrize("comp", ["none", "full", 0.125, 0.25, 0.5, 1.0])
+def test_emulator_matches_reference_linear(fmt, comp):
+    ratio = comp if isinstance(comp, float) else None
+    x, qw = _qweight(fmt, ratio=ratio, seed=7)
+    wt = L.prepare_sm90_weight(qw)
+    xop, ax = make_xop(x, qw, comp)
+    y = L.emulate_linear_sm90(xop, wt, x.shape[0], xop_layout_for(comp), ax)
+    ref = R.linear(x, qw, comp)
+    rel = float((y.double() - ref.double()).norm() / ref.double().norm())
+    assert rel < 1e-6, rel
+    # the BF16 output the kernel stores is within BF16 rounding
+    yb = y.to(torch.bfloat16).float()
+    assert float((yb - ref).norm() / ref.norm()) < 3e-3
+
+
+@pytest.mark.parametrize("make", [_adversarial_nvfp4, _adversarial_mxfp4])
+def test_emulator_exact_on_adversarial_weights(make):
+    qw = make()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, qw.in_features, generator=g) * 10
+    wt = L.prepare_sm90_weight(qw)
+    for comp in ("none", "full"):
+        xop, ax = make_xop(x, qw, comp)
+        y = L.emulate_linear_sm90(xop, wt, 5, xop_layout_for(comp), ax)
+        ref = R.linear(x, qw, comp)
+        assert float((y - ref).norm() / ref.norm()) < 1e-6
+
+
+def test_emulator_uses_the_static_input_scale():
+    x, qw = _qweight("nvfp4", input_scale=0.01)
+    xop, ax = make_xop(x, qw, "full")
+    assert float(ax) == pytest.approx(0.01)
+    y = L.emulate_linear_sm90(xop, L.prepare_sm90_weight(qw), x.shape[0], "row_pair", ax)
+    ref = R.linear(x, qw, "full")
+    assert float((y - ref).norm() / ref.norm()) < 1e-6
+
+
+def test_make_xop_values_are_exact_bf16_and_padded():
+    x, qw = _qweight("nvfp4", k=320, ratio=0.25)
+    xop, ax = make_xop(x, qw, 0.25, t_multiple=16)
+    ext = qw.selection.extension_length("nvfp4")
+    assert xop.shape == (16, L.pad_to(320 + ext, 256)) and xop.dtype == torch.bfloat16
+    base, res = F.quantize_with_residue(x, "nvfp4", channels=qw.selection)
+    bv = operand_values(F.unpack_fp4(base.codes), base.scales, "nvfp4")
+    rv = operand_values(F.unpack_fp4(res.codes), res.scales, "nvfp4")
+    assert torch.equal(xop[:7, :320].float(), bv)
+    assert torch.equal(xop[:7, 320:320 + ext].float(), rv)
+    assert bool((xop[7:] == 0).all()) and bool((xop[:, 320 + ext:] == 0).all())
+    xop2, _ = make_xop(x, qw, "full")
+    assert torch.equal(xop2[0:14:2, :320].float(), bv)
+
+
+def test_make_xop_rejects_mismatched_inputs():
+    x, qw = _qweight("nvfp4")
+    with pytest.raises(ValueError, match="K-Ext"):
+        make_xop(x, qw, 0.25)
+    with pytest.raises(ValueError, match="expects"):
+        make_xop(x[:, :256], qw)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        make_xop(bad, qw)
