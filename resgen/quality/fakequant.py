@@ -1,0 +1,138 @@
+"""Fast fake-quantized (quantize-dequantize) FP4 linear layers for whole-model evaluation.
+
+resgen.reference.linear is the oracle: it keeps codes and scales and reduces in float64. A
+whole-model perplexity run on the CPU needs something cheaper with the same numerics, so this
+module computes every quantized value directly in FP32, in the same operation order as
+resgen.formats (so x_hat is BIT-identical to dequantize(quantize(x))), and multiplies the
+dequantized operands with F.linear in FP32. tests/test_quality_fakequant.py proves both facts:
+qdq == formats round trip bit for bit, and FakeQuantLinear == reference.linear to FP32 rounding.
+
+Method semantics (paper Eq. 5-6):
+    "none"  plain W4A4            y = X_hat W_hat^T
+    "full"  full residue (M-Ext)  y = X_hat W_hat^T + R_hat W_hat^T  (two products, FP32 add)
+    ratio   K-Ext                 y = X_hat W_hat^T + R_hat_S W_hat_S^T, where W_S is the
+                                  selected weight columns quantized in the extended layout
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import formats
+from ..calibrate import QLinearWeight
+
+__all__ = ["qdq", "qdq_with_residue", "round_e2m1", "FakeQuantLinear"]
+
+_BLOCK = {"nvfp4": 16, "mxfp4": 32}
+
+
+def round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """float32 v -> the nearest E2M1 value (ties to the even code, saturating at +-6).
+
+    Same result as e2m1_decode(e2m1_encode(v)) including the sign of zero: on [0, 2) the grid
+    step is 0.5, on [2, 4) it is 1, on [4, 6] it is 2, and torch.round breaks ties to even,
+    which on each segment is exactly the even E2M1 code (scaling by 2 or 0.5 is exact).
+    """
+    a = v.abs()
+    q = torch.where(a < 2, torch.round(a * 2) * 0.5,
+                    torch.where(a < 4, torch.round(a), torch.round(a * 0.5) * 2))
+    return torch.copysign(q.clamp_(max=formats.E2M1_MAX), v)
+
+
+def _effective_scale(blocks: torch.Tensor, fmt: str, alpha: torch.Tensor | None) -> torch.Tensor:
+    """blocks: float32 [..., nb, bs] -> effective scale d float32 [..., nb, 1] (formats' order)."""
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    if fmt == "nvfp4":
+        sf = formats.e4m3_round((amax / formats.E2M1_MAX) / alpha).to(torch.float32)
+        return alpha * sf
+    exp = torch.frexp(amax).exponent.to(torch.int32) - 1
+    e = torch.where(amax > 0, exp - 2, torch.full_like(exp, -127)).clamp(-127, 127)
+    return torch.ldexp(torch.ones_like(amax), e)
+
+
+def qdq(x: torch.Tensor, fmt: str, alpha: torch.Tensor | None = None) -> torch.Tensor:
+    """x: float32 [..., K] -> dequantize(quantize(x, fmt, alpha)) as float32 [..., K].
+
+    alpha: NVFP4 tensor scale (float32 0-dim, or broadcastable to [..., K // 16, 1]); None
+    computes the dynamic one. Ignored (must be None) for MXFP4.
+    """
+    bs = _BLOCK[fmt]
+    if fmt == "nvfp4" and alpha is None:
+        alpha = formats.nvfp4_global_scale(x)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // bs, bs)
+    d = _effective_scale(blocks, fmt, alpha)
+    # A zero effective scale divides by +inf: finite / inf = +-0, exact zeros (as formats does).
+    v = blocks / torch.where(d > 0, d, torch.full_like(d, float("inf")))
+    return (d * round_e2m1(v)).reshape(x.shape)
+
+
+def qdq_with_residue(x: torch.Tensor, fmt: str, alpha: torch.Tensor | None = None,
+                     idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: float32 [..., K] -> (x_hat [..., K], r_hat [..., K or ext]) as float32.
+
+    r_hat is the quantized residue R = x - x_hat (NVFP4: sharing x's tensor scale, paper B.2).
+    idx: K-Ext channel indices; r_hat then holds R[..., idx] zero-padded to the block size and
+    quantized in that extension layout.
+    """
+    if fmt == "nvfp4" and alpha is None:
+        alpha = formats.nvfp4_global_scale(x)
+    x_hat = qdq(x, fmt, alpha)
+    res = x - x_hat
+    if idx is not None:
+        res = res.index_select(-1, idx)
+        pad = formats.extension_length(idx.numel(), fmt) - idx.numel()
+        if pad:
+            res = F.pad(res, (0, pad))
+    return x_hat, qdq(res, fmt, alpha)
+
+
+class FakeQuantLinear(torch.nn.Module):
+    """Drop-in replacement of nn.Linear (no bias) running an FP4 method in fake-quant FP32.
+
+    qweight: the prepared weight (resgen.calibrate.prepare_weight, or a weight-side method's
+        result wrapped in QLinearWeight): its codes/scales are dequantized ONCE here.
+    compensation: "none", "full", or the ratio of qweight.selection.
+    x: [..., K] float -> y: [..., N] in x's dtype.
+    """
+
+    def __init__(self, qweight: QLinearWeight, compensation="none"):
+        super().__init__()
+        from ..reference import check_compensation
+
+        check_compensation(compensation, qweight)
+        self.fmt = qweight.fmt
+        self.compensation = compensation
+        k = qweight.in_features
+        w = formats.dequantize(qweight.q)
+        self.register_buffer("w_base", w[:, :k].contiguous(), persistent=False)
+        self.register_buffer("w_ext", w[:, k:].contiguous() if w.shape[1] > k else None,
+                             persistent=False)
+        idx = None
+        if compensation not in ("none", "full"):
+            idx = qweight.selection.indices
+        self.register_buffer("idx", idx, persistent=False)
+        self.input_scale = qweight.input_scale
+        self.in_features = k
+        self.out_features = w.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        xf = x.reshape(-1, self.in_features).to(torch.float32)
+        alpha = None
+        if self.fmt == "nvfp4":
+            alpha = (self.input_scale if self.input_scale is not None
+                     else formats.nvfp4_global_scale(xf))
+        if self.compensation == "none":
+            y = F.linear(qdq(xf, self.fmt, alpha), self.w_base)
+        elif self.compensation == "full":
+            x_hat, r_hat = qdq_with_residue(xf, self.fmt, alpha)
+            y = F.linear(x_hat, self.w_base) + F.linear(r_hat, self.w_base)
+        else:
+            x_hat, r_hat = qdq_with_residue(xf, self.fmt, alpha, self.idx)
+            y = F.linear(x_hat, self.w_base) + F.linear(r_hat, self.w_ext)
+        return y.reshape(*lead, -1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"fmt={self.fmt}, compensation={self.compensation}")

@@ -1,0 +1,75 @@
+"""The fast fake-quant path equals resgen.formats / resgen.reference on random layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resgen import formats, reference
+from resgen.calibrate import prepare_weight, select_channels
+from resgen.quality.fakequant import FakeQuantLinear, qdq, qdq_with_residue, round_e2m1
+
+
+def _heavy(shape, seed):
+    """Random activations with outlier channels and exact ties, like LLM inputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[-1], generator=g) * 1.5)
+    x[..., :4] = torch.tensor([0.25, -0.75, 2.5, 5.0])  # E2M1 ties when the scale is 1
+    return x
+
+
+def test_round_e2m1_matches_codec_on_every_tie_and_grid_point():
+    grid = torch.arange(-8.0, 8.0, 0.125)
+    v = torch.cat([grid, -grid, torch.tensor([0.0, -0.0, 1e-30, -1e-30, 100.0, -100.0])])
+    want = formats.e2m1_decode(formats.e2m1_encode(v))
+    got = round_e2m1(v)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_qdq_is_bit_identical_to_formats_round_trip(fmt, seed):
+    x = _heavy((37, 128), seed)
+    x[3] = 0.0                                  # an all-zero row: exact zeros
+    want = formats.dequantize(formats.quantize(x, fmt))
+    assert torch.equal(qdq(x, fmt), want)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_residue_matches_quantize_with_residue_kext(seed):
+    x = _heavy((19, 64), seed)
+    sel = select_channels(x.abs().mean(0), 0.25)
+    for fmt in formats.FORMATS:
+        base, res = formats.quantize_with_residue(x, fmt, channels=sel)
+        x_hat, r_hat = qdq_with_residue(x, fmt, None, sel.indices)
+        assert torch.equal(x_hat, formats.dequantize(base))
+        assert torch.equal(r_hat, formats.dequantize(res))
+
+
+# A static input_scale exists for NVFP4 only (MXFP4 has no tensor scale).
+@pytest.mark.parametrize("fmt,static", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+@pytest.mark.parametrize("comp", ["none", "full", 0.125, 0.25, 0.5])
+def test_fake_quant_linear_equals_reference_linear(fmt, comp, static):
+    n, k = 48, 128
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = _heavy((3, 11, k), 11)
+    sel = None if comp in ("none", "full") else select_channels(x.abs().mean((0, 1)), comp)
+    isc = formats.nvfp4_global_scale(x) * 0.8 if static else None  # a little saturation
+    qw = prepare_weight(w, fmt, selection=sel, input_scale=isc)
+    want = reference.linear(x, qw, comp)
+    got = FakeQuantLinear(qw, comp)(x)
+    assert got.shape == want.shape == (3, 11, n)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * float(want.abs().max()))
+    # The compensation must matter, or this comparison proves little.
+    if comp != "none":
+        plain = reference.linear(x, qw, "none")
+        assert reference.nmse(want, plain) > 1e-6
+
+
+def test_fake_quant_linear_rejects_wrong_ratio():
+    w = torch.randn(16, 64)
+    qw = prepare_weight(w, "nvfp4", selection=select_channels(torch.rand(64), 0.25))
+    with pytest.raises(ValueError):
+        FakeQuantLinear(qw, 0.5)
