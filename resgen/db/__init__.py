@@ -1,0 +1,10 @@
+"""The SQLite dispatch database: tuning results per (workload, variant, fingerprint,
+environment), read back by the runtime. See store.py for the schema."""
+
+from .errors import (CorruptDatabaseError, DatabaseError, ForeignDatabaseError,
+                     MissingDatabaseError, NewerSchemaError)
+from .store import APP, SCHEMA_VERSION, TuningDB, VerifyReport, row_checksum
+
+__all__ = ["TuningDB", "VerifyReport", "SCHEMA_VERSION", "APP", "row_checksum", "DatabaseError",
+           "MissingDatabaseError", "CorruptDatabaseError", "ForeignDatabaseError",
+           "NewerSchemaError"]

@@ -1,0 +1,524 @@
+"""The SQLite dispatch database (sqlite-utils for schema and queries, plain SQL for writes).
+
+Tables (schema version 1):
+- meta(key, value): app = "resgen-tuning", schema_version = 1;
+- environments: GPU name, arch, compute capability, SM count, driver, CUDA, torch, CuTe DSL,
+  resgen versions, compile_only; identified by the sha256 of those fields (digest);
+- workloads: op, canonical problem key (M is the bucket), and its fmt / compensation / m / n / k
+  as plain columns for humans (NULL where the op has no such field);
+- variants: family, canonical variant key, name;
+- results: one row per (workload, variant, fingerprint, environment) with status, space order,
+  median / quantiles / every sample, launches, input sets, timing mode, the measurement policy,
+  reference error, error text, registers, spills, compile seconds, time, and a checksum over the
+  row's content (by digests, so it survives `merge`).
+
+Writes: every result is its own `BEGIN IMMEDIATE` transaction (workload, variant and
+environment rows included), WAL journal, a busy timeout and a retry loop, so several tuner
+processes can write one file at once and a killed writer loses at most the row in flight.
+A file that is not SQLite, not ours, or newer than this code raises a DatabaseError subclass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, TypeVar
+from urllib.parse import quote
+
+import sqlite_utils
+
+from ..search.record import Environment, ResultRecord, Status, pick_winner
+from ..search.variant import ProblemBase, VariantBase, canonical_json, sha256_json
+from .errors import (CorruptDatabaseError, DatabaseError, ForeignDatabaseError,
+                     MissingDatabaseError, NewerSchemaError)
+
+__all__ = ["SCHEMA_VERSION", "APP", "TuningDB", "VerifyReport", "row_checksum"]
+
+SCHEMA_VERSION = 1
+APP = "resgen-tuning"
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_TABLES = ("meta", "environments", "workloads", "variants", "results")
+T = TypeVar("T")
+
+# Result columns covered by the checksum, in addition to the three digests.
+_RESULT_FIELDS = ("fingerprint", "space_index", "status", "median_us", "q10_us", "q90_us",
+                  "samples", "launches", "n_sets", "timing_mode", "policy", "policy_name",
+                  "rel_err", "error", "registers", "spill_bytes", "compile_s", "created")
+_ENV_FIELDS = ("gpu_name", "arch", "compute_capability", "sm_count", "driver", "cuda", "torch",
+               "cute_dsl", "resgen", "compile_only")
+_WORKLOAD_COLUMNS = ("fmt", "compensation", "m", "n", "k")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def row_checksum(row: Mapping[str, Any], env_digest: str, workload_digest: str,
+                 variant_digest: str) -> str:
+    """sha256 over a result's content, with the referenced rows named by their digests."""
+    body = {k: row.get(k) for k in _RESULT_FIELDS}
+    body.update(env=env_digest, workload=workload_digest, variant=variant_digest)
+    return sha256_json(body)
+
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def _check_header(path: Path) -> bool:
+    """True if the file is empty (a new database), raise if it is not an SQLite file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+    except OSError as e:
+        raise CorruptDatabaseError(f"{path}: cannot read ({e})") from None
+    if not head:
+        return True
+    if head != _SQLITE_MAGIC:
+        raise CorruptDatabaseError(f"{path}: not an SQLite database (bad header)")
+    return False
+
+
+class TuningDB:
+    """One tuning database file.
+
+    readonly=True opens with SQLite's read-only mode (falling back to immutable mode for a
+    file in a read-only directory, e.g. a shipped table) and never creates anything.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, readonly: bool = False, create: bool = True,
+                 busy_timeout_s: float = 60.0) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self.busy_timeout_s = busy_timeout_s
+        exists = self.path.exists()
+        if not exists and (readonly or not create):
+            raise MissingDatabaseError(f"{self.path}: no such tuning database")
+        empty = _check_header(self.path) if exists else True
+        if empty and readonly:
+            raise CorruptDatabaseError(f"{self.path}: empty file, not a tuning database")
+        if not exists:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = self._connect()
+        try:
+            self.db = sqlite_utils.Database(self.conn)
+            self._open_schema()
+        except BaseException:
+            self.conn.close()
+            raise
+
+    # -- connection and schema ----------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        timeout = self.busy_timeout_s
+        if not self.readonly:
+            conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None,
+                                   check_same_thread=False)
+            conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            return conn
+        uri = "file:" + quote(str(self.path.resolve()))
+        for suffix in ("?mode=ro", "?mode=ro&immutable=1"):
+            conn = sqlite3.connect(uri + suffix, uri=True, timeout=timeout,
+                                   isolation_level=None, check_same_thread=False)
+            try:
+                conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                return conn
+            except sqlite3.OperationalError:
+                # A WAL file in a directory we cannot write: no -shm can be made; read it as
+                # an immutable snapshot instead.
+                conn.close()
+            except sqlite3.DatabaseError as e:
+                conn.close()
+                raise CorruptDatabaseError(f"{self.path}: {e}") from None
+        raise CorruptDatabaseError(f"{self.path}: cannot open read-only")
+
+    def _open_schema(self) -> None:
+        try:
+            tables = set(self.db.table_names())
+        except sqlite3.DatabaseError as e:
+            raise CorruptDatabaseError(f"{self.path}: {e}") from None
+        if not tables:
+            if self.readonly:
+                raise ForeignDatabaseError(f"{self.path}: an empty SQLite file, not a tuning "
+                                           "database")
+            self._set_wal()
+            self._write(self._create_schema)
+            return
+        self._check_meta(tables)
+        if not self.readonly:
+            self._set_wal()
+
+    def _set_wal(self) -> None:
+        for _ in range(50):
+            try:
+                mode = self.conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if str(mode).lower() == "wal":
+                    return
+            except sqlite3.OperationalError as e:
+                if not _is_busy(e):
+                    raise
+            time.sleep(0.05 + random.random() * 0.05)
+        raise DatabaseError(f"{self.path}: could not switch to WAL journal mode")
+
+    def _check_meta(self, tables: set[str]) -> None:
+        if "meta" not in tables:
+            raise ForeignDatabaseError(f"{self.path}: not a resgen tuning database "
+                                       f"(tables: {sorted(tables)[:8]})")
+        try:
+            meta = {r["key"]: r["value"] for r in self.db.query("SELECT key, value FROM meta")}
+        except sqlite3.DatabaseError as e:
+            raise ForeignDatabaseError(f"{self.path}: unreadable meta table ({e})") from None
+        if meta.get("app") != APP:
+            raise ForeignDatabaseError(f"{self.path}: meta.app is {meta.get('app')!r}, "
+                                       f"not {APP!r}")
+        try:
+            version = int(meta.get("schema_version", ""))
+        except ValueError:
+            raise CorruptDatabaseError(f"{self.path}: schema_version "
+                                       f"{meta.get('schema_version')!r} is not an int") from None
+        if version > SCHEMA_VERSION:
+            raise NewerSchemaError(f"{self.path}: schema version {version} is newer than this "
+                                   f"resgen understands ({SCHEMA_VERSION}); upgrade resgen")
+        if version < SCHEMA_VERSION:
+            raise CorruptDatabaseError(f"{self.path}: schema version {version} is unknown")
+        missing = set(_TABLES) - tables
+        if missing:
+            raise CorruptDatabaseError(f"{self.path}: missing tables {sorted(missing)}")
+        self.schema_version = version
+
+    def _create_schema(self) -> None:
+        # Re-check inside the write lock: another process may have created it meanwhile.
+        tables = set(self.db.table_names())
+        if tables:
+            self._check_meta(tables)
+            return
+        db = self.db
+        db["meta"].create({"key": str, "value": str}, pk="key")
+        db["environments"].create(
+            {"id": int, "digest": str, "gpu_name": str, "arch": str, "compute_capability": str,
+             "sm_count": int, "driver": str, "cuda": str, "torch": str, "cute_dsl": str,
+             "resgen": str, "compile_only": int, "created": str},
+            pk="id", not_null={"digest", "gpu_name", "arch", "compile_only"})
+        db["workloads"].create(
+            {"id": int, "digest": str, "op": str, "key": str, "fmt": str, "compensation": str,
+             "m": int, "n": int, "k": int, "created": str},
+            pk="id", not_null={"digest", "op", "key"})
+        db["variants"].create(
+            {"id": int, "digest": str, "family": str, "key": str, "name": str},
+            pk="id", not_null={"digest", "family", "key", "name"})
+        db["results"].create(
+            {"id": int, "workload_id": int, "variant_id": int, "environment_id": int,
+             "fingerprint": str, "space_index": int, "status": str, "median_us": float,
+             "q10_us": float, "q90_us": float, "samples": str, "launches": int, "n_sets": int,
+             "timing_mode": str, "policy": str, "policy_name": str, "rel_err": float,
+             "error": str, "registers": int, "spill_bytes": int, "compile_s": float,
+             "created": str, "checksum": str},
+            pk="id",
+            not_null={"workload_id", "variant_id", "environment_id", "fingerprint", "status",
+                      "space_index", "checksum"},
+            foreign_keys=[("workload_id", "workloads", "id"), ("variant_id", "variants", "id"),
+                          ("environment_id", "environments", "id")])
+        for t in ("environments", "workloads", "variants"):
+            db[t].create_index(["digest"], unique=True)
+        db["results"].create_index(["workload_id", "variant_id", "fingerprint",
+                                    "environment_id"], unique=True)
+        db["results"].create_index(["status", "environment_id"])
+        self.conn.execute("INSERT INTO meta(key, value) VALUES ('app', ?), "
+                          "('schema_version', ?), ('created', ?)",
+                          (APP, str(SCHEMA_VERSION), _now()))
+        self.schema_version = SCHEMA_VERSION
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "TuningDB":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- transactions ---------------------------------------------------------------------
+    def _write(self, fn: Callable[[], T]) -> T:
+        """Run fn in one BEGIN IMMEDIATE transaction, retrying while another writer holds the
+        lock (the busy timeout waits inside SQLite; this loop covers what it does not)."""
+        if self.readonly:
+            raise DatabaseError(f"{self.path}: opened read-only")
+        deadline = time.monotonic() + self.busy_timeout_s
+        delay = 0.01
+        while True:
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:
+                if _is_busy(e) and time.monotonic() < deadline:
+                    time.sleep(delay * (1 + random.random()))
+                    delay = min(delay * 2, 0.5)
+                    continue
+                raise DatabaseError(f"{self.path}: {e}") from None
+            try:
+                out = fn()
+                self.conn.execute("COMMIT")
+                return out
+            except BaseException as e:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                if (isinstance(e, sqlite3.OperationalError) and _is_busy(e)
+                        and time.monotonic() < deadline):
+                    time.sleep(delay * (1 + random.random()))
+                    delay = min(delay * 2, 0.5)
+                    continue
+                if isinstance(e, sqlite3.DatabaseError):
+                    raise DatabaseError(f"{self.path}: {e}") from e
+                raise
+
+    def _ensure(self, table: str, digest: str, row: Mapping[str, Any]) -> int:
+        cols = ["digest", *row]
+        self.conn.execute(
+            f"INSERT OR IGNORE INTO {table} ({', '.join(cols)}) "
+            f"VALUES ({', '.join('?' * len(cols))})", (digest, *row.values()))
+        (rid,) = self.conn.execute(f"SELECT id FROM {table} WHERE digest = ?",
+                                   (digest,)).fetchone()
+        return int(rid)
+
+    def _ensure_environment(self, env: Environment) -> int:
+        d = env.as_dict()
+        d["compile_only"] = int(d["compile_only"])
+        d["created"] = _now()
+        return self._ensure("environments", env.digest, d)
+
+    def _ensure_workload(self, problem: ProblemBase) -> int:
+        row = {"op": type(problem).OP, "key": problem.key()}
+        for c in _WORKLOAD_COLUMNS:
+            v = getattr(problem, c, None)
+            row[c] = v if isinstance(v, (int, str)) and not isinstance(v, bool) else None
+        row["created"] = _now()
+        return self._ensure("workloads", problem.digest(), row)
+
+    def _ensure_variant(self, variant: VariantBase) -> int:
+        return self._ensure("variants", variant.digest(),
+                            {"family": type(variant).FAMILY, "key": variant.key(),
+                             "name": variant.name()})
+
+    # -- the interface the tuner uses ---------------------------------------------------------
+    def record(self, rec: ResultRecord, *, replace: bool = False) -> bool:
+        """Store one result in its own transaction. An existing row for the same (workload,
+        variant, fingerprint, environment) is kept unless replace=True. True if written."""
+        def tx() -> bool:
+            env_id = self._ensure_environment(rec.environment)
+            wl_id = self._ensure_workload(rec.problem)
+            var_id = self._ensure_variant(rec.variant)
+            row = {
+                "fingerprint": rec.fingerprint, "space_index": int(rec.space_index),
+                "status": rec.status, "median_us": _f(rec.median_us), "q10_us": _f(rec.q10_us),
+                "q90_us": _f(rec.q90_us),
+                "samples": canonical_json([float(s) for s in rec.samples_us]),
+                "launches": rec.launches, "n_sets": rec.n_sets, "timing_mode": rec.timing_mode,
+                "policy": canonical_json(dict(rec.policy)) if rec.policy else None,
+                "policy_name": (rec.policy or {}).get("name"), "rel_err": _f(rec.rel_err),
+                "error": rec.error, "registers": rec.registers,
+                "spill_bytes": rec.spill_bytes, "compile_s": _f(rec.compile_s),
+                "created": _now()}
+            row["checksum"] = row_checksum(row, rec.environment.digest, rec.problem.digest(),
+                                           rec.variant.digest())
+            cols = ["workload_id", "variant_id", "environment_id", *row]
+            vals = [wl_id, var_id, env_id, *row.values()]
+            sql = (f"INSERT INTO results ({', '.join(cols)}) "
+                   f"VALUES ({', '.join('?' * len(cols))})")
+            if replace:
+                sets = ", ".join(f"{c} = excluded.{c}" for c in row)
+                sql += (" ON CONFLICT(workload_id, variant_id, fingerprint, environment_id) "
+                        f"DO UPDATE SET {sets}")
+            else:
+                sql = sql.replace("INSERT INTO", "INSERT OR IGNORE INTO", 1)
+            return self.conn.execute(sql, vals).rowcount > 0
+        return self._write(tx)
+
+    def find(self, problem: ProblemBase, variant: VariantBase, fingerprint: str,
+             environment: Environment) -> dict[str, Any] | None:
+        """The stored result of exactly this (workload, variant, fingerprint, environment)."""
+        rows = list(self.db.query(
+            "SELECT r.* FROM results r JOIN workloads w ON w.id = r.workload_id "
+            "JOIN variants v ON v.id = r.variant_id "
+            "JOIN environments e ON e.id = r.environment_id "
+            "WHERE w.digest = ? AND v.digest = ? AND r.fingerprint = ? AND e.digest = ?",
+            [problem.digest(), variant.digest(), fingerprint, environment.digest]))
+        return rows[0] if rows else None
+
+    def __len__(self) -> int:
+        return int(self.conn.execute("SELECT count(*) FROM results").fetchone()[0])
+
+    # -- reading ---------------------------------------------------------------------------
+    def rows(self, *, op: str | None = None, status: str | None = None,
+             gpu_name: str | None = None, arch: str | None = None,
+             compile_only: bool | None = None) -> list[dict[str, Any]]:
+        """Results joined with their workload, variant and environment."""
+        where, args = [], []
+        for col, val in (("w.op", op), ("r.status", status), ("e.gpu_name", gpu_name),
+                         ("e.arch", arch)):
+            if val is not None:
+                where.append(f"{col} = ?")
+                args.append(val)
+        if compile_only is not None:
+            where.append("e.compile_only = ?")
+            args.append(int(compile_only))
+        sql = ("SELECT r.*, w.op AS op, w.key AS workload_key, w.digest AS workload_digest, "
+               "v.family AS family, v.key AS variant_key, v.name AS variant_name, "
+               "v.digest AS variant_digest, e.digest AS environment_digest, "
+               "e.gpu_name AS gpu_name, e.arch AS arch, e.compile_only AS compile_only "
+               "FROM results r JOIN workloads w ON w.id = r.workload_id "
+               "JOIN variants v ON v.id = r.variant_id "
+               "JOIN environments e ON e.id = r.environment_id")
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY w.id, r.space_index, r.id"
+        try:
+            return list(self.db.query(sql, args))
+        except sqlite3.DatabaseError as e:
+            raise CorruptDatabaseError(f"{self.path}: {e}") from None
+
+    def best(self, problem: ProblemBase, *, gpu_name: str, arch: str,
+             accept: Callable[[Mapping[str, Any]], bool] = lambda row: True,
+             tie_rel: float | None = None) -> dict[str, Any] | None:
+        """Winning timed row for exactly this workload on this GPU and arch, among rows that
+        `accept` (the runtime passes a current-fingerprint and validity check)."""
+        rows = [r for r in self.rows(status=Status.OK, gpu_name=gpu_name, arch=arch)
+                if r["workload_digest"] == problem.digest() and accept(r)]
+        return pick_winner(rows, _tie_rel(rows) if tie_rel is None else tie_rel)
+
+    def environments(self) -> list[dict[str, Any]]:
+        return list(self.db.query("SELECT * FROM environments ORDER BY id"))
+
+    # -- maintenance -----------------------------------------------------------------------
+    def verify(self, parse: Callable[[str, str], str | None] | None = None) -> VerifyReport:
+        """Integrity check, foreign keys, meta, row checksums, statuses and (with `parse`,
+        called as parse(kind, key_json) -> error or None) that every key still parses."""
+        rep = VerifyReport(ok=True)
+        try:
+            res = [r[0] for r in self.conn.execute("PRAGMA integrity_check")]
+        except sqlite3.DatabaseError as e:
+            rep.errors.append(f"integrity_check: {e}")
+            res = []
+        if res and res != ["ok"]:
+            rep.errors.append("integrity_check: " + "; ".join(res[:5]))
+        fk = self.conn.execute("PRAGMA foreign_key_check").fetchall()
+        if fk:
+            rep.errors.append(f"{len(fk)} rows reference missing workloads/variants/envs")
+        for row in self.rows():
+            rid = row["id"]
+            want = row_checksum(row, row["environment_digest"], row["workload_digest"],
+                                row["variant_digest"])
+            if want != row["checksum"]:
+                rep.errors.append(f"result {rid}: checksum mismatch (row altered or torn)")
+            if row["status"] not in Status.ALL:
+                rep.errors.append(f"result {rid}: unknown status {row['status']!r}")
+            if row["status"] == Status.OK and not (row["median_us"] or 0) > 0:
+                rep.errors.append(f"result {rid}: ok without a positive median")
+        for t, kind in (("workloads", "workload"), ("variants", "variant")):
+            for r in self.db.query(f"SELECT id, digest, key FROM {t}"):
+                try:
+                    if sha256_json(json.loads(r["key"])) != r["digest"]:
+                        rep.errors.append(f"{t} {r['id']}: digest does not match its key")
+                except json.JSONDecodeError:
+                    rep.errors.append(f"{t} {r['id']}: key is not JSON")
+                    continue
+                if parse is not None:
+                    err = parse(kind, r["key"])
+                    if err:
+                        rep.warnings.append(f"{t} {r['id']}: {err}")
+        for t in _TABLES:
+            rep.counts[t] = self.db[t].count
+        rep.ok = not rep.errors
+        return rep
+
+    def merge_from(self, other: "TuningDB") -> dict[str, int]:
+        """Copy every result of `other` not already here (same workload, variant, fingerprint
+        and environment), one transaction per result; rows failing their checksum are skipped.
+        """
+        added = skipped = bad = 0
+        envs = {e["digest"]: e for e in other.environments()}
+        for row in other.rows():
+            if row_checksum(row, row["environment_digest"], row["workload_digest"],
+                            row["variant_digest"]) != row["checksum"]:
+                bad += 1
+                continue
+            env = dict(envs[row["environment_digest"]])
+
+            def tx(row=row, env=env) -> bool:
+                env_id = self._ensure("environments", env["digest"],
+                                      {k: env[k] for k in (*_ENV_FIELDS, "created")})
+                src_w = other.conn.execute(
+                    "SELECT op, key, fmt, compensation, m, n, k, created FROM workloads "
+                    "WHERE digest = ?", (row["workload_digest"],)).fetchone()
+                wl_id = self._ensure("workloads", row["workload_digest"], dict(zip(
+                    ("op", "key", "fmt", "compensation", "m", "n", "k", "created"), src_w)))
+                var_id = self._ensure("variants", row["variant_digest"],
+                                      {"family": row["family"], "key": row["variant_key"],
+                                       "name": row["variant_name"]})
+                vals = {k: row[k] for k in _RESULT_FIELDS}
+                vals["checksum"] = row["checksum"]
+                cols = ["workload_id", "variant_id", "environment_id", *vals]
+                cur = self.conn.execute(
+                    f"INSERT OR IGNORE INTO results ({', '.join(cols)}) "
+                    f"VALUES ({', '.join('?' * len(cols))})",
+                    [wl_id, var_id, env_id, *vals.values()])
+                return cur.rowcount > 0
+            if self._write(tx):
+                added += 1
+            else:
+                skipped += 1
+        return {"added": added, "already_present": skipped, "bad_checksum": bad}
+
+    def export_json(self) -> dict[str, Any]:
+        """Every result joined with its workload, variant and environment (plain data)."""
+        out = []
+        for r in self.rows():
+            d = dict(r)
+            for k in ("samples", "policy", "workload_key", "variant_key"):
+                if d.get(k):
+                    d[k] = json.loads(d[k])
+            out.append(d)
+        return {"app": APP, "schema_version": SCHEMA_VERSION,
+                "environments": self.environments(), "results": out}
+
+    def export_sqlite(self, dest: str | os.PathLike) -> Path:
+        """A compact, checkpointed copy in rollback-journal mode (what tuned/ ships: a WAL
+        file cannot be read from a read-only directory without its -shm)."""
+        dest = Path(dest)
+        if dest.exists():
+            raise FileExistsError(f"{dest} exists; remove it first")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self.conn.execute("VACUUM INTO ?", (str(dest),))
+        c = sqlite3.connect(str(dest), isolation_level=None)
+        try:
+            c.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            c.close()
+        return dest
+
+
+def _f(x: float | None) -> float | None:
+    return None if x is None else float(x)
+
+
+def _is_busy(e: sqlite3.OperationalError) -> bool:
+    msg = str(e).lower()
+    return "locked" in msg or "busy" in msg
+
+
+def _tie_rel(rows: Iterable[Mapping[str, Any]]) -> float:
+    """The tie band recorded in the rows' policy (the smallest if they differ)."""
+    rels = []
+    for r in rows:
+        try:
+            rels.append(float(json.loads(r["policy"])["tie_rel"]))
+        except (TypeError, KeyError, ValueError, json.JSONDecodeError):
+            pass
+    return min(rels) if rels else 0.01

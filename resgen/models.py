@@ -1,0 +1,190 @@
+"""Model registry: a model's linear projection shapes and attention geometry per
+tensor-parallel degree, for `resgen tune --model`.
+
+Built in: Qwen3-4B, Qwen3-8B and Qwen3-32B, from their Hugging Face config.json files
+(huggingface.co/Qwen/Qwen3-4B, /Qwen3-8B, /Qwen3-32B):
+    model      hidden  intermediate  heads  kv heads  head_dim  layers
+    Qwen3-4B    2560      9728         32      8        128       36
+    Qwen3-8B    4096     12288         32      8        128       36
+    Qwen3-32B   5120     25600         64      8        128       64
+Any other decoder with a Llama/Qwen-style config works through `from_hf_config` (a dict, a
+config.json path or a directory holding one).
+
+Projection shapes (N output features x K input features, per rank, Megatron-style split):
+qkv (column-parallel, fused), o (row-parallel), gate_up (column-parallel, fused), down
+(row-parallel). KV heads are split across ranks when tp divides them and replicated (one per
+rank) when tp is a multiple of them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from .search.variant import AttentionProblem, LinearProblem
+
+__all__ = ["ModelSpec", "LinearShape", "AttentionGeometry", "MODELS", "get_model",
+           "linear_problems", "attention_problems", "COMPENSATIONS", "FORMATS"]
+
+FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
+COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    name: str
+    n: int          # output features per rank
+    k: int          # input features per rank
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    q_heads: int    # per rank
+    kv_heads: int   # per rank
+    head_dim: int
+
+
+def _pos_int(cfg: Mapping[str, Any], key: str) -> int:
+    v = cfg.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"config field {key!r} must be a positive int, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{self.name}: {f} must be a positive int, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{self.name}: {self.heads} query heads are not a multiple of "
+                             f"{self.kv_heads} KV heads")
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], name: str | None = None) -> "ModelSpec":
+        """From a Hugging Face config dict (hidden_size, intermediate_size,
+        num_attention_heads, num_key_value_heads (default: heads), head_dim (default:
+        hidden / heads), num_hidden_layers)."""
+        if not isinstance(cfg, Mapping):
+            raise TypeError(f"expected a config mapping, got {type(cfg).__name__}")
+        hidden = _pos_int(cfg, "hidden_size")
+        heads = _pos_int(cfg, "num_attention_heads")
+        kv = cfg.get("num_key_value_heads", heads)
+        if "head_dim" in cfg and cfg["head_dim"] is not None:
+            head_dim = _pos_int(cfg, "head_dim")
+        else:
+            if hidden % heads:
+                raise ValueError("hidden_size is not a multiple of num_attention_heads and "
+                                 "the config has no head_dim")
+            head_dim = hidden // heads
+        label = name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "custom")
+        return cls(name=label, hidden=hidden, intermediate=_pos_int(cfg, "intermediate_size"),
+                   heads=heads, kv_heads=kv, head_dim=head_dim,
+                   layers=_pos_int(cfg, "num_hidden_layers"))
+
+    def _kv_per_rank(self, tp: int) -> int:
+        if self.kv_heads % tp == 0:
+            return self.kv_heads // tp
+        if tp % self.kv_heads == 0:
+            return 1                      # replicated: each rank keeps one KV head
+        raise ValueError(f"{self.name}: tp={tp} neither divides nor is a multiple of "
+                         f"{self.kv_heads} KV heads")
+
+    def _check_tp(self, tp: int) -> None:
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp must be a positive int, got {tp!r}")
+        if self.heads % tp or self.intermediate % tp:
+            raise ValueError(f"{self.name}: tp={tp} does not divide {self.heads} heads and "
+                             f"intermediate size {self.intermediate}")
+
+    def linear_shapes(self, tp: int = 1) -> list[LinearShape]:
+        """Per-rank projection shapes, in layer order: qkv, o, gate_up, down."""
+        self._check_tp(tp)
+        q = self.heads // tp * self.head_dim
+        kv = self._kv_per_rank(tp) * self.head_dim
+        inter = self.intermediate // tp
+        return [LinearShape("qkv", q + 2 * kv, self.hidden),
+                LinearShape("o", self.hidden, q),
+                LinearShape("gate_up", 2 * inter, self.hidden),
+                LinearShape("down", self.hidden, inter)]
+
+    def attention(self, tp: int = 1) -> AttentionGeometry:
+        self._check_tp(tp)
+        return AttentionGeometry(self.heads // tp, self._kv_per_rank(tp), self.head_dim)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "qwen3-4b": ModelSpec("qwen3-4b", hidden=2560, intermediate=9728, heads=32, kv_heads=8,
+                          head_dim=128, layers=36),
+    "qwen3-8b": ModelSpec("qwen3-8b", hidden=4096, intermediate=12288, heads=32, kv_heads=8,
+                          head_dim=128, layers=36),
+    "qwen3-32b": ModelSpec("qwen3-32b", hidden=5120, intermediate=25600, heads=64, kv_heads=8,
+                           head_dim=128, layers=64),
+}
+
+
+def get_model(name: str | Mapping[str, Any] | Path) -> ModelSpec:
+    """A registry name ("qwen3-8b", "Qwen/Qwen3-8B"), a config dict, a config.json path, or a
+    model directory containing config.json."""
+    if isinstance(name, Mapping):
+        return ModelSpec.from_hf_config(name)
+    key = str(name).strip().lower().split("/")[-1]
+    if key in MODELS:
+        return MODELS[key]
+    p = Path(str(name))
+    if p.is_dir():
+        p = p / "config.json"
+    if p.is_file():
+        try:
+            cfg = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not JSON: {e}") from None
+        return ModelSpec.from_hf_config(cfg, name=p.parent.name or None)
+    raise ValueError(f"unknown model {name!r}: known {sorted(MODELS)}, or give a config.json "
+                     f"or a model directory")
+
+
+def _dedupe(items: Iterable[Any]) -> list[Any]:
+    seen, out = set(), []
+    for x in items:
+        if x not in seen:
+            seen.add(x)
+            out.append(x)
+    return out
+
+
+def linear_problems(models: Sequence[ModelSpec], tp: int = 1,
+                    formats: Sequence[str] = FORMATS,
+                    compensations: Sequence[str] = COMPENSATIONS,
+                    m_buckets: Sequence[int] = (1,), static_scale: bool = True
+                    ) -> list[LinearProblem]:
+    """Every (shape, format, compensation, M bucket) workload, duplicates removed, ordered
+    by model, shape, format, compensation, M."""
+    return _dedupe(LinearProblem(fmt=f, compensation=c, m=m, n=s.n, k=s.k,
+                                 static_scale=static_scale)
+                   for spec in models for s in spec.linear_shapes(tp) for f in formats
+                   for c in compensations for m in m_buckets)
+
+
+def attention_problems(models: Sequence[ModelSpec], tp: int = 1,
+                       batches: Sequence[int] = (1,), kv_lens: Sequence[int] = (8192,),
+                       page_size: int = 32, compensation: Sequence[bool] = (True, False)
+                       ) -> list[AttentionProblem]:
+    """Decode attention workloads (ResAttn and the plain NVFP4-KV form) per geometry."""
+    return _dedupe(AttentionProblem(batch=b, q_heads=g.q_heads, kv_heads=g.kv_heads,
+                                    head_dim=g.head_dim, kv_len=L, page_size=page_size,
+                                    compensation=c)
+                   for spec in models for g in [spec.attention(tp)] for c in compensation
+                   for b in batches for L in kv_lens)

@@ -1,0 +1,289 @@
+"""Run-time dispatch: `lookup(op, problem)` -> the tuned variant for this GPU.
+
+Databases are consulted in order (resgen.settings): an explicit path, RESGEN_DB, the user's
+cache database, then the shipped `tuned/<gpu>.sqlite` for this GPU (tuned/h200.sqlite on the
+H200). Tuned buckets are tried nearest first, and for the same bucket the database earlier in
+that order answers (an exact bucket in the shipped table beats a neighbouring bucket in the
+cache database). A row is acceptable only if
+- it is a timed "ok" result from an environment with this GPU's name and arch;
+- its variant parses through `VARIANT.from_dict` (nothing from a file is trusted);
+- its fingerprint equals the one the current templates, compile options, arch, resgen and
+  CuTe DSL produce for it (a stale row is never served);
+- `why_invalid(variant, real problem, arch)` is None: a bucketed entry is re-checked against
+  the REAL problem, and if the bucket's best valid variant does not exist, the next bucket is
+  tried (buckets at or above the real value first, nearest first; then those below).
+Otherwise the family's default is returned and a warning is logged once per (op, bucket).
+A missing, corrupt, foreign or newer-schema file is skipped with one warning: never a crash.
+
+Answers are cached in memory per (op, problem, family); a warm lookup is one dict access
+(bench/bench_lookup.py measures it; tests/test_runtime.py asserts a loose bound).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from .db import DatabaseError, MissingDatabaseError, TuningDB
+from .search.buckets import bucket_fields, bucket_rank, without_buckets
+from .search.build import variant_fingerprint
+from .search.family import KernelFamily, families_for, get_family
+from .search.record import Status, arch_of_capability, gpu_slug, pick_winner
+from .search.variant import ProblemBase, VariantBase, canonical_json
+from .settings import settings
+
+__all__ = ["Device", "Dispatcher", "lookup", "dispatcher", "reset", "default_db_paths"]
+
+log = logging.getLogger("resgen.runtime")
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the runtime matches database environments against."""
+
+    gpu_name: str
+    arch: str
+
+    @staticmethod
+    def current(index: int = 0) -> "Device | None":
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return None
+            p = torch.cuda.get_device_properties(index)
+            return Device(p.name, arch_of_capability(p.major, p.minor))
+        except Exception:
+            return None
+
+
+def default_db_paths(device: Device | None, explicit: str | Path | None = None) -> list[Path]:
+    s = settings()
+    out: list[Path] = []
+    for p in (explicit, s.db_path, s.user_db):
+        if p is not None and Path(p) not in out:
+            out.append(Path(p))
+    if device is not None:
+        try:
+            out.append(s.tuned_dir / f"{gpu_slug(device.gpu_name)}.sqlite")
+        except ValueError:
+            pass
+    return out
+
+
+@dataclass
+class _Row:
+    family: str
+    variant: VariantBase
+    median_us: float
+    space_index: int
+    fingerprint: str
+    tie_rel: float
+
+    def as_pick(self) -> dict[str, Any]:
+        return {"median_us": self.median_us, "space_index": self.space_index, "row": self}
+
+
+@dataclass
+class _Entry:
+    """One tuned workload (a bucket) of one database."""
+
+    problem: ProblemBase
+    buckets: tuple[int, ...]
+    rows: list[_Row] = field(default_factory=list)
+
+
+class _Table:
+    """The acceptable rows of one database for one device, indexed for lookup."""
+
+    def __init__(self, path: Path, device: Device, warn: Any) -> None:
+        # entries[op][non-bucket key] -> [_Entry]
+        self.entries: dict[str, dict[str, list[_Entry]]] = defaultdict(lambda: defaultdict(list))
+        import json
+
+        with TuningDB(path, readonly=True) as db:
+            rows = db.rows(status=Status.OK, gpu_name=device.gpu_name, arch=device.arch,
+                           compile_only=False)
+        by_workload: dict[str, _Entry] = {}
+        for r in rows:
+            try:
+                fam = get_family(r["family"])
+                problem = fam.PROBLEM.from_key(r["workload_key"])
+                variant = fam.VARIANT.from_key(r["variant_key"])
+                tie = float(json.loads(r["policy"] or "{}").get("tie_rel", 0.01))
+                if not (r["median_us"] or 0) > 0:
+                    raise ValueError("non-positive median")
+            except Exception as e:       # unknown family, bad key, bad policy: skip the row
+                warn(("row", str(path), r.get("family")),
+                     f"{path}: skipping result {r.get('id')} ({r.get('family')}): {e}")
+                continue
+            entry = by_workload.get(r["workload_digest"])
+            if entry is None:
+                fields = bucket_fields(type(problem))
+                entry = _Entry(problem, tuple(int(getattr(problem, f)) for f in fields))
+                by_workload[r["workload_digest"]] = entry
+                nb = canonical_json(without_buckets(problem))
+                self.entries[type(problem).OP][nb].append(entry)
+            entry.rows.append(_Row(r["family"], variant, float(r["median_us"]),
+                                   int(r["space_index"]), r["fingerprint"], tie))
+
+
+class Dispatcher:
+    """Resolves (op, problem) to a variant; see the module docstring."""
+
+    def __init__(self, paths: Sequence[str | Path] | None = None, device: Device | None = None,
+                 explicit: str | Path | None = None) -> None:
+        self.device = device if device is not None else Device.current()
+        self.arch = self.device.arch if self.device is not None else settings().arch
+        self.paths = [Path(p) for p in paths] if paths is not None else \
+            default_db_paths(self.device, explicit)
+        # Paths the user named: a missing one is worth a warning (the cache DB is optional).
+        self._explicit = ({Path(p) for p in paths} if paths is not None else
+                          {Path(p) for p in (explicit, settings().db_path) if p is not None})
+        self._cache: dict[tuple, VariantBase] = {}
+        self._source: dict[tuple, str] = {}
+        self._tables: list[tuple[Path, _Table]] | None = None
+        self._fp: dict[tuple[str, str, str], str] = {}
+        self._warned: set = set()
+        self._lock = threading.RLock()
+
+    # -- public -------------------------------------------------------------------------------
+    def lookup(self, op: str, problem: ProblemBase, family: str | None = None) -> VariantBase:
+        """The variant to run for `problem` (see the module docstring)."""
+        key = (op, problem, family)
+        try:
+            return self._cache[key]
+        except KeyError:
+            pass
+        with self._lock:
+            v, src = self._resolve(op, problem, family)
+            self._cache[key] = v
+            self._source[key] = src
+        return v
+
+    def source(self, op: str, problem: ProblemBase, family: str | None = None) -> str:
+        """Where the answer came from: a database path and bucket, or "default"."""
+        self.lookup(op, problem, family)
+        return self._source[(op, problem, family)]
+
+    # -- internals -------------------------------------------------------------------------
+    def _warn(self, key: Any, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg)
+
+    def _load(self) -> list[tuple[Path, _Table]]:
+        if self._tables is not None:
+            return self._tables
+        tables = []
+        for p in self.paths:
+            if self.device is None:
+                break
+            try:
+                tables.append((p, _Table(p, self.device, self._warn)))
+            except MissingDatabaseError:
+                if p in self._explicit:
+                    self._warn(("db", str(p)), f"tuning database {p} does not exist")
+            except DatabaseError as e:
+                self._warn(("db", str(p)), f"ignoring tuning database: {e}")
+            except Exception as e:        # anything else from a bad file: still no crash
+                self._warn(("db", str(p)), f"ignoring tuning database {p}: "
+                                           f"{type(e).__name__}: {e}")
+        self._tables = tables
+        return tables
+
+    def _families(self, op: str, problem: ProblemBase, family: str | None
+                  ) -> list[KernelFamily]:
+        if family is not None:
+            fams = [get_family(family)]
+        else:
+            fams = [f for f in families_for(op, self.arch) if f.PROBLEM is type(problem)]
+            fams.sort(key=lambda f: f.NAME)
+        if not fams:
+            raise ValueError(f"no kernel family for op {op!r}, problem "
+                             f"{type(problem).__name__} on {self.arch}")
+        return fams
+
+    def _current_fp(self, fam: KernelFamily, v: VariantBase, tuned: ProblemBase) -> str:
+        k = (fam.NAME, v.key(), tuned.key())
+        fp = self._fp.get(k)
+        if fp is None:
+            try:
+                fp = variant_fingerprint(fam, v, tuned, self.arch)
+            except Exception as e:
+                self._warn(("fp", fam.NAME), f"cannot fingerprint {v.name()}: {e}")
+                fp = ""
+            self._fp[k] = fp
+        return fp
+
+    def _acceptable(self, fam: KernelFamily, row: _Row, tuned: ProblemBase,
+                    real: ProblemBase) -> bool:
+        if row.fingerprint != self._current_fp(fam, row.variant, tuned):
+            return False
+        try:
+            return fam.why_invalid(row.variant, real, self.arch) is None
+        except Exception:
+            return False
+
+    def _resolve(self, op: str, problem: ProblemBase, family: str | None
+                 ) -> tuple[VariantBase, str]:
+        if not isinstance(problem, ProblemBase) or type(problem).OP != op:
+            raise ValueError(f"problem {problem!r} is not a {op!r} problem")
+        fams = self._families(op, problem, family)
+        by_name = {f.NAME: f for f in fams}
+        fields = bucket_fields(type(problem))
+        real = tuple(int(getattr(problem, f)) for f in fields)
+        nb = canonical_json(without_buckets(problem))
+        # Nearest bucket first; for the same bucket, the database earlier in the order.
+        cands = sorted(((bucket_rank(real, e.buckets), i, path, e)
+                        for i, (path, table) in enumerate(self._load())
+                        for e in table.entries.get(op, {}).get(nb, ())),
+                       key=lambda c: (c[0], c[1]))
+        for _, _, path, entry in cands:
+            ok = [r for r in entry.rows if r.family in by_name
+                  and self._acceptable(by_name[r.family], r, entry.problem, problem)]
+            win = pick_winner([r.as_pick() for r in ok],
+                              min((r.tie_rel for r in ok), default=0.01))
+            if win is not None:
+                return win["row"].variant, f"{path} bucket {dict(zip(fields, entry.buckets))}"
+        # Miss: the family default, loud once per (op, bucket).
+        bucket = tuple(1 << max(0, (int(x) - 1)).bit_length() for x in real)
+        self._warn(("miss", op, nb, bucket),
+                   f"no tuned entry for {op} {nb} {dict(zip(fields, bucket))} on "
+                   f"{self.device.gpu_name if self.device else 'no GPU'}; using the default")
+        for fam in fams:
+            d = fam.default(problem, self.arch)
+            if fam.why_invalid(d, problem, self.arch) is None:
+                return d, "default"
+        raise ValueError(f"no family accepts {problem.key()} on {self.arch}: even the "
+                         f"default variant is invalid")
+
+
+_DISPATCHER: Dispatcher | None = None
+
+
+def dispatcher() -> Dispatcher:
+    global _DISPATCHER
+    if _DISPATCHER is None:
+        _DISPATCHER = Dispatcher()
+    return _DISPATCHER
+
+
+def reset(paths: Sequence[str | Path] | None = None, device: Device | None = None,
+          explicit: str | Path | None = None) -> Dispatcher:
+    """Replace the process-wide dispatcher (after tuning, or in tests)."""
+    global _DISPATCHER
+    _DISPATCHER = Dispatcher(paths, device, explicit)
+    return _DISPATCHER
+
+
+def lookup(op: str, problem: ProblemBase, family: str | None = None) -> VariantBase:
+    """The tuned variant for `problem` on this GPU (process-wide dispatcher)."""
+    d = _DISPATCHER
+    if d is None:
+        d = dispatcher()
+    return d.lookup(op, problem, family)

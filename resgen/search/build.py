@@ -1,0 +1,124 @@
+"""Render, fingerprint and compile one variant of a kernel family.
+
+Shared by the tuner (which compiles and stores the fingerprint with every result) and the
+runtime (which recomputes the fingerprint to refuse results of a changed template). A variant
+is rendered against `family.compile_key(variant, problem)`, the part of the problem the kernel
+is specialized on, so every M bucket that shares a compile key shares one source file, one
+fingerprint and one compile.
+
+Optional family attributes this module honours (none is required by the KernelFamily protocol):
+- `COMPILE_OPTIONS: str`   extra cute.compile options (part of the fingerprint);
+- `TEMPLATE_DIR: Path`     where TEMPLATE lives (default resgen/templates; tests use their own);
+- `ENTRY: str`             name of the @cute.jit entry in the rendered module (default: the
+                            module's own `ENTRY` attribute, else a function named `entry`);
+- `compile_module(path, variant, problem, arch) -> codegen.CompileResult`: compile the rendered
+  module yourself (families with several kernels, or test families without CuTe DSL).
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..kernels import codegen
+from .family import KernelFamily
+from .variant import ProblemBase, VariantBase
+
+__all__ = ["Rendered", "CompileOutcome", "compile_options", "render_variant",
+           "variant_fingerprint", "compile_variant", "entry_of"]
+
+
+def compile_options(family: KernelFamily) -> str:
+    return str(getattr(family, "COMPILE_OPTIONS", "") or "")
+
+
+def _template_dir(family: KernelFamily) -> Path | None:
+    d = getattr(family, "TEMPLATE_DIR", None)
+    return Path(d) if d is not None else None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    path: Path
+    source: str
+    fingerprint: str
+    compile_problem: ProblemBase
+
+
+def render_variant(family: KernelFamily, variant: VariantBase, problem: ProblemBase,
+                   arch: str) -> Rendered:
+    """Render the variant's module to the cache directory (written only when changed)."""
+    ck = family.compile_key(variant, problem)
+    params = family.template_params(variant, ck)
+    tdir = _template_dir(family)
+    path, source = codegen.render_to_file(family.TEMPLATE, params, family.NAME, template_dir=tdir)
+    fp = codegen.fingerprint(source, family.TEMPLATE, compile_options(family), arch, tdir)
+    return Rendered(path, source, fp, ck)
+
+
+def variant_fingerprint(family: KernelFamily, variant: VariantBase, problem: ProblemBase,
+                        arch: str) -> str:
+    """The fingerprint the variant would have now, without writing any file."""
+    ck = family.compile_key(variant, problem)
+    tdir = _template_dir(family)
+    source = codegen.render(family.TEMPLATE, family.template_params(variant, ck), tdir)
+    return codegen.fingerprint(source, family.TEMPLATE, compile_options(family), arch, tdir)
+
+
+@dataclass
+class CompileOutcome:
+    """What compiling one variant produced. `compiled` is the in-process callable (never
+    pickled: CuTe DSL compiled functions live in the process that compiled them)."""
+
+    ok: bool
+    fingerprint: str
+    seconds: float | None = None
+    registers: int | None = None
+    spill_bytes: int | None = None
+    error: str | None = None
+    compiled: Any = None
+
+    def stats(self) -> "CompileOutcome":
+        """A picklable copy without the compiled function."""
+        return CompileOutcome(self.ok, self.fingerprint, self.seconds, self.registers,
+                              self.spill_bytes, self.error, None)
+
+
+def entry_of(family: KernelFamily, module: Any) -> Any:
+    name = getattr(family, "ENTRY", None) or getattr(module, "ENTRY", None) or "entry"
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise AttributeError(f"rendered module {module.__name__} of family {family.NAME} has no "
+                             f"entry {name!r} (set ENTRY on the family or the module)")
+    return fn
+
+
+def format_error(e: BaseException, limit: int = 4000) -> str:
+    """Exception type, message and the innermost traceback lines, bounded for storage."""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
+    text = f"{type(e).__name__}: {e}\n{tb}"
+    return text if len(text) <= limit else text[:limit // 2] + "\n...\n" + text[-limit // 2:]
+
+
+def compile_variant(family: KernelFamily, variant: VariantBase, problem: ProblemBase,
+                    arch: str) -> CompileOutcome:
+    """Render and compile; never raises for a kernel problem (the error is in the outcome)."""
+    try:
+        r = render_variant(family, variant, problem, arch)
+    except Exception as e:
+        return CompileOutcome(False, "", error="render: " + format_error(e))
+    try:
+        hook = getattr(family, "compile_module", None)
+        if hook is not None:
+            res = hook(r.path, variant, r.compile_problem, arch)
+        else:
+            module = codegen.load_module(r.path)
+            res = codegen.compile_entry(entry_of(family, module),
+                                        family.compile_args(variant, r.compile_problem), arch,
+                                        compile_options(family))
+    except Exception as e:
+        return CompileOutcome(False, r.fingerprint, error=format_error(e))
+    return CompileOutcome(True, r.fingerprint, res.seconds, res.registers, res.spill_bytes,
+                          None, res.fn)

@@ -1,0 +1,169 @@
+"""What one tuning step produces: the environment it ran in and one result record.
+
+The tuner (this layer) produces records; the dispatch database (resgen.db, a higher layer)
+stores them and the runtime reads them back. The winner rule lives here so that the tuner's
+summary, `resgen show` and the runtime agree: the lowest median wins, and results within the
+policy's relative noise band of it are ties, resolved by the family's fixed space order.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from .. import __version__
+from .variant import ProblemBase, VariantBase, sha256_json
+
+__all__ = ["Environment", "current_environment", "compile_only_environment", "gpu_slug",
+           "arch_of_capability", "Status", "ResultRecord", "pick_winner"]
+
+
+class Status:
+    """Result status values (a result row's `status` column)."""
+
+    OK = "ok"                          # checked against the reference, then timed
+    COMPILED = "compiled"              # compile-only pre-flight: compiled, never run
+    COMPILE_FAILED = "compile_failed"  # rendering or compiling raised
+    CHECK_FAILED = "check_failed"      # ran, but the output disagreed with the reference
+    RUN_FAILED = "run_failed"          # preparing inputs, running or timing raised
+
+    ALL = (OK, COMPILED, COMPILE_FAILED, CHECK_FAILED, RUN_FAILED)
+
+
+def arch_of_capability(major: int, minor: int) -> str:
+    """CUDA compute capability -> the arch-specific target resgen compiles for."""
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
+def gpu_slug(gpu_name: str) -> str:
+    """"NVIDIA H200" -> "h200" (the shipped table's file stem, tuned/<slug>.sqlite)."""
+    words = [w for w in gpu_name.replace("-", " ").split() if w.upper() != "NVIDIA"]
+    if not words:
+        raise ValueError(f"cannot derive a table name from GPU name {gpu_name!r}")
+    return "".join(c for c in words[0].lower() if c.isalnum())
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Where results were produced. `digest` identifies it in the database."""
+
+    gpu_name: str
+    arch: str
+    compute_capability: str
+    sm_count: int
+    driver: str
+    cuda: str
+    torch: str
+    cute_dsl: str
+    resgen: str
+    compile_only: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def digest(self) -> str:
+        return sha256_json(self.as_dict())
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Environment":
+        names = set(cls.__dataclass_fields__)
+        if set(d) != names:
+            raise ValueError(f"environment fields {sorted(d)} != {sorted(names)}")
+        return cls(**{k: d[k] for k in names})
+
+
+def _versions() -> dict[str, str]:
+    from ..kernels.codegen import cute_dsl_version
+
+    try:
+        import torch
+
+        tv = torch.__version__
+    except Exception:          # the database layer can be used without torch
+        tv = "absent"
+    return {"torch": tv, "cute_dsl": cute_dsl_version(), "resgen": __version__}
+
+
+def compile_only_environment(arch: str) -> Environment:
+    """The environment of a compile-only pre-flight (no GPU; nothing timed)."""
+    v = _versions()
+    return Environment(gpu_name=f"none (compile-only, {platform.machine()})", arch=arch,
+                       compute_capability="", sm_count=0, driver="", cuda="",
+                       torch=v["torch"], cute_dsl=v["cute_dsl"], resgen=v["resgen"],
+                       compile_only=True)
+
+
+def _driver_version() -> str:
+    try:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuInit(0)
+        err, ver = driver.cuDriverGetVersion()
+        if int(err) == 0:
+            return f"{ver // 1000}.{(ver % 1000) // 10}"
+    except Exception:
+        pass
+    return "unknown"
+
+
+def current_environment(device: int = 0) -> Environment:
+    """Facts of CUDA device `device` (needs a GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("current_environment() needs a CUDA GPU")
+    props = torch.cuda.get_device_properties(device)
+    v = _versions()
+    return Environment(gpu_name=props.name, arch=arch_of_capability(props.major, props.minor),
+                       compute_capability=f"{props.major}.{props.minor}",
+                       sm_count=int(props.multi_processor_count), driver=_driver_version(),
+                       cuda=str(torch.version.cuda), torch=v["torch"], cute_dsl=v["cute_dsl"],
+                       resgen=v["resgen"], compile_only=False)
+
+
+@dataclass
+class ResultRecord:
+    """One (workload, variant, fingerprint, environment) outcome; timings in microseconds."""
+
+    problem: ProblemBase
+    variant: VariantBase
+    environment: Environment
+    fingerprint: str
+    status: str
+    space_index: int
+    median_us: float | None = None
+    q10_us: float | None = None
+    q90_us: float | None = None
+    samples_us: Sequence[float] = ()
+    launches: int | None = None
+    n_sets: int | None = None
+    timing_mode: str | None = None
+    policy: Mapping[str, Any] = field(default_factory=dict)
+    rel_err: float | None = None
+    error: str | None = None
+    registers: int | None = None
+    spill_bytes: int | None = None
+    compile_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in Status.ALL:
+            raise ValueError(f"status {self.status!r} is not one of {Status.ALL}")
+        if self.status == Status.OK and (self.median_us is None or not self.median_us > 0):
+            raise ValueError("an ok result needs a positive median_us")
+
+
+def pick_winner(rows: Iterable[Mapping[str, Any]], tie_rel: float = 0.01
+                ) -> Mapping[str, Any] | None:
+    """The winning row among timed rows (keys "median_us", "space_index").
+
+    Lowest median; any row within `tie_rel` (relative) of it is a tie, and ties go to the
+    lowest space_index (the family's fixed order), so noise never flips a near-tie winner.
+    """
+    timed = [r for r in rows if r.get("median_us") is not None]
+    if not timed:
+        return None
+    best = min(float(r["median_us"]) for r in timed)
+    near = [r for r in timed if float(r["median_us"]) <= best * (1.0 + tie_rel)]
+    return min(near, key=lambda r: (int(r["space_index"]), float(r["median_us"])))

@@ -1,0 +1,255 @@
+"""The tuner on the fake family: search, budgets, resume, compile cache, failures, ties."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import shutil
+import time
+
+import pytest
+
+import fakefam
+from fakefam import (FakeFamily, FakeProblem, FakeVariant, Pack, fake_us,  # noqa: F401
+                     isolated_cache, make_env, tune_fake)
+from resgen.db import TuningDB
+from resgen.search.record import Status
+from resgen.search.timing import DEFAULT_POLICY, MeasurementPolicy, summarize
+from resgen.search.tuner import (Job, TuneConfig, Tuner, gpu_lock, run_jobs,
+                                 working_set_bytes)
+from resgen.search.variant import LinearProblem
+
+pytestmark = pytest.mark.usefixtures("isolated_cache")
+FAM = fakefam.FAMILY
+
+
+def _valid(p: FakeProblem, arch: str = "sm_90a") -> list[FakeVariant]:
+    return [v for v in FAM.space(p, arch) if FAM.why_invalid(v, p, arch) is None]
+
+
+class CountingTimer:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(self, runner, policy, n_sets):
+        self.calls.append(runner.v.key())
+        return fakefam.fake_timer(runner, policy, n_sets)
+
+
+def test_exhaustive_small_space_finds_the_fastest_checked_variant(tmp_path):
+    p = FakeProblem(m=16, k=4096)
+    valid = _valid(p)
+    timer = CountingTimer()
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[16], max_variants=len(valid), timer=timer)
+    assert s.search == "exhaustive" and s.evaluated == len(valid)
+    assert s.space == 64 and s.invalid == 64 - len(valid)
+    assert s.invalid_reasons and all(isinstance(r, str) for r in s.invalid_reasons)
+    # The default goes first, then the fixed space order.
+    assert timer.calls[0] == FakeVariant().key()
+    # Injected failures: 3 stages + pack b fail to compile; split + pack b fail the check.
+    bad_compile = [v for v in valid if v.stages == 3 and v.pack is Pack.B]
+    bad_check = [v for v in valid if v.split and v.pack is Pack.B and v not in bad_compile]
+    assert s.compile_failed == len(bad_compile) and s.check_failed == len(bad_check)
+    assert s.timed == len(valid) - len(bad_compile) - len(bad_check)
+    timed_keys = set(timer.calls)
+    assert not timed_keys & {v.key() for v in bad_compile + bad_check}   # never timed
+    good = [v for v in valid if v not in bad_compile + bad_check]
+    best = min(good, key=lambda v: (fake_us(v, p), FAM.space(p, "sm_90a").index(v)))
+    assert s.winner == best.name()
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        rows = db.rows()
+        assert len(rows) == len(valid)
+        by_status = {st: [r for r in rows if r["status"] == st] for st in Status.ALL}
+        assert len(by_status[Status.OK]) == s.timed
+        assert all("injected compile failure" in r["error"]
+                   for r in by_status[Status.COMPILE_FAILED])
+        assert all(r["rel_err"] == 0.5 and "injected wrong answer" in r["error"]
+                   for r in by_status[Status.CHECK_FAILED])
+        assert all(r["registers"] == 32 + 8 * FakeVariant.from_key(r["variant_key"]).stages
+                   for r in by_status[Status.OK])
+        assert all(r["space_index"] == FAM.space(p, "sm_90a").index(
+            FakeVariant.from_key(r["variant_key"])) for r in rows)
+        ok = by_status[Status.OK][0]
+        assert ok["policy_name"] == DEFAULT_POLICY.name and ok["timing_mode"] == "fake"
+
+
+def test_compile_once_per_compile_key_across_m_buckets(tmp_path):
+    fakefam.COMPILES.clear()
+    tune_fake(tmp_path / "t.sqlite", ms=[1, 4, 8, 16, 64], max_variants=64)
+    assert fakefam.COMPILES, "nothing compiled"
+    assert len(fakefam.COMPILES) == len(set(fakefam.COMPILES))
+    assert {ck for _, ck in fakefam.COMPILES} == {FakeProblem(m=1, k=4096).key()}
+
+
+def test_optuna_search_is_seeded_budgeted_and_deterministic(tmp_path):
+    def order(path, seed):
+        tune_fake(path, ms=[64], max_variants=10, seed=seed)
+        with TuningDB(path, readonly=True) as db:
+            return [r["variant_key"] for r in
+                    db.db.query("SELECT v.key AS variant_key FROM results r JOIN variants v "
+                                "ON v.id = r.variant_id ORDER BY r.id")]
+    assert len(_valid(FakeProblem(m=64, k=4096))) > 10
+    a = order(tmp_path / "a.sqlite", 0)
+    b = order(tmp_path / "b.sqlite", 0)
+    c = order(tmp_path / "c.sqlite", 1)
+    assert a == b                                   # same seed, same timings: same trials
+    assert len(a) == len(set(a)) == 10              # the budget counts distinct variants
+    assert a[0] == FakeVariant().key()              # the default is enqueued first
+    assert a != c
+
+
+def test_resume_skips_stored_rows_and_times_only_new_variants(tmp_path):
+    path = tmp_path / "t.sqlite"
+    t1 = CountingTimer()
+    (s1,) = tune_fake(path, ms=[16], max_variants=4, timer=t1)
+    t2 = CountingTimer()
+    (s2,) = tune_fake(path, ms=[16], max_variants=4, timer=t2)
+    assert t2.calls == [] and s2.resumed == s1.evaluated and s2.winner == s1.winner
+    t3 = CountingTimer()
+    (s3,) = tune_fake(path, ms=[16], max_variants=8, timer=t3)
+    assert s3.resumed == 4 and s3.evaluated == 8
+    assert not set(t3.calls) & set(t1.calls)         # adding variants re-times only new ones
+    with TuningDB(path, readonly=True) as db:
+        assert len(db) == 8
+    with TuningDB(path, readonly=True) as db:
+        ok_before = {r["variant_key"]: r["id"] for r in db.rows(status=Status.OK)}
+    t4 = CountingTimer()
+    tune_fake(path, ms=[16], max_variants=8, timer=t4, resume=False)
+    assert sorted(t4.calls) == sorted(ok_before)     # --no-resume re-times everything
+    with TuningDB(path, readonly=True) as db:
+        assert len(db) == 8                          # ... replacing, not duplicating, rows
+
+
+def test_template_change_invalidates_stored_results(tmp_path, monkeypatch):
+    path = tmp_path / "t.sqlite"
+    (s1,) = tune_fake(path, ms=[4], max_variants=3)
+    tdir = tmp_path / "templates"
+    shutil.copytree(fakefam.TEMPLATES, tdir)
+    (tdir / "fake_kernel.py.j2").write_text((tdir / "fake_kernel.py.j2").read_text()
+                                            + "\n# edited\n")
+    monkeypatch.setattr(FakeFamily, "TEMPLATE_DIR", tdir)
+    timer = CountingTimer()
+    (s2,) = tune_fake(path, ms=[4], max_variants=3, timer=timer)
+    assert s2.resumed == 0 and len(timer.calls) == s2.timed > 0
+    with TuningDB(path, readonly=True) as db:
+        assert len({r["fingerprint"] for r in db.rows()}) == 2 * s1.evaluated
+
+
+def test_time_budget_still_gives_every_workload_one_variant(tmp_path):
+    env = make_env()
+    cfg = TuneConfig(arch="sm_90a", max_variants=64)
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        tuner = Tuner(db, env, cfg, fakefam.fake_timer)
+        s = tuner.tune(FAM, FakeProblem(m=16, k=4096), deadline=time.monotonic() - 1)
+    assert s.evaluated == 1 and s.stopped_by == "time_budget" and s.winner is not None
+    summaries = tune_fake(tmp_path / "u.sqlite", ms=[1, 4, 16], max_variants=64,
+                          time_budget_s=1e-6)
+    assert [x.evaluated for x in summaries] == [1, 1, 1]
+
+
+def test_ties_within_noise_go_to_the_space_order(tmp_path):
+    def flat(runner, policy, n_sets):          # every variant within 0.5%: all ties
+        jitter = 1.0 + 0.005 * (hash(runner.v.key()) % 2)
+        return summarize([10.0 * jitter] * 3, policy, launches=8, n_sets=n_sets, mode="fake")
+    p = FakeProblem(m=16, k=4096)
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[16], max_variants=64, timer=flat)
+    assert s.winner == _valid(p)[0].name() == FAM.space(p, "sm_90a")[0].name()
+
+
+def test_broken_family_parts_are_recorded_not_fatal(tmp_path, monkeypatch):
+    original = FakeFamily.why_invalid
+
+    def bad_why(self, v, p, arch):
+        if v.stages == 2:
+            raise KeyError("predicate bug")
+        return original(self, v, p, arch)
+
+    class Boom(fakefam.FakeRunner):
+        def check(self):
+            raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(FakeFamily, "why_invalid", bad_why, raising=True)
+    monkeypatch.setattr(FakeFamily, "runner",
+                        lambda self, c, v, p, d, n_sets=1, seed=0: Boom(v, p, c, n_sets))
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[16], max_variants=64)
+    assert any("predicate bug" in r for r in s.invalid_reasons)
+    assert s.run_failed > 0 and s.timed == 0 and s.winner is None
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        errs = [r["error"] for r in db.rows() if r["status"] == Status.RUN_FAILED]
+    assert errs and all("device fell over" in e for e in errs)
+
+
+def test_space_failure_and_empty_space_are_reported(tmp_path, monkeypatch):
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[1], k=1000, max_variants=4)
+    assert s.winner is not None                           # split variants invalid, others ok
+    monkeypatch.setattr(FakeFamily, "why_invalid", lambda self, v, p, a: "never")
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[2], max_variants=4)
+    assert s.error == "no valid variant in the space" and s.invalid == 64
+    monkeypatch.setattr(FakeFamily, "space", lambda self, p, a: 1 / 0)
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[2], max_variants=4)
+    assert s.error.startswith("space() raised")
+
+
+def test_compile_only_records_compiles_and_runs_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(FakeFamily, "runner", lambda *a, **k: pytest.fail("ran a kernel"))
+    env = make_env(gpu_name="none (compile-only)", compile_only=True)
+    sums = tune_fake(tmp_path / "t.sqlite", ms=[1, 16], env=env, max_variants=64,
+                     timer=lambda *a: pytest.fail("timed"))
+    assert all(s.timed == 0 and s.compiled > 0 for s in sums)
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        rows = db.rows()
+        assert {r["status"] for r in rows} == {Status.COMPILED, Status.COMPILE_FAILED}
+        assert all(r["compile_only"] == 1 and r["median_us"] is None for r in rows)
+        assert len(rows) == sum(s.evaluated for s in sums)
+    with pytest.raises(ValueError):
+        Tuner(None, env, TuneConfig(compile_only=False))
+
+
+def test_parallel_workers_compile_only(tmp_path):
+    env = make_env(gpu_name="none (compile-only)", compile_only=True)
+    cfg = TuneConfig(arch="sm_90a", compile_only=True, max_variants=64)
+    jobs = [Job(FAM.NAME, FakeProblem(m=m, n=n, k=4096).key())
+            for n in (256, 512, 1024) for m in (1, 16)]
+    events = []
+    sums = run_jobs(jobs, functools.partial(TuningDB, tmp_path / "t.sqlite"), env, cfg,
+                    workers=2, modules=["fakefam"], on_event=lambda k, o: events.append(k))
+    assert len(sums) == len(jobs) and events.count("done") == len(jobs)
+    assert "crash" not in events
+    assert {s.problem_key for s in sums} == {j.problem_key for j in jobs}
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        assert len(db) == sum(s.evaluated for s in sums) and db.verify().ok
+    with pytest.raises(ValueError, match="gpu_lock"):
+        run_jobs(jobs, functools.partial(TuningDB, tmp_path / "u.sqlite"), make_env(),
+                 TuneConfig(), workers=2)
+
+
+def test_gpu_lock_is_exclusive_across_processes(tmp_path):
+    import multiprocessing as mp
+
+    lock = str(tmp_path / "gpu.lock")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with gpu_lock(lock):
+        p = ctx.Process(target=_lock_child, args=(lock, q))
+        p.start()
+        time.sleep(1.0)
+        assert q.empty()                       # the child waits while we hold the lock
+    assert q.get(timeout=30) == "got it"
+    p.join(timeout=30)
+
+
+def _lock_child(lock, q):
+    with gpu_lock(lock):
+        q.put("got it")
+
+
+def test_working_set_and_rotation_sets():
+    p = LinearProblem(fmt="nvfp4", compensation="none", m=1, n=24576, k=4096)
+    ws = working_set_bytes(FAM, FakeVariant(), p)
+    assert ws >= 24576 * 4096 * 0.5625                     # at least the FP4 weights
+    assert DEFAULT_POLICY.sets_for(ws) == 3                 # 2 x 60 MB / 56.6 MB -> 3 sets
+    small = LinearProblem(m=1, n=4096, k=4096)
+    assert DEFAULT_POLICY.sets_for(working_set_bytes(FAM, FakeVariant(), small)) == 13
+    kext = dataclasses.replace(p, compensation="0.5")
+    assert working_set_bytes(FAM, FakeVariant(), kext) > ws
+    assert MeasurementPolicy(max_sets=4).sets_for(1) == 4
