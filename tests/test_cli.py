@@ -1,0 +1,132 @@
+"""The `resgen` CLI on a CPU machine: tune falls back to the compile-only pre-flight, show,
+db verify / merge / export, the report/plan delegation, `python -m resgen`."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import types
+
+import pytest
+
+import fakefam
+from fakefam import isolated_cache, make_env, subprocess_env  # noqa: F401
+from resgen.cli import main
+from resgen.db import TuningDB
+from resgen.search.record import Status
+
+pytestmark = pytest.mark.usefixtures("isolated_cache")
+
+torch = pytest.importorskip("torch")
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+
+TUNE = ["tune", "--model", "qwen3-8b", "--families", "fake_gemm", "--import", "fakefam",
+        "--formats", "nvfp4", "--compensations", "none,full", "--m-buckets", "1,16"]
+
+
+@no_gpu
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_tune_without_gpu_runs_the_compile_only_preflight(tmp_path, capsys, jobs):
+    db = tmp_path / "pre.sqlite"
+    rc = main(TUNE + ["--db", str(db), "--jobs", jobs, "--json", str(tmp_path / "s.json")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "No CUDA GPU found" in err and "COMPILE-ONLY" in err
+    assert "COMPILE-ONLY PRE-FLIGHT (nothing was run or timed)" in out
+    assert "fake_gemm" in out
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["mode"] == "compile-only" and summary["environment"]["compile_only"]
+    # 4 Qwen3-8B shapes x 2 compensations x 2 M buckets.
+    assert len(summary["workloads"]) == 16
+    with TuningDB(db, readonly=True) as d:
+        rows = d.rows()
+        assert rows and {r["status"] for r in rows} <= {Status.COMPILED, Status.COMPILE_FAILED}
+        assert {r["compile_only"] for r in rows} == {1}
+        assert all(r["median_us"] is None for r in rows)
+        assert {r["arch"] for r in rows} == {"sm_90a"}
+        keys = {json.loads(r["workload_key"])["n"] for r in rows}
+        assert keys == {6144, 4096, 24576}
+    # Resume: a second run compiles nothing new.
+    fakefam.COMPILES.clear()
+    assert main(TUNE + ["--db", str(db), "--jobs", "1"]) == 0
+    assert fakefam.COMPILES == []
+
+
+@no_gpu
+def test_show_verify_merge_export(tmp_path, capsys):
+    a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    fakefam.tune_fake(a, ms=[1, 16], max_variants=6)                 # timed, fake GPU
+    fakefam.tune_fake(b, ms=[4], max_variants=4, env=make_env("Fake GPU 2"))
+    capsys.readouterr()
+    assert main(["show", "--db", str(a), "--import", "fakefam"]) == 0
+    out = capsys.readouterr().out
+    assert "winner" in out and "fake_gemm:tile" in out and "yes" in out
+    assert out.count("\nfake_gemm") == 2                           # two workloads
+    assert main(["db", "verify", str(a), "--import", "fakefam"]) == 0
+    assert "OK" in capsys.readouterr().out
+    merged = tmp_path / "m.sqlite"
+    assert main(["db", "merge", str(a), str(b), "--into", str(merged)]) == 0
+    with TuningDB(merged, readonly=True) as d, TuningDB(a, readonly=True) as da, \
+            TuningDB(b, readonly=True) as dbb:
+        assert len(d) == len(da) + len(dbb)
+    assert main(["db", "export", str(merged), "--out", str(tmp_path / "x.json")]) == 0
+    js = json.loads((tmp_path / "x.json").read_text())
+    assert len(js["results"]) == len(TuningDB(merged, readonly=True))
+    assert main(["db", "export", str(merged), "--out", str(tmp_path / "ship.sqlite")]) == 0
+    assert main(["db", "verify", str(tmp_path / "ship.sqlite")]) == 0
+    # Damage is reported with a non-zero exit code.
+    c = sqlite3.connect(a)
+    c.execute("UPDATE results SET median_us = median_us / 2")
+    c.commit()
+    c.close()
+    capsys.readouterr()
+    assert main(["db", "verify", str(a)]) == 1
+    assert "checksum" in capsys.readouterr().out
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"not a database at all" * 10)
+    assert main(["db", "verify", str(junk)]) == 2
+    assert "not an SQLite database" in capsys.readouterr().err
+    assert main(["show", "--db", str(junk)]) == 2
+
+
+def test_report_and_plan_are_delegated(monkeypatch):
+    seen = {}
+    fake = types.ModuleType("resgen.quality.cli")
+    fake.report_main = lambda argv: seen.setdefault("report", argv) and 0
+    fake.plan_main = lambda argv: (seen.setdefault("plan", argv), 3)[1]
+    monkeypatch.setitem(sys.modules, "resgen.quality.cli", fake)
+    import resgen.quality as q
+
+    monkeypatch.setattr(q, "cli", fake, raising=False)
+    assert main(["report", "--quick", "--fmt", "nvfp4"]) == 0
+    assert main(["plan", "--model", "x", "--budget", "5.0"]) == 3
+    assert seen == {"report": ["--quick", "--fmt", "nvfp4"],
+                    "plan": ["--model", "x", "--budget", "5.0"]}
+
+
+@no_gpu
+def test_bench_needs_a_gpu(capsys):
+    assert main(["bench", "--model", "qwen3-8b"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", "--model", "qwen3-8b", "--m-buckets", "1,zero"])
+    with pytest.raises(SystemExit):
+        main(["tune"])
+    assert main(TUNE[:3] + ["--families", "nope", "--compile-only"]) == 2
+    assert "unknown families" in capsys.readouterr().err
+
+
+def test_python_dash_m_resgen(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "resgen", "--help"], capture_output=True,
+                       text=True, env=subprocess_env(), timeout=120)
+    assert r.returncode == 0 and "tune" in r.stdout and "report" in r.stdout
+    fakefam.tune_fake(tmp_path / "a.sqlite", ms=[1], max_variants=2)
+    r = subprocess.run([sys.executable, "-m", "resgen", "db", "verify",
+                        str(tmp_path / "a.sqlite")], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
