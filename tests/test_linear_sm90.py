@@ -3,6 +3,8 @@ the variant space and predicate, and compile-only checks of the kernel for sm_90
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,12 +59,13 @@ def _adversarial_mxfp4(n=32, k=256, seed=0) -> C.QLinearWeight:
 # ----------------------------------------------------------------------------- layout
 
 
+@pytest.mark.parametrize("packing", L.PACKINGS)
 @pytest.mark.parametrize("make", [_adversarial_nvfp4, _adversarial_mxfp4])
-def test_fragment_values_are_exact_dequantized_weights(make):
+def test_fragment_values_are_exact_dequantized_weights(make, packing):
     """Decoded pair x expanded scale, multiplied in BF16, equals w_hat / alpha * 2^-7 bit for
     bit at every (row, column): -0, subnormal E2M1 x 2^-126, every scale byte."""
     qw = make()
-    wt = L.prepare_sm90_weight(qw)
+    wt = L.prepare_sm90_weight(qw, packing)
     frag = L.fragment_weight_values(wt)
     dense = L.dense_from_fragments(frag)
     ref = F.dequantize(qw.q, apply_global_scale=False)
@@ -71,11 +74,23 @@ def test_fragment_values_are_exact_dequantized_weights(make):
     assert torch.equal(torch.signbit(dense * 128), torch.signbit(ref))
 
 
-def test_pair_decode_of_every_code_is_e2m1_times_2_pow_minus_126():
+def _place(codes, s, packing):
+    if packing == "nib":
+        return codes << L._NIB_SHIFT[s]
+    return ((codes & 7) << L._SPLIT_MAG[s]) | ((codes >> 3) << L._SPLIT_SIGN[s])
+
+
+@pytest.mark.parametrize("packing", L.PACKINGS)
+def test_pair_decode_of_every_code_is_e2m1_times_2_pow_minus_126(packing):
     codes = torch.arange(16, dtype=torch.int64)
+    used = 0
     for s in range(8):
-        w = (codes << L._NIB_SHIFT[s]).to(torch.int32)
-        r = L.decode_pairs(w)                                      # [16, 4]
+        pos = _place(torch.tensor([15]), s, packing)
+        assert int(pos) & used == 0, "two slots share a bit"
+        used |= int(pos)
+        w = _place(codes, s, packing)
+        w = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+        r = L.decode_pairs(w, packing)                             # [16, 4]
         p, half = L._SLOT_ROW[s] + 2 * (L._SLOT_COL[s] // 2), L._SLOT_COL[s] % 2
         bits = (r[:, p] >> (16 * half)) & 0xFFFF
         val = L._bf16_halves(bits)[:, 0].float()
@@ -83,6 +98,8 @@ def test_pair_decode_of_every_code_is_e2m1_times_2_pow_minus_126():
         assert torch.equal(torch.signbit(val), torch.signbit(F.e2m1_values()))
         others = [q for q in range(4) if q != p]
         assert bool((r[:, others] == 0).all()), "a code leaked into another pair"
+        assert bool(((r[:, p] >> (16 * (1 - half))) & 0xFFFF == 0).all()), "leak into the pair"
+    assert used == 0xFFFFFFFF
 
 
 @pytest.mark.parametrize("fmt", F.FORMATS)
@@ -174,12 +191,13 @@ def test_word_bits_follow_the_documented_map():
 # ----------------------------------------------------------------------------- emulator
 
 
+@pytest.mark.parametrize("packing", L.PACKINGS)
 @pytest.mark.parametrize("fmt", F.FORMATS)
 @pytest.mark.parametrize("comp", ["none", "full", 0.125, 0.25, 0.5, 1.0])
-def test_emulator_matches_reference_linear(fmt, comp):
+def test_emulator_matches_reference_linear(fmt, comp, packing):
     ratio = comp if isinstance(comp, float) else None
     x, qw = _qweight(fmt, ratio=ratio, seed=7)
-    wt = L.prepare_sm90_weight(qw)
+    wt = L.prepare_sm90_weight(qw, packing)
     xop, ax = make_xop(x, qw, comp)
     y = L.emulate_linear_sm90(xop, wt, x.shape[0], xop_layout_for(comp), ax)
     ref = R.linear(x, qw, comp)
@@ -237,3 +255,191 @@ def test_make_xop_rejects_mismatched_inputs():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         make_xop(bad, qw)
+
+
+# ----------------------------------------------------------------------------- variants
+
+from resgen.kernels.linear_sm90_geom import Geometry  # noqa: E402
+from resgen.kernels.linear_sm90_sim import simulate_kernel  # noqa: E402
+from resgen.search import family as family_registry  # noqa: E402
+from resgen.search.linear_sm90 import (FAMILY, LinearSm90Variant, Packing,  # noqa: E402
+                                       Reduction, compare, geometry_of)
+from resgen.search.variant import LinearProblem  # noqa: E402
+
+ARCH = "sm_90a"
+QWEN = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+
+
+def test_family_is_registered():
+    assert family_registry.get_family("linear_sm90_mma") is FAMILY
+
+
+def test_variant_key_changes_with_every_field():
+    base = LinearSm90Variant()
+    other = {"warps_m": 2, "warps_k": 4, "m_tiles": 2, "n_tiles": 2, "groups": 2,
+             "prefetch": False, "split_k": 2, "reduce": Reduction.WORKSPACE,
+             "packing": Packing.NIB}
+    assert set(other) == {f.name for f in dataclasses.fields(LinearSm90Variant)}
+    keys = {base.key()}
+    for name, value in other.items():
+        v = dataclasses.replace(base, **{name: value})
+        assert v.key() not in keys, name
+        keys.add(v.key())
+        assert LinearSm90Variant.from_key(v.key()) == v
+        assert LinearSm90Variant.from_dict(v.as_dict()) == v
+
+
+def test_variant_from_dict_rejects_bad_values():
+    d = LinearSm90Variant().as_dict()
+    for field_name, bad in (("warps_m", 3), ("m_tiles", 8), ("reduce", "sum"),
+                            ("packing", "nibble"), ("prefetch", 1), ("groups", 3)):
+        dd = dict(d, **{field_name: bad})
+        with pytest.raises(ValueError):
+            LinearSm90Variant.from_dict(dd)
+
+
+@pytest.mark.parametrize("v, p, reason", [
+    (LinearSm90Variant(), LinearProblem(n=40, k=4096), "multiple of 16"),
+    (LinearSm90Variant(warps_m=8, warps_k=2), LinearProblem(), "warps"),
+    (LinearSm90Variant(warps_m=4, m_tiles=4), LinearProblem(n=128, k=4096), "N=128"),
+    (LinearSm90Variant(split_k=2), LinearProblem(), "needs reduce"),
+    (LinearSm90Variant(reduce=Reduction.ATOMIC), LinearProblem(), "without split_k"),
+    (LinearSm90Variant(warps_m=1, warps_k=4, split_k=4, reduce=Reduction.WORKSPACE),
+     LinearProblem(k=4096 + 256), "do not split evenly"),
+    (LinearSm90Variant(m_tiles=4, groups=2), LinearProblem(), "register estimate"),
+])
+def test_why_invalid_gives_reasons(v, p, reason):
+    why = FAMILY.why_invalid(v, p, ARCH)
+    assert why is not None and reason in why, why
+
+
+def test_why_invalid_rejects_other_arches():
+    assert "sm_90a" in FAMILY.why_invalid(LinearSm90Variant(), LinearProblem(), "sm_100a")
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+@pytest.mark.parametrize("comp", ["none", "full", "0.125", "1.0"])
+@pytest.mark.parametrize("n, k", QWEN + [(48, 320)])
+def test_space_is_valid_deterministic_and_holds_the_default(fmt, comp, n, k):
+    p = LinearProblem(fmt=fmt, compensation=comp, m=4, n=n, k=k)
+    space = FAMILY.space(p, ARCH)
+    assert space and space == FAMILY.space(p, ARCH)
+    assert len({v.key() for v in space}) == len(space)
+    assert all(FAMILY.why_invalid(v, p, ARCH) is None for v in space)
+    d = FAMILY.default(p, ARCH)
+    assert FAMILY.why_invalid(d, p, ARCH) is None
+    assert any(v == d for v in space) or len(space) > 0
+
+
+def test_compile_key_drops_m_only():
+    v = LinearSm90Variant()
+    a = FAMILY.compile_key(v, LinearProblem(m=1, compensation="full"))
+    b = FAMILY.compile_key(v, LinearProblem(m=16, compensation="full"))
+    c = FAMILY.compile_key(v, LinearProblem(m=16, compensation="none"))
+    assert a == b and a != c
+    assert FAMILY.template_params(v, a) == FAMILY.template_params(v, b)
+
+
+# ----------------------------------------------------------------------------- kernel simulation
+
+SIM_CASES = [
+    ("nvfp4", "none", 3, dict(warps_m=2, warps_k=2)),
+    ("nvfp4", "full", 3, dict(warps_m=4, warps_k=1, packing=Packing.NIB)),
+    ("mxfp4", "full", 5, dict(warps_m=1, warps_k=4, m_tiles=2, n_tiles=2)),
+    ("nvfp4", "1.0", 9, dict(warps_m=2, warps_k=2, split_k=2, reduce=Reduction.WORKSPACE,
+                             groups=1, prefetch=False)),
+    ("mxfp4", "none", 9, dict(warps_m=4, warps_k=1, split_k=4, reduce=Reduction.ATOMIC)),
+    ("nvfp4", "0.125", 2, dict(warps_m=1, warps_k=1, m_tiles=4, groups=1)),
+    ("mxfp4", "full", 11, dict(warps_m=2, warps_k=1, n_tiles=4, split_k=2, groups=2,
+                               reduce=Reduction.WORKSPACE, packing=Packing.NIB)),
+]
+
+
+@pytest.mark.parametrize("fmt, comp, m, fields", SIM_CASES)
+def test_kernel_simulation_matches_emulator_bit_for_bit(fmt, comp, m, fields):
+    """The template's index math (shared Geometry) + PTX fragment semantics reproduce the
+    emulator's BF16 output exactly, for CTAs run in a shuffled order."""
+    import random
+
+    n, k = 64, 1024
+    p = LinearProblem(fmt=fmt, compensation=comp, m=m, n=n, k=k)
+    v = LinearSm90Variant(**fields)
+    assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
+    ratio = p.ratio
+    x, qw = _qweight(fmt, n=n, k=k, seed=11, ratio=ratio)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    geom = geometry_of(v, p)
+    wt = L.prepare_sm90_weight(qw, v.packing.value)
+    c = ratio if ratio is not None else comp
+    xop, ax = make_xop(x, qw, c, t_multiple=geom.tok)
+    rows = p.rows
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    gx, gy, gz = geom.grid(rows)
+    order = [(a, b, z) for a in range(gx) for b in range(gy) for z in range(gz)]
+    random.Random(5).shuffle(order)
+    ws = torch.zeros(max(geom.ws_floats(rows, m), 1))
+    simulate_kernel(geom, wt, xop, m, rows, ax, out, ws=ws, cta_order=order)
+    emu = L.emulate_linear_sm90(xop, wt, m, xop_layout_for(c), ax).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), emu.view(torch.int16))
+    assert compare(out, R.linear(x, qw, c)).ok
+    if v.reduce == Reduction.ATOMIC:     # the next call accumulates into it again
+        assert bool((ws == 0).all()), "atomic workspace not left at zero"
+
+
+
+# ----------------------------------------------------------------------------- compile (sm_90a)
+
+COMPILE_CASES = [
+    (LinearProblem("nvfp4", "none", 1, 4096, 4096), LinearSm90Variant(4, 2, 1, 1, 1, True)),
+    (LinearProblem("nvfp4", "full", 4, 24576, 4096),
+     LinearSm90Variant(2, 2, 2, 1, 2, True, packing=Packing.NIB)),
+    (LinearProblem("mxfp4", "full", 16, 4096, 12288),
+     LinearSm90Variant(1, 4, 1, 4, 1, False, 2, Reduction.WORKSPACE)),
+    (LinearProblem("mxfp4", "none", 16, 6144, 4096),
+     LinearSm90Variant(4, 1, 1, 2, 1, True, 4, Reduction.ATOMIC)),
+    (LinearProblem("nvfp4", "0.125", 2, 4096, 4096),
+     LinearSm90Variant(8, 1, 1, 1, 1, True, 2, Reduction.WORKSPACE)),
+    (LinearProblem("nvfp4", "full", 64, 4096, 4096), LinearSm90Variant(2, 4, 1, 8, 1, True)),
+]
+
+
+def _compile(v, p, tmp_path):
+    from resgen.kernels import codegen
+
+    ck = FAMILY.compile_key(v, p)
+    path, _ = codegen.render_to_file(FAMILY.TEMPLATE, FAMILY.template_params(v, ck),
+                                     FAMILY.NAME, root=tmp_path)
+    mod = codegen.load_module(path)
+    return codegen.compile_entry(getattr(mod, FAMILY.ENTRY), FAMILY.compile_args(v, ck), ARCH)
+
+
+@pytest.mark.parametrize("p, v", COMPILE_CASES, ids=lambda x: x.name() if hasattr(x, "name")
+                         else f"{x.fmt}-{x.compensation}-{x.n}x{x.k}")
+def test_compiles_for_sm90a_without_spills(p, v, tmp_path):
+    assert FAMILY.why_invalid(v, p, ARCH) is None
+    res = _compile(v, p, tmp_path)
+    ptx = res.ptx
+    assert ptx and ".target sm_90a" in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "mul.rn.bf16x2" in ptx and "mul.rn.ftz" not in ptx
+    assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert res.spill_bytes == 0, f"{res.spill_bytes} bytes of local memory"
+    assert res.registers is not None and res.registers <= 255
+    # the per-iteration MMA count: 4 chunks x 4 k16 steps x MT x NT per group
+    per_group = 16 * v.m_tiles * v.n_tiles
+    assert ptx.count("mma.sync") % per_group == 0
+    if v.reduce == Reduction.WORKSPACE:
+        assert "atom.global.acq_rel.gpu.add.u32" in ptx and "fence.acq_rel.gpu" in ptx
+    if v.reduce == Reduction.ATOMIC:
+        assert "red.global.add.f32" in ptx and ptx.count(".entry") == 2
+
+
+def test_compile_through_the_build_helper(tmp_path, monkeypatch):
+    """The tuner's path (render -> fingerprint -> compile) works for the default variant."""
+    from resgen.search import build
+
+    p = LinearProblem("nvfp4", "full", 8, 4096, 4096)
+    out = build.compile_variant(FAMILY, FAMILY.default(p, ARCH), p, ARCH)
+    assert out.ok, out.error
+    assert out.spill_bytes == 0 and out.registers and len(out.fingerprint) == 64

@@ -36,6 +36,15 @@ p = 0..3 of the word, t_p = w << 4p, decodes with
     a0 bits 12-15   a1 bits 28-31   a2 bits 8-11   a3 bits 24-27
     a4 bits 4-7     a5 bits 20-23   a6 bits 0-3    a7 bits 16-19
 R_0 and R_2 are row r0 (scale S(r0)), R_1 and R_3 row r1 (scale S(r1)).
+Packing "split" separates each code's sign from its 3 magnitude bits so that fewer integer
+operations (7 LOP3/SHF per word instead of 10, and 4 instead of 6 shifts on the FMA pipe)
+place them; per 16-bit half (the high element sits 16 bits above the low one):
+    pair p:   0 (a0,a1)   1 (a2,a3)   2 (a4,a5)   3 (a6,a7)
+    |code|:   bits 6-8    bits 3-5    bits 0-2    bits 9-11     (m, e0, e1 upwards)
+    sign:     bit 15      bit 12      bit 14      bit 13
+    R_0 = w & 0x81C081C0                  R_1 = (w << 3) & 0x81C081C0
+    R_2 = ((w << 6) & 0x01C001C0) | ((w << 1) & 0x80008000)
+    R_3 = ((w >> 3) & 0x01C001C0) | ((w << 2) & 0x80008000)
 
 Scale bytes: uint8 [N/16, Kp/256, SL, 8]; lane l reads the 8 bytes at [mt][kq // 4][sl(l)]:
 byte 2i = row r0, byte 2i + 1 = row r1, for chunk kq = 4 (kq // 4) + i.
@@ -70,7 +79,7 @@ __all__ = ["K_ALIGN", "PACKINGS", "XOP_LAYOUTS", "Sm90Weight", "prepare_sm90_wei
            "emulate_linear_sm90", "epilogue_factor", "pad_to"]
 
 K_ALIGN = 256                 # Kp granularity: 4 chunks of 64 (one scale vector per lane)
-PACKINGS: tuple[str, ...] = ("nib",)
+PACKINGS: tuple[str, ...] = ("nib", "split")
 XOP_LAYOUTS: tuple[str, ...] = ("plain", "row_pair")
 _SCALE_CHUNKS = 4             # chunks (of 64 columns) covered by one 8-byte scale vector
 
@@ -78,6 +87,9 @@ _SCALE_CHUNKS = 4             # chunks (of 64 columns) covered by one 8-byte sca
 _SLOT_ROW = (0, 0, 1, 1, 0, 0, 1, 1)
 _SLOT_COL = (0, 1, 0, 1, 2, 3, 2, 3)
 _NIB_SHIFT = (12, 28, 8, 24, 4, 20, 0, 16)
+# "split": (lowest magnitude bit, sign bit) of slots a0..a7
+_SPLIT_MAG = (6, 22, 3, 19, 0, 16, 9, 25)
+_SPLIT_SIGN = (15, 31, 12, 28, 14, 30, 13, 29)
 
 _NV_SCALE_MUL, _NV_SCALE_ADD = 0x00100010, 0x76807680
 _MX_SCALE_MUL, _MX_SCALE_ADD = 0x00800080, 0x3B803B80
@@ -189,8 +201,11 @@ def prepare_sm90_weight(qweight: QLinearWeight, packing: str = "nib") -> Sm90Wei
     c = codes.reshape(n // 16, 2, 8, kp // 64, 4, 4, 4)
     word = torch.zeros(n // 16, kp // 64, 8, 4, 4, dtype=torch.int64, device=dev)  # g, t, j
     for s in range(8):
-        sub = c[:, _SLOT_ROW[s], :, :, :, :, _SLOT_COL[s]]            # [mt, g, kq, t, j]
-        word |= sub.permute(0, 2, 1, 3, 4) << _NIB_SHIFT[s]
+        sub = c[:, _SLOT_ROW[s], :, :, :, :, _SLOT_COL[s]].permute(0, 2, 1, 3, 4)  # mt,kq,g,t,j
+        if packing == "nib":
+            word |= sub << _NIB_SHIFT[s]
+        else:
+            word |= ((sub & 7) << _SPLIT_MAG[s]) | ((sub >> 3) << _SPLIT_SIGN[s])
     words = word.reshape(n // 16, kp // 64, 32, 4)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
@@ -218,15 +233,22 @@ def prepare_sm90_weight(qweight: QLinearWeight, packing: str = "nib") -> Sm90Wei
 def decode_pairs(words: torch.Tensor, packing: str = "nib") -> torch.Tensor:
     """int64 [..., 4] bf16x2 bit patterns R_0..R_3 of each word (the kernel's bit operations).
 
-    words: int32 [...]. R_p = (t & 0x80008000) | ((t & 0x70007000) >> 6), t = w << 4p (32-bit).
+    words: int32 [...]. "nib": R_p = (t & 0x80008000) | ((t & 0x70007000) >> 6), t = w << 4p;
+    "split": the four expressions of the module docstring (32-bit arithmetic).
     """
-    if packing != "nib":
-        raise ValueError(f"unknown packing {packing!r}")
     w = words.to(torch.int64) & 0xFFFFFFFF
-    out = []
-    for p in range(4):
-        t = (w << (4 * p)) & 0xFFFFFFFF
-        out.append((t & 0x80008000) | ((t & 0x70007000) >> 6))
+    m32 = 0xFFFFFFFF
+    if packing == "nib":
+        out = []
+        for p in range(4):
+            t = (w << (4 * p)) & m32
+            out.append((t & 0x80008000) | ((t & 0x70007000) >> 6))
+    elif packing == "split":
+        mag, sgn = 0x01C001C0, 0x80008000
+        out = [w & (mag | sgn), (w << 3) & (mag | sgn),
+               ((w << 6) & mag) | ((w << 1) & sgn), ((w >> 3) & mag) | ((w << 2) & sgn)]
+    else:
+        raise ValueError(f"unknown packing {packing!r}")
     return torch.stack(out, dim=-1)
 
 

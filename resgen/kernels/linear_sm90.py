@@ -9,7 +9,6 @@ Layouts are documented in resgen.kernels.layouts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from .. import formats
 from ..calibrate import QLinearWeight
 from .layouts import K_ALIGN, Sm90Weight, pad_to
 
-__all__ = ["make_xop", "xop_layout_for", "operand_values", "LaunchPlan", "LinearSm90Launcher"]
+__all__ = ["make_xop", "xop_layout_for", "operand_values", "LinearSm90Launcher"]
 
 
 def xop_layout_for(compensation) -> str:
@@ -94,57 +93,59 @@ def make_xop(x: torch.Tensor, qweight: QLinearWeight | Sm90Weight, compensation=
     return xop, a
 
 
-@dataclass(frozen=True)
-class LaunchPlan:
-    """Launch geometry of one variant for one problem (computed by the search family)."""
-
-    grid_m: int          # CTAs along output channels
-    split_k: int         # CTAs along K
-    token_tile: int      # xop rows per CTA
-    ws_floats: int       # FP32 workspace elements (0: none)
-    sem_count: int       # int32 semaphores (0: none)
-
-
 class LinearSm90Launcher:
-    """A compiled linear_sm90_mma variant bound to one weight, launched on torch tensors.
+    """A compiled linear_sm90_mma variant launched on torch CUDA tensors (current stream).
 
-    The compiled entry takes (words, scales, xop, out, alpha_x, alpha_w, ws, sem, m, rows,
-    stream); tensors are converted with from_dlpack once per distinct buffer and cached.
+    The compiled entry takes (words, scales, xop, out, alpha_x, alpha_w, workspace, semaphores,
+    m, rows, stream) as raw device pointers; the workspace (FP32) and semaphores (int32) are
+    owned here, zeroed once: the kernels leave them at zero after every call.
     """
 
-    def __init__(self, compiled: Any, weight: Sm90Weight, plan: LaunchPlan, max_rows: int):
+    def __init__(self, compiled: Any, geom: Any, ws_floats: int, sem_count: int,
+                 device: torch.device | str):
         self.compiled = compiled
-        self.weight = weight
-        self.plan = plan
-        dev = weight.device
-        self.ws = torch.zeros(max(plan.ws_floats, 1), dtype=torch.float32, device=dev)
-        self.sem = torch.zeros(max(plan.sem_count, 1), dtype=torch.int32, device=dev)
-        self.one = torch.ones(1, dtype=torch.float32, device=dev)
-        self.max_rows = max_rows
-        self._cache: dict[tuple[int, tuple, str], Any] = {}
+        self.geom = geom
+        self.ws = torch.zeros(max(ws_floats, 4), dtype=torch.float32, device=device)
+        self.sem = torch.zeros(max(sem_count, 1), dtype=torch.int32, device=device)
+        self.one = torch.ones(1, dtype=torch.float32, device=device)
+        self._ptrs: dict[tuple[int, str, int], Any] = {}
 
-    def _cute(self, t: torch.Tensor) -> Any:
-        key = (t.data_ptr(), tuple(t.shape), str(t.dtype))
-        v = self._cache.get(key)
-        if v is None:
-            from cutlass.cute.runtime import from_dlpack
+    def _ptr(self, t: torch.Tensor, align: int) -> Any:
+        key = (t.data_ptr(), str(t.dtype), align)
+        p = self._ptrs.get(key)
+        if p is None:
+            import cutlass
+            import cutlass.cute as cute
+            from cutlass.cute.runtime import make_ptr
 
-            v = from_dlpack(t.detach(), assumed_align=16)
-            self._cache[key] = v
-        return v
+            dt = {torch.int32: cutlass.Int32, torch.uint8: cutlass.Uint8,
+                  torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[t.dtype]
+            if t.data_ptr() % align:
+                raise ValueError(f"a {t.dtype} buffer is not {align}-byte aligned")
+            p = make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+            self._ptrs[key] = p
+        return p
 
-    def __call__(self, xop: torch.Tensor, m: int, rows: int, alpha_x: torch.Tensor | None,
-                 out: torch.Tensor, weight: Sm90Weight | None = None) -> torch.Tensor:
-        """out: bf16 [>= m, N] (written rows 0..m-1); xop: bf16 [T_pad, Kp]."""
+    def __call__(self, wt: Sm90Weight, xop: torch.Tensor, m: int, rows: int,
+                 alpha_x: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """out: bf16 [>= m, N], rows 0..m-1 written; xop: bf16 [>= rows, Kp] contiguous."""
         import cuda.bindings.driver as cuda
 
-        w = weight or self.weight
-        if rows > self.max_rows:
-            raise ValueError(f"{rows} rows exceed the launcher's workspace ({self.max_rows})")
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        g = self.geom
+        if wt.kp != g.kp or wt.out_features != g.n or wt.packing != g.packing:
+            raise ValueError("weight does not match the compiled variant (N, Kp, packing)")
+        if xop.dtype != torch.bfloat16 or xop.dim() != 2 or xop.shape[1] != g.kp:
+            raise ValueError(f"xop must be bf16 [rows, {g.kp}]")
+        if not xop.is_contiguous() or not out.is_contiguous() or xop.shape[0] < rows:
+            raise ValueError("xop/out must be contiguous and xop must hold the rows")
+        if out.shape[-1] != g.n or out.dtype != torch.bfloat16 or out.shape[0] < m:
+            raise ValueError(f"out must be bf16 [>= {m}, {g.n}]")
+        if g.ws_floats(rows, m) > self.ws.numel() or g.sem_count(rows) > self.sem.numel():
+            raise ValueError("the workspace was sized for fewer rows")
         ax = alpha_x if alpha_x is not None else self.one
-        self.compiled(self._cute(w.words.view(-1)), self._cute(w.scales.view(-1)),
-                      self._cute(xop.view(-1)), self._cute(out.view(-1)), self._cute(ax),
-                      self._cute(w.alpha), self._cute(self.ws), self._cute(self.sem),
-                      m, rows, stream)
+        stream = cuda.CUstream(torch.cuda.current_stream(xop.device).cuda_stream)
+        self.compiled(self._ptr(wt.words, 16), self._ptr(wt.scales, 16), self._ptr(xop, 16),
+                      self._ptr(out, 16), self._ptr(ax, 4), self._ptr(wt.alpha, 4),
+                      self._ptr(self.ws, 16), self._ptr(self.sem, 4), int(m), int(rows),
+                      stream)
         return out

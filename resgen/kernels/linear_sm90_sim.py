@@ -1,0 +1,248 @@
+"""A pure-torch simulation of the linear_sm90_mma kernel, thread by thread (vectorized over the
+32 lanes of a warp), for CPU tests.
+
+It follows the template's control flow (CTAs, warps, K iterations, in-CTA and cross-CTA split-K,
+fold, epilogue) with the SAME address functions (resgen.kernels.linear_sm90_geom.Geometry) on
+byte images of the buffers the kernel receives, and models the PTX it emits:
+  ld.global (little-endian words), prmt + integer multiply-add (scale expansion), the pair decode
+  bit operations, mul.rn.bf16x2, mma.sync.m16n8k16.row.col (fragment ownership as in the PTX ISA:
+  lane = 4 g + t; A: a0a1 = (g, 2t..2t+1), a2a3 = (g+8, 2t..), a4a5 = (g, 2t+8..),
+  a6a7 = (g+8, 2t+8..); B: b0b1 = (k 2t..2t+1, n g), b2b3 = (k 2t+8.., n g);
+  C: c0c1 = (g, n 2t..2t+1), c2c3 = (g+8, n 2t..)), cvt.rn.bf16x2.f32 and predicated stores.
+A wrong stride, fragment slot or fold in the index math shows up as a mismatch against
+resgen.reference.linear, without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layouts import Sm90Weight, _bf16_halves, decode_pairs
+from .linear_sm90_dev import SCALE_CONSTS
+from .linear_sm90_geom import Geometry
+
+__all__ = ["simulate_kernel"]
+
+_M32 = 0xFFFFFFFF
+
+
+class _Mem:
+    """A flat little-endian byte image with word loads."""
+
+    def __init__(self, t: torch.Tensor):
+        self.b = t.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+
+    def words(self, off: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """n consecutive uint32 at byte offsets off [lanes] -> list of n int64 [lanes]."""
+        if bool((off % 4 != 0).any()):
+            raise AssertionError("misaligned load")
+        out = []
+        for q in range(n):
+            o = off + 4 * q
+            if bool((o < 0).any()) or bool((o + 3 >= self.b.numel()).any()):
+                raise AssertionError("out-of-bounds load")
+            w = (self.b[o] | (self.b[o + 1] << 8) | (self.b[o + 2] << 16) | (self.b[o + 3] << 24))
+            out.append(w)
+        return out
+
+
+def _bf16_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """mul.rn.bf16x2 on int64 bit patterns (products here are exact; RNE otherwise)."""
+    p = (_bf16_halves(a).float() * _bf16_halves(b).float()).to(torch.bfloat16)
+    h = p.view(torch.int16).to(torch.int64) & 0xFFFF
+    return h[..., 0] | (h[..., 1] << 16)
+
+
+def _halves_f64(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = _bf16_halves(r).double()
+    return h[..., 0], h[..., 1]
+
+
+def _mma(a: list[torch.Tensor], b: list[torch.Tensor], c: list[torch.Tensor]) -> list[torch.Tensor]:
+    """mma.m16n8k16 for one warp: a: 4 x int64 [32], b: 2 x int64 [32], c: 4 x float32 [32]."""
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    A = torch.zeros(16, 16, dtype=torch.float64)
+    B = torch.zeros(16, 8, dtype=torch.float64)
+    C = torch.zeros(16, 8, dtype=torch.float64)
+    for reg, (row_off, k_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+        lo, hi = _halves_f64(a[reg])
+        A[g + row_off, 2 * t + k_off] = lo
+        A[g + row_off, 2 * t + 1 + k_off] = hi
+    for reg, k_off in enumerate((0, 8)):
+        lo, hi = _halves_f64(b[reg])
+        B[2 * t + k_off, g] = lo
+        B[2 * t + 1 + k_off, g] = hi
+    C[g, 2 * t], C[g, 2 * t + 1] = c[0].double(), c[1].double()
+    C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = c[2].double(), c[3].double()
+    D = (A @ B + C).float()
+    return [D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]]
+
+
+def _scale(sw: torch.Tensor, i: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale_pair: PRMT picks byte 2 (i % 2) (row r0) / + 1 (row r1) into b | b << 16, IMAD."""
+    mul, add = SCALE_CONSTS[fmt]
+    out = []
+    for byte in (2 * (i % 2), 2 * (i % 2) + 1):
+        b = (sw >> (8 * byte)) & 0xFF
+        out.append(((b | (b << 16)) * mul + add) & _M32)
+    return out[0], out[1]
+
+
+def _cvt_bf16(v: torch.Tensor) -> torch.Tensor:
+    return v.float().to(torch.bfloat16)
+
+
+def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, rows: int,
+                    alpha_x: torch.Tensor | None, out: torch.Tensor,
+                    ws: torch.Tensor | None = None, sem: torch.Tensor | None = None,
+                    cta_order: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """Run the kernel's logic on CPU tensors; writes out (bf16 [>= m, N]) like the kernel.
+
+    cta_order: the order CTAs run in (default: grid order); the workspace reduction must give
+    the same bits for any order. ws/sem: the persistent workspace and semaphores (zeroed if
+    None), checked to be back at zero afterwards like the kernel leaves them.
+    """
+    geom.check()
+    if wt.kp != geom.kp or wt.out_features != geom.n or wt.packing != geom.packing:
+        raise ValueError("weight does not match the geometry")
+    G = geom
+    wmem, smem_, xmem = _Mem(wt.words), _Mem(wt.scales), _Mem(xop)
+    gx, gy, gz = G.grid(rows)
+    ws = torch.zeros(max(G.ws_floats(rows, m), 1)) if ws is None else ws
+    sem = torch.zeros(max(G.sem_count(rows), 1), dtype=torch.int32) if sem is None else sem
+    fac = torch.tensor(128.0, dtype=torch.float32)
+    if G.nv:
+        fac = (alpha_x.float().reshape(()) * wt.alpha.float().reshape(())) * fac
+    y = out.view(torch.int16)
+    order = cta_order or [(x, yy, z) for z in range(gz) for yy in range(gy) for x in range(gx)]
+    lane = torch.arange(32)
+    for bx, by, bz in order:
+        accs = {}
+        for warp in range(G.warps_m * G.warps_k):
+            tid = warp * 32 + lane
+            ln, wm, wk, g, t, mt0, grp0, row0, sl = G.warp_coords(tid, bx, by, bz)
+            acc = [[[torch.zeros(32) for _ in range(4)] for _ in range(G.n_tiles)]
+                   for _ in range(G.m_tiles)]
+            for it in range(G.nit):
+                for u in range(G.groups):
+                    grp = grp0 + it * G.groups + u
+                    wv = [[wmem.words(wt_off, 4) for wt_off in
+                           [G.w_off(mt0 + mt, grp * 4 + i, ln) for i in range(4)]]
+                          for mt in range(G.m_tiles)]
+                    sv = [smem_.words(G.s_off(mt0 + mt, grp, sl), 2)
+                          for mt in range(G.m_tiles)]
+                    for i in range(4):
+                        xw = []
+                        for nt in range(G.n_tiles):
+                            r = row0 + 8 * nt + g
+                            a = G.x_off(r, grp * 4 + i, t)
+                            ok = r < rows
+                            words = xmem.words(torch.where(ok, a, torch.zeros_like(a)), 8)
+                            xw.append([torch.where(ok, w, torch.zeros_like(w)) for w in words])
+                        for mt in range(G.m_tiles):
+                            s0, s1 = _scale(sv[mt][i // 2], i, G.fmt)
+                            for j in range(4):
+                                rp = decode_pairs(_as_i32(wv[mt][i][j]), G.packing)
+                                a4 = [_bf16_mul(rp[:, 0], s0), _bf16_mul(rp[:, 1], s1),
+                                      _bf16_mul(rp[:, 2], s0), _bf16_mul(rp[:, 3], s1)]
+                                for nt in range(G.n_tiles):
+                                    acc[mt][nt] = _mma(a4, [xw[nt][2 * j], xw[nt][2 * j + 1]],
+                                                       acc[mt][nt])
+            accs[(warp % G.warps_m, warp // G.warps_m)] = acc
+        # in-CTA split-K, warp order
+        for wm in range(G.warps_m):
+            acc = accs[(wm, 0)]
+            for s in range(1, G.warps_k):
+                other = accs[(wm, s)]
+                for mt in range(G.m_tiles):
+                    for nt in range(G.n_tiles):
+                        for e in range(4):
+                            acc[mt][nt][e] = acc[mt][nt][e] + other[mt][nt][e]
+            tid = wm * 32 + lane
+            ln, _, _, g, t, mt0, _, row0, _ = G.warp_coords(tid, bx, by, bz)
+            if G.reduce == "none":
+                _store(G, acc, y, fac, mt0, row0, g, t, m)
+            elif G.reduce == "atomic":
+                _atomic(G, acc, ws, fac, mt0, row0, g, t, m)
+            else:
+                tile = bz * G.grid_x + bx
+                for q in range(G.acc):
+                    mt, nt, e = q // (4 * G.n_tiles), (q // 4) % G.n_tiles, q % 4
+                    ws.view(-1)[G.ws_off(tile, by, wm, q, ln) // 4] = acc[mt][nt][e]
+        if G.reduce == "workspace":
+            tile = bz * G.grid_x + bx
+            old = int(sem[tile])
+            sem[tile] += 1
+            if old == G.split_k - 1:
+                sem[tile] = 0
+                for wm in range(G.warps_m):
+                    tid = wm * 32 + lane
+                    ln, _, _, g, t, mt0, _, row0, _ = G.warp_coords(tid, bx, by, bz)
+                    acc = [[[None] * 4 for _ in range(G.n_tiles)] for _ in range(G.m_tiles)]
+                    for q in range(G.acc):
+                        mt, nt, e = q // (4 * G.n_tiles), (q // 4) % G.n_tiles, q % 4
+                        v = torch.zeros(32)
+                        for s in range(G.split_k):
+                            v = v + ws.view(-1)[G.ws_off(tile, s, wm, q, ln) // 4]
+                        acc[mt][nt][e] = v
+                    _store(G, acc, y, fac, mt0, row0, g, t, m)
+    if G.reduce == "atomic":       # the convert kernel
+        vals = ws.view(-1)[: m * G.n]
+        out.view(-1)[: m * G.n] = _cvt_bf16(vals)
+        ws.view(-1)[: m * G.n] = 0
+    if bool((sem != 0).any()):
+        raise AssertionError("semaphores not reset")
+    return out
+
+
+def _as_i32(w: torch.Tensor) -> torch.Tensor:
+    w = w & _M32
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+
+def _put(y16: torch.Tensor, off: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> None:
+    """Predicated BF16 stores at byte offsets off."""
+    if bool((off % 2 != 0).any()):
+        raise AssertionError("misaligned store")
+    idx = (off // 2)[ok]
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= y16.numel()):
+        raise AssertionError("out-of-bounds store")
+    y16.view(-1)[idx] = _cvt_bf16(v[ok]).view(torch.int16)
+
+
+def _store(G: Geometry, acc, y16, fac, mt0, row0, g, t, m) -> None:
+    for mt in range(G.m_tiles):
+        for nt in range(G.n_tiles):
+            c = acc[mt][nt]
+            ch, row = G.acc_coords(mt, nt, 0, mt0, row0, g, t)
+            if G.mext:
+                tok = row // 2
+                ok = tok < m
+                a = G.y_off(tok, ch)
+                _put(y16, a, (c[0] + c[1]) * fac, ok)
+                _put(y16, a + 16, (c[2] + c[3]) * fac, ok)
+            else:
+                for e in range(2):
+                    a = G.y_off(row + e, ch)
+                    ok = row + e < m
+                    _put(y16, a, c[e] * fac, ok)
+                    _put(y16, a + 16, c[2 + e] * fac, ok)
+
+
+def _atomic(G: Geometry, acc, ws, fac, mt0, row0, g, t, m) -> None:
+    flat = ws.view(-1)
+    for mt in range(G.m_tiles):
+        for nt in range(G.n_tiles):
+            c = acc[mt][nt]
+            ch, row = G.acc_coords(mt, nt, 0, mt0, row0, g, t)
+            if G.mext:
+                items = [(row // 2, (c[0] + c[1]) * fac, (c[2] + c[3]) * fac)]
+            else:
+                items = [(row, c[0] * fac, c[2] * fac), (row + 1, c[1] * fac, c[3] * fac)]
+            for tok, v0, v1 in items:
+                ok = tok < m
+                a = G.y_off(tok, ch) * 2
+                idx = (a // 4)[ok]
+                flat.index_add_(0, idx, v0[ok])
+                flat.index_add_(0, idx + 8, v1[ok])
