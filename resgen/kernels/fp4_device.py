@@ -13,7 +13,8 @@ mul/add pair into an FMA (the DSL's own `a * b - c` does get fused, which would 
 API (stable: the GEMM prologue and the attention query split call these)
 --------------------------------------------------------------------------
 Exact FP32 arithmetic and bit casts
-    div_rn(a, b), mul_rn(a, b), add_rn(a, b), sub_rn(a, b) -> Float32
+    div_rn(a, b), mul_rn(a, b), add_rn(a, b), sub_rn(a, b), fma_rn(a, b, c) -> Float32
+    fabs(a) -> Float32
     fmin(a, b), fmax(a, b) -> Float32               (min.f32 / max.f32; exact, no NaN inputs)
     f32_bits(x) -> Uint32,  bits_f32(u) -> Float32  (reinterpretation, no conversion)
     sel_u32(p, a, b) -> Uint32, sel_f32(p, a, b) -> Float32   (p ? a : b, branch free)
@@ -30,6 +31,7 @@ E2M1 elements
     e2m1_round(v) -> (code, value)                  RNE to E2M1 saturating at +-6; code uint 0..15
                                                     (sign bit 3 from v's sign bit: -0 -> 8); value is
                                                     the signed E2M1 value of code as Float32
+    e2m1_round_signed(v, sign) -> (code, value)     the same for |v| with the sign bit `sign`
     e2m1_decode(code) -> Float32
     pack_codes(codes) -> Uint32                     up to 8 codes, element 0 in the low nibble
 Scales
@@ -46,13 +48,17 @@ One block held in registers (block = 16 NVFP4 / 32 MXFP4 elements spread over `l
         d: the effective dequantization scale (alpha*sf or 2^e)
     quantize_block(xs, fmt, alpha, lanes) -> Block  alpha: Float32 tensor scale (NVFP4) / None (MXFP4)
     quantize_block_with_amax(xs, fmt, alpha, amax) -> Block   when the block amax is known
+    block_quotients(xs, d, amax) -> list[Float32]   |RN(x / d)| per element (NVFP4's division:
+                                                    shared reciprocal + 2 exact FMA refinements,
+                                                    div.rn fallback for extreme scales)
+    fast_division_ok(d, amax) -> Boolean
     residues(xs, block) -> list[Float32]            r = x - d * value (FP32, formats' order)
     operand_values(block) -> list[Float32]          value * scale: the exact BF16 GEMM operand
     select_by_mask(rs, mask, k) -> list[Float32]    the k entries of an 8-entry list whose bit is
                                                     set in `mask` (Uint32 byte), ascending
 Global memory (raw 64-bit addresses, Int64; alignment is the caller's promise)
     ld_global_v4(addr) -> 4 x Uint32 (ld.global.nc: input read once, read-only path)
-    ld_global_f32(addr) -> Float32
+    ld_global_f32(addr) -> Float32, ld_global_u32 / ld_global_u16 / ld_global_u8(addr) -> Uint32
     st_global_v4(addr, w0..w3, pred=None), st_global_v2(addr, w0, w1, pred=None),
     st_global_u32 / st_global_u16 / st_global_u8(addr, w, pred=None)   (low bits of w stored)
         pred: optional DSL Boolean; the store happens only where it is true (PTX predication)
@@ -68,15 +74,17 @@ from cutlass.cutlass_dsl import T
 import cutlass.cute as cute
 
 __all__ = [
-    "div_rn", "mul_rn", "add_rn", "sub_rn", "fmin", "fmax", "f32_bits", "bits_f32",
+    "div_rn", "mul_rn", "add_rn", "sub_rn", "fma_rn", "fabs", "fmin", "fmax", "f32_bits", "bits_f32",
     "sel_u32", "sel_f32", "abs_max", "group_max",
     "bf16x2_to_f32", "pack_bf16x2_exact",
-    "e2m1_round", "e2m1_decode", "pack_codes",
+    "e2m1_round", "e2m1_round_signed", "e2m1_decode", "pack_codes",
     "e4m3_encode", "e4m3_decode", "nvfp4_tensor_scale", "nvfp4_block_scale",
     "mxfp4_block_scale",
-    "Block", "quantize_block", "quantize_block_with_amax", "residues", "operand_values",
+    "Block", "quantize_block", "quantize_block_with_amax", "block_quotients",
+    "fast_division_ok", "residues", "operand_values",
     "select_by_mask",
-    "ld_global_v4", "ld_global_f32", "st_global_v4", "st_global_v2", "st_global_u32",
+    "ld_global_v4", "ld_global_f32", "ld_global_u32", "ld_global_u16", "ld_global_u8",
+    "st_global_v4", "st_global_v2", "st_global_u32",
     "st_global_u16", "st_global_u8",
     "BLOCK", "E2M1_MAX", "E4M3_MAX", "NVFP4_ALPHA_DIVISOR",
 ]
@@ -91,7 +99,6 @@ _SIGN = 0x80000000
 _ABS = 0x7FFFFFFF
 _EXP = 0x7F800000
 _ONE = 0x3F800000            # 1.0
-_FOUR = 0x40800000           # 4.0
 _MAGIC_SHIFT = 22 << 23      # adding 22 to the exponent: 2^e -> 2^(e+22)
 _MIN_NORMAL = 0x00800000     # 2^-126 (FLT_MIN)
 _TWO_POW_120 = 0x7B800000    # 2^120: E4M3 bits placed at FP32 bit 20 need this factor
@@ -145,6 +152,17 @@ def sub_rn(a, b) -> Float32:
     return _f32_op("sub.rn.f32", a, b)
 
 
+def fma_rn(a, b, c) -> Float32:
+    """a * b + c with one rounding (fma.rn.f32)."""
+    return Float32(_asm(T.f32(), "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                        _f32(a), _f32(b), _f32(c)))
+
+
+def fabs(a) -> Float32:
+    """|a| (clears the sign bit; ptxas folds it into the consumer's operand)."""
+    return Float32(_asm(T.f32(), "abs.f32 $0, $1;", "=f,f", _f32(a)))
+
+
 def fmin(a, b) -> Float32:
     return _f32_op("min.f32", a, b)
 
@@ -191,10 +209,10 @@ def _prmt(a, b, selector: int) -> Uint32:
 
 
 def abs_max(xs: Sequence) -> Float32:
-    """max |x| over a non-empty list (exact; |x| only clears the sign bit)."""
-    m = bits_f32(f32_bits(xs[0]) & _ABS)
+    """max |x| over a non-empty list (exact; one FMNMX with an |x| operand per element)."""
+    m = fabs(xs[0])
     for x in xs[1:]:
-        m = fmax(m, bits_f32(f32_bits(x) & _ABS))
+        m = fmax(m, fabs(x))
     return m
 
 
@@ -237,19 +255,24 @@ def e2m1_round(v) -> tuple[Uint32, Float32]:
 
     Returns (code, value): code in 0..15 with the sign of v in bit 3 (so -0 and negative values
     that round to 0 give code 8, as formats.e2m1_encode), value the signed E2M1 value of code.
-
-    Method (exact, branch free): a = min(|v|, 6); the E2M1 grid step is 0.5 below 2, 1 in
-    [2, 4), 2 from 4, so adding M = 2^22, 2^23 or 2^24 (chosen from a's exponent) rounds a to a
-    multiple of the step with FP32 round-to-nearest-even, whose ties go to the even multiple =
-    the even code; subtracting M gives the grid value q exactly. q * 2^-126 places q's exponent
-    and mantissa bit at FP32 bits 22..24 (0.5 becomes the subnormal 2^-127), so its bits >> 22
-    are the magnitude code.
     """
-    b = f32_bits(v)
-    sign = b & _SIGN
-    a = fmin(bits_f32(b & _ABS), E2M1_MAX)
-    e = _min_u32(_max_u32(f32_bits(a) & _EXP, _ONE), _FOUR)
-    magic = bits_f32(e + _MAGIC_SHIFT)
+    return e2m1_round_signed(v, f32_bits(v) & _SIGN)
+
+
+def e2m1_round_signed(v, sign) -> tuple[Uint32, Float32]:
+    """e2m1_round of |v| with the sign bit `sign` (Uint32: 0 or 0x80000000) instead of v's.
+
+    Method (exact, branch free, 6 instructions for the value): a = min(|v|, 6); the E2M1 grid
+    step is 0.5 below 2, 1 in [2, 4) and 2 from 4, so adding M = 2^22, 2^23 or 2^24 (a's
+    exponent, at least 2^0, plus 22) rounds a to a multiple of the step with FP32
+    round-to-nearest-even, whose ties go to the even multiple = the even code; subtracting M
+    leaves the grid value q exactly. The code: q * 2^-126 places q's exponent and mantissa bit
+    at FP32 bits 22..24 (0.5 becomes the subnormal 2^-127), so its bits >> 22 are the
+    magnitude code.
+    """
+    sign = _u32(sign)
+    a = fmin(fabs(v), E2M1_MAX)
+    magic = bits_f32(_max_u32((f32_bits(a) & _EXP) + _MAGIC_SHIFT, _ONE + _MAGIC_SHIFT))
     q = sub_rn(add_rn(a, magic), magic)
     code = (f32_bits(mul_rn(q, bits_f32(_MIN_NORMAL))) >> 22) | (sign >> 28)
     return code, bits_f32(f32_bits(q) | sign)
@@ -353,18 +376,68 @@ def quantize_block_with_amax(xs: Sequence, fmt: str, alpha, amax) -> Block:
         if alpha is None:
             raise ValueError("NVFP4 needs the tensor scale alpha")
         byte, sf, d = nvfp4_block_scale(amax, alpha)
-        # formats divides by +inf when d == 0: finite / inf = +-0 keeps the sign (code 0 / 8).
-        div = sel_f32(d > Float32(0.0), d, float("inf"))
-        rounded = [e2m1_round(div_rn(x, div)) for x in xs]
+        vs = block_quotients(xs, d, amax)
         scale = sf
     else:
         if alpha is not None:
             raise ValueError("MXFP4 has no tensor scale; pass alpha=None")
         byte, d, inv = mxfp4_block_scale(amax)
         # x * 2^-e is torch.ldexp's product: exact unless it underflows (then RNE, as torch).
-        rounded = [e2m1_round(mul_rn(x, inv)) for x in xs]
+        vs = [mul_rn(x, inv) for x in xs]
         scale = d
+    # The sign always comes from x: x / d and x * 2^-e have x's sign (also when they are 0).
+    rounded = [e2m1_round_signed(v, f32_bits(x) & _SIGN) for v, x in zip(vs, xs)]
     return Block([c for c, _ in rounded], [v for _, v in rounded], byte, scale, d)
+
+
+# Exponent fields bounding the fast division: 2^-60 <= d <= 2^60 and amax <= 2^60 * d.
+_FAST_EXP_LO = 127 - 60
+_FAST_EXP_HI = 127 + 60
+_FAST_RANGE = 59
+
+
+def fast_division_ok(d, amax) -> Boolean:
+    """Whether block_quotients may use the reciprocal path for this block (see there)."""
+    ed = f32_bits(d) >> 23
+    ea = f32_bits(amax) >> 23
+    in_range = (ed >= _FAST_EXP_LO) & (ed <= _FAST_EXP_HI) & (ea <= ed + _FAST_RANGE)
+    return (d == Float32(0.0)) | in_range
+
+
+def block_quotients(xs: Sequence, d, amax) -> list:
+    """|x / d| rounded to nearest even for every x of one block, as IEEE division would give it
+    (the sign is NOT reliable: callers take the sign of x). d == 0 gives 0 (formats divides by
+    +inf there). amax: max |x| over the block.
+
+    Division is the costliest step of NVFP4 quantization (div.rn.f32 is ~10 instructions plus a
+    branch per element), so the common case shares one correctly rounded reciprocal y = 1 / d
+    per block and refines q0 = x * y twice with exact-remainder FMA steps:
+        r0 = x - q0 d, q1 = q0 + r0 y   (q1 within half an ulp of x / d, plus 2^-23 ulp)
+        r1 = x - q1 d (exact),  q2 = q1 + r1 y   (= RN(x / d): the error |x/d - q1| * |d y - 1|
+                                                  is below the distance of x / d to any midpoint)
+    5 instructions per element. It needs no underflow in r and no overflow in x * y, which holds
+    when 2^-60 <= d <= 2^60 and amax <= 2^60 d (fast_division_ok); any other block (tiny or huge
+    tensor scales only) takes div.rn.f32 per element: a per-lane branch, uniform in practice.
+    """
+    fast = fast_division_ok(d, amax)
+    y = sel_f32(d > Float32(0.0), div_rn(1.0, d), 0.0)
+    return _quotients(list(xs), d, y, fast)
+
+
+@cute.jit
+def _quotients(xs, d, y, fast):
+    qs = list(xs)
+    if fast:
+        qs = [_refined_quotient(x, d, y) for x in xs]
+    else:
+        qs = [div_rn(x, d) for x in xs]
+    return qs
+
+
+def _refined_quotient(x, d, y) -> Float32:
+    q = mul_rn(x, y)
+    q = fma_rn(fma_rn(q, -d, x), y, q)
+    return fma_rn(fma_rn(q, -d, x), y, q)
 
 
 def residues(xs: Sequence, block: Block) -> list:
@@ -414,6 +487,20 @@ def ld_global_v4(addr) -> tuple[Uint32, Uint32, Uint32, Uint32]:
 
 def ld_global_f32(addr) -> Float32:
     return Float32(_asm(T.f32(), "ld.global.nc.f32 $0, [$1];", "=f,l", _i64(addr)))
+
+
+def ld_global_u32(addr) -> Uint32:
+    return Uint32(_asm(T.i32(), "ld.global.nc.b32 $0, [$1];", "=r,l", _i64(addr)))
+
+
+def ld_global_u16(addr) -> Uint32:
+    """Zero-extended 16-bit load."""
+    return Uint32(_asm(T.i32(), "ld.global.nc.u16 $0, [$1];", "=r,l", _i64(addr)))
+
+
+def ld_global_u8(addr) -> Uint32:
+    """Zero-extended 8-bit load."""
+    return Uint32(_asm(T.i32(), "ld.global.nc.u8 $0, [$1];", "=r,l", _i64(addr)))
 
 
 def _store(op: str, operands: str, addr, words: Sequence, pred) -> None:

@@ -1,0 +1,563 @@
+"""Host side of the fused residue quantizer (family quant_sm90): operand layouts, a torch
+reference of every output, kernel configuration, compilation and launch on torch CUDA tensors.
+
+The operand (what the Hopper GEMMs consume; contract with resgen.kernels.linear_sm90)
+-----------------------------------------------------------------------------------
+For activations x: [m, K] bf16 the quantizer writes one operand of T_pad rows:
+
+    codes  uint8 [T_pad, KQ / 2]      E2M1 codes, two per byte, even element in the low nibble
+    scales NVFP4 float8_e4m3fn / MXFP4 uint8 E8M0 [T_pad, KQ / bs]     (bs = 16 / 32)
+    xop    bf16 [T_pad, KP]           each value EXACTLY e2m1_value(code) * block scale (NVFP4:
+                                      the E4M3 value, WITHOUT alpha; MXFP4: 2^e); KP = KQ rounded
+                                      up to a multiple of kp_align, the extra columns zero
+    alpha  float32 [1]                NVFP4 tensor scale (input when static, output when
+                                      dynamic), shared by base and residue
+
+KP's granularity kp_align (64, 128 or 256) is the consuming GEMM's choice (64 in the issue;
+linear_sm90_mma uses 256, resgen.kernels.layouts.K_ALIGN).
+Columns: KQ = K for plain and M-Ext; K-Ext: KQ = K + ext, the base channels then the selected
+residue channels (block-local masks, group order, ascending inside a group) zero-padded to the
+block size (formats.extension_length): codes/scales[:, :KQ] is formats.cat([base, res]).
+Rows (`layout`), token j = 0..m-1:
+    plain    (compensation none / K-Ext): row j = token j
+    row_pair  (M-Ext): row 2j = base of token j, row 2j + 1 = its residue
+    tile8    (M-Ext): per 16 rows, 8 base rows (tokens 8b..8b+7) then their 8 residue rows
+T_pad = the rows the layout needs (m, 2m, 16 * ceil(m / 8)) rounded up to a multiple of
+lcm(row_multiple, granule) (granule 1 / 2 / 16). Rows past the real tokens are all zero (codes,
+scales and xop): the kernel writes them as the quantization of a zero token.
+
+Cost of the NVFP4 tensor scale: "static" (a calibrated alpha, as ModelOpt's input_scale) is one
+pass: x is read once. "dynamic" computes alpha = amax(x) / 2688 exactly as
+formats.nvfp4_global_scale, which needs the amax of the whole tensor before any block can be
+quantized: a separate reduction kernel reads x a second time (about +2 B per element of HBM
+traffic, i.e. ~+30-40 % for M-Ext operands at large M) plus one extra launch (~2-3 us at small
+M); the quantizer then reduces the reduction kernel's 128 partial maxima in every warp.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import formats
+from ..calibrate import GROUP, Selection
+
+__all__ = [
+    "COMPENSATIONS", "LAYOUTS", "ALPHA_MODES", "KP_ALIGNS", "TEMPLATE", "FAMILY", "AMAX_CTAS",
+    "mode_of", "ksel_of", "OperandShape", "operand_shape", "row_map",
+    "QuantOperand", "operand_reference", "xop_reference", "split_operand",
+    "INPUT_KINDS", "make_inputs", "random_masks",
+    "QuantConfig", "QuantOutputs", "QuantKernel", "compile_config", "fake_args",
+]
+
+COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
+LAYOUTS: tuple[str, ...] = ("plain", "row_pair", "tile8")
+ALPHA_MODES: tuple[str, ...] = ("static", "dynamic", "none")
+TEMPLATE = "quant_sm90.py.j2"
+FAMILY = "quant_sm90"
+AMAX_CTAS = 128          # CTAs of the dynamic-alpha reduction kernel (= partial maxima)
+AMAX_THREADS = 256
+KP_ALIGNS: tuple[int, ...] = (64, 128, 256)   # xop column granularities a GEMM may ask for
+_GRANULE = {"plain": 1, "row_pair": 2, "tile8": 16}
+
+
+def mode_of(compensation: str) -> str:
+    """"plain" (no residue), "mext" (full residue as extra rows) or "kext" (selected residue
+    channels appended along K)."""
+    if compensation not in COMPENSATIONS:
+        raise ValueError(f"compensation must be one of {COMPENSATIONS}, got {compensation!r}")
+    return {"none": "plain", "full": "mext"}.get(compensation, "kext")
+
+
+def ksel_of(compensation: str) -> int:
+    """K-Ext channels selected per 8-channel group (0 unless K-Ext)."""
+    if mode_of(compensation) != "kext":
+        return 0
+    return int(round(GROUP * float(compensation)))
+
+
+@dataclass(frozen=True)
+class OperandShape:
+    """Geometry of one quantizer call (see the module docstring)."""
+
+    fmt: str
+    compensation: str
+    k: int
+    m: int
+    layout: str
+    row_multiple: int
+    kp_align: int = 64
+
+    @property
+    def mode(self) -> str:
+        return mode_of(self.compensation)
+
+    @property
+    def block(self) -> int:
+        return formats.block_size(self.fmt)
+
+    @property
+    def ksel(self) -> int:
+        return ksel_of(self.compensation)
+
+    @property
+    def ext(self) -> int:
+        """K-Ext extension channels (selected channels padded to the block), else 0."""
+        if self.mode != "kext":
+            return 0
+        return formats.extension_length(self.k * self.ksel // GROUP, self.fmt)
+
+    @property
+    def kq(self) -> int:
+        return self.k + self.ext
+
+    @property
+    def kp(self) -> int:
+        return -(-self.kq // self.kp_align) * self.kp_align
+
+    @property
+    def rows_per_slot(self) -> int:
+        return 2 if self.mode == "mext" else 1
+
+    @property
+    def t_pad(self) -> int:
+        need = {"plain": self.m, "row_pair": 2 * self.m,
+                "tile8": 16 * -(-self.m // 8)}[self.layout]
+        mult = math.lcm(self.row_multiple, _GRANULE[self.layout])
+        return -(-need // mult) * mult
+
+    @property
+    def slots(self) -> int:
+        """Token slots the kernel writes (real tokens first, then zero tokens)."""
+        return self.t_pad // self.rows_per_slot
+
+
+def operand_shape(fmt: str, compensation: str, k: int, m: int, layout: str = "plain",
+                  row_multiple: int = 1, kp_align: int = 64) -> OperandShape:
+    """Validated OperandShape; ValueError on any inconsistency."""
+    formats.block_size(fmt)
+    mode = mode_of(compensation)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if (mode == "mext") != (layout in ("row_pair", "tile8")):
+        raise ValueError(f"layout {layout!r} does not fit compensation {compensation!r}: M-Ext "
+                         f"(full) uses row_pair or tile8, everything else plain")
+    if not isinstance(k, int) or k <= 0 or k % formats.block_size(fmt) or k % GROUP:
+        raise ValueError(f"K={k} must be a positive multiple of {formats.block_size(fmt)} "
+                         f"(the {fmt} block) and of {GROUP}")
+    if not isinstance(m, int) or m < 1:
+        raise ValueError(f"m (tokens) must be a positive int, got {m!r}")
+    if not isinstance(row_multiple, int) or row_multiple < 1:
+        raise ValueError(f"row_multiple must be a positive int, got {row_multiple!r}")
+    if kp_align not in KP_ALIGNS:
+        raise ValueError(f"kp_align must be one of {KP_ALIGNS}, got {kp_align!r}")
+    return OperandShape(fmt, compensation, k, m, layout, row_multiple, kp_align)
+
+
+def row_map(m: int, layout: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(base rows, residue rows) int64 [m] of tokens 0..m-1; residue rows None for "plain"."""
+    j = torch.arange(m, dtype=torch.int64)
+    if layout == "plain":
+        return j, None
+    if layout == "row_pair":
+        return 2 * j, 2 * j + 1
+    if layout == "tile8":
+        rb = 16 * (j // 8) + j % 8
+        return rb, rb + 8
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+@dataclass
+class QuantOperand:
+    """The quantizer's outputs (see the module docstring); alpha is None for MXFP4."""
+
+    shape: OperandShape
+    codes: torch.Tensor
+    scales: torch.Tensor
+    xop: torch.Tensor
+    alpha: torch.Tensor | None
+
+
+def _masks_for(shape: OperandShape, masks) -> torch.Tensor | None:
+    if shape.mode != "kext":
+        if masks is not None:
+            raise ValueError(f"channel masks are only used by K-Ext, not {shape.compensation!r}")
+        return None
+    if masks is None:
+        raise ValueError("K-Ext needs the channel selection masks (uint8 [K / 8])")
+    if isinstance(masks, Selection):
+        if masks.ratio != float(shape.compensation):
+            raise ValueError(f"selection ratio {masks.ratio} does not match compensation "
+                             f"{shape.compensation}")
+        masks = masks.masks
+    masks = torch.as_tensor(masks)
+    if masks.dtype != torch.uint8 or masks.shape != (shape.k // GROUP,):
+        raise ValueError(f"masks must be uint8 [{shape.k // GROUP}], got {masks.dtype} "
+                         f"{tuple(masks.shape)}")
+    Selection(masks.cpu(), float(shape.compensation))   # validates k bits per group
+    return masks
+
+
+def operand_reference(x: torch.Tensor, fmt: str = "nvfp4", compensation: str = "none",
+                      layout: str = "plain", row_multiple: int = 1, global_scale=None,
+                      masks=None, kp_align: int = 64) -> QuantOperand:
+    """Every output of the quantizer, built in torch from resgen.formats (the definition).
+
+    x: [m, K] float (bf16 in practice); global_scale: NVFP4 static alpha or None (dynamic);
+    masks: K-Ext selection (uint8 [K / 8] or calibrate.Selection). Runs on x's device.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError("x must be a 2-D tensor [m, K]")
+    shape = operand_shape(fmt, compensation, x.shape[1], x.shape[0], layout, row_multiple,
+                          kp_align)
+    mk = _masks_for(shape, masks)
+    dev = x.device
+    if shape.mode == "plain":
+        base = formats.quantize(x, fmt, global_scale=global_scale)
+        res = None
+    else:
+        sel = None if mk is None else Selection(mk.cpu(), float(compensation))
+        base, res = formats.quantize_with_residue(x, fmt, channels=sel, global_scale=global_scale)
+    t, bs = shape.t_pad, shape.block
+    codes = torch.zeros(t, shape.kq // 2, dtype=torch.uint8, device=dev)
+    scales = torch.zeros(t, shape.kq // bs, dtype=torch.uint8, device=dev)
+    xop = torch.zeros(t, shape.kp, dtype=torch.bfloat16, device=dev)
+
+    def put(rows, q: formats.QuantizedTensor, c0: int = 0) -> None:
+        n = q.codes.shape[-1] * 2
+        codes[rows, c0 // 2:(c0 + n) // 2] = q.codes
+        scales[rows, c0 // bs:(c0 + n) // bs] = _scale_bytes(q.scales)
+        xop[rows, c0:c0 + n] = formats.dequantize(q, apply_global_scale=False).to(torch.bfloat16)
+
+    rb, rr = row_map(shape.m, layout)
+    rb = rb.to(dev)
+    put(rb, base)
+    if shape.mode == "mext":
+        put(rr.to(dev), res)
+    elif shape.mode == "kext":
+        put(rb, res, shape.k)
+    if fmt == "nvfp4":
+        scales = scales.view(torch.float8_e4m3fn)
+    alpha = None if base.global_scale is None else base.global_scale.reshape(1).clone()
+    return QuantOperand(shape, codes, scales, xop, alpha)
+
+
+def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
+    return s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s
+
+
+def xop_reference(x: torch.Tensor, fmt: str = "nvfp4", compensation: str = "none",
+                  layout: str = "plain", row_multiple: int = 1, global_scale=None,
+                  masks=None, kp_align: int = 64) -> torch.Tensor:
+    """bf16 [T_pad, KP]: the exact BF16 GEMM operand (see operand_reference)."""
+    return operand_reference(x, fmt, compensation, layout, row_multiple, global_scale,
+                             masks, kp_align).xop
+
+
+INPUT_KINDS: tuple[str, ...] = ("randn", "outliers", "ties", "zeros", "tiny", "huge", "mixed")
+
+
+def make_inputs(kind: str, m: int, k: int, seed: int = 0, device="cpu") -> torch.Tensor:
+    """Test activations x: [m, K] bf16 of one kind (CPU tests, GPU tests and runner checks).
+
+    randn     normal values with per-token scales spanning 1e-3..1e3
+    outliers  randn plus a few 100x channels (the calibration-sensitive case)
+    ties      blocks whose amax is 6 (so d = 1 for alpha = 1 / 2^-8 static or MXFP4) filled with
+              E2M1 midpoints 0.25, 0.75, ..., 5 and grid values, both signs, and the x = 2688
+              element that makes the dynamic NVFP4 alpha exactly 1
+    zeros     all-zero tokens, -0.0 blocks and zero blocks next to non-zero ones
+    tiny      bf16 subnormals and values near FLT_MIN (scale underflow, subnormal d)
+    huge      values near the bf16 maximum (3.39e38)
+    mixed     tiny and huge values inside the same block (quotients that underflow)
+    """
+    if kind not in INPUT_KINDS:
+        raise ValueError(f"kind must be one of {INPUT_KINDS}, got {kind!r}")
+    if m < 1 or k % 32:
+        raise ValueError("need m >= 1 and K a multiple of 32")
+    g = torch.Generator().manual_seed(seed)
+    if kind in ("randn", "outliers"):
+        scale = torch.exp(torch.empty(m, 1).uniform_(-7, 7, generator=g))
+        x = torch.randn(m, k, generator=g) * scale
+        if kind == "outliers":
+            ch = torch.randint(0, k, (max(1, k // 256),), generator=g)
+            x[:, ch] *= 100.0
+    elif kind == "ties":
+        grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0,
+                             0.0, 0.125, 5.5])
+        x = grid[torch.randint(0, grid.numel(), (m, k), generator=g)]
+        x = x * torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+        blocks = x.view(m, k // 16, 16)
+        blocks[:, :, 0] = 6.0 * torch.where(torch.rand(m, k // 16, generator=g) < 0.5, -1.0, 1.0)
+        x[0, -1] = 2688.0
+    elif kind == "zeros":
+        x = torch.randn(m, k, generator=g)
+        x[::2] = 0.0
+        blocks = x.view(m, k // 16, 16)
+        blocks[:, ::3] = -0.0
+        blocks[:, 1::5] = 0.0
+    elif kind == "tiny":
+        e = torch.randint(-140, -118, (m, k), generator=g).to(torch.float32)
+        x = torch.ldexp(torch.rand(m, k, generator=g) + 0.5, e.to(torch.int32))
+        x = x * torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+    elif kind == "huge":
+        x = (torch.rand(m, k, generator=g) * 2 - 1) * 3.3e38
+    else:
+        e = torch.randint(-130, 127, (m, k), generator=g).to(torch.int32)
+        x = torch.ldexp(torch.rand(m, k, generator=g) + 0.5, e)
+        x = x * torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+    x = x.to(torch.bfloat16)
+    if not bool(torch.isfinite(x.float()).all()):      # bf16 rounding of the huge kind
+        x = torch.nan_to_num(x, posinf=3.3e38, neginf=-3.3e38)
+    return x.to(device)
+
+
+def random_masks(k: int, compensation: str, seed: int = 0, device="cpu") -> torch.Tensor:
+    """uint8 [K / 8]: a random block-local selection for a K-Ext compensation ratio."""
+    ks = ksel_of(compensation)
+    if not ks:
+        raise ValueError(f"{compensation!r} is not a K-Ext ratio")
+    g = torch.Generator().manual_seed(seed)
+    order = torch.rand(k // GROUP, GROUP, generator=g).argsort(dim=-1)[:, :ks]
+    masks = (torch.ones_like(order) << order).sum(-1).to(torch.uint8)
+    return masks.to(device)
+
+
+def split_operand(op: QuantOperand) -> tuple[formats.QuantizedTensor,
+                                             formats.QuantizedTensor | None]:
+    """(base [m, K], residue [m, K] (M-Ext) / [m, ext] (K-Ext) / None) as formats tensors,
+    read back from the operand's codes and scales (the inverse of the layout)."""
+    s = op.shape
+    bs = s.block
+    gs = None if op.alpha is None else op.alpha.reshape(())
+    sc = op.scales
+    rb, rr = row_map(s.m, s.layout)
+    rb = rb.to(op.codes.device)
+    kq2, k2, kb = s.kq // 2, s.k // 2, s.k // bs
+    base = formats.QuantizedTensor(s.fmt, op.codes[rb, :k2], sc[rb, :kb], gs)
+    if s.mode == "plain":
+        return base, None
+    if s.mode == "mext":
+        rr = rr.to(op.codes.device)
+        return base, formats.QuantizedTensor(s.fmt, op.codes[rr, :k2], sc[rr, :kb], gs)
+    return base, formats.QuantizedTensor(s.fmt, op.codes[rb, k2:kq2], sc[rb, kb:], gs)
+
+
+# ----------------------------------------------------------------------------- kernel config
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Everything a rendered quant_sm90 kernel is specialized on.
+
+    ept: elements per lane (8: Algorithm 1's pack8; 16: pack16, one NVFP4 block per lane);
+    warps: warps per CTA; unroll: warp tiles per warp, loads issued together;
+    write_codes / write_xop: which outputs exist; alpha: "static" | "dynamic" (NVFP4) or
+    "none" (MXFP4); kp_align: the xop column granularity the consuming GEMM needs.
+    """
+
+    fmt: str
+    compensation: str
+    k: int
+    layout: str
+    ept: int = 8
+    warps: int = 4
+    unroll: int = 2
+    write_codes: bool = True
+    write_xop: bool = True
+    alpha: str = "static"
+    kp_align: int = 64
+
+    @property
+    def mode(self) -> str:
+        return mode_of(self.compensation)
+
+    @property
+    def ksel(self) -> int:
+        return ksel_of(self.compensation)
+
+    def shape(self, m: int = 1, row_multiple: int = 1) -> OperandShape:
+        return operand_shape(self.fmt, self.compensation, self.k, m, self.layout, row_multiple,
+                             self.kp_align)
+
+    def why_invalid(self) -> str | None:
+        """None if this configuration can be rendered and run, else the reason."""
+        try:
+            shape = self.shape()
+        except ValueError as e:
+            return str(e)
+        if self.ept not in (8, 16):
+            return f"ept={self.ept}: elements per lane must be 8 or 16"
+        if self.k % (32 * self.ept):
+            return f"K={self.k} is not a multiple of a warp tile (32 lanes x {self.ept})"
+        if self.warps not in (1, 2, 4, 8):
+            return f"warps={self.warps} must be 1, 2, 4 or 8"
+        if self.unroll not in (1, 2, 4):
+            return f"unroll={self.unroll} must be 1, 2 or 4"
+        if not (self.write_codes or self.write_xop):
+            return "writes nothing: enable codes or xop"
+        want = ("none",) if self.fmt == "mxfp4" else ("static", "dynamic")
+        if self.alpha not in want:
+            return f"alpha={self.alpha!r} does not fit {self.fmt} (allowed: {want})"
+        if shape.mode == "kext" and shape.ext != self.k * self.ksel // GROUP:
+            return "K-Ext extension would need padding inside a block (K * ratio % block != 0)"
+        return None
+
+    def template_params(self) -> dict[str, Any]:
+        reason = self.why_invalid()
+        if reason:
+            raise ValueError(f"invalid quant_sm90 config: {reason}")
+        s = self.shape()
+        return {
+            "fmt": self.fmt, "mode": s.mode, "ksel": s.ksel, "layout": self.layout,
+            "ept": self.ept, "warps": self.warps, "unroll": self.unroll,
+            "write_codes": bool(self.write_codes), "write_xop": bool(self.write_xop),
+            "alpha": self.alpha, "k": self.k, "kq": s.kq, "kp": s.kp,
+            "amax_ctas": AMAX_CTAS, "amax_threads": AMAX_THREADS,
+            "device_digest": _device_digest(),
+        }
+
+
+def _device_digest() -> str:
+    """sha256 of fp4_device.py, rendered into every module so that the fingerprint of a
+    rendered kernel changes when the device math it imports changes."""
+    path = Path(__file__).with_name("fp4_device.py")
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def fake_args(config: QuantConfig) -> list[Any]:
+    """cute.compile arguments (null pointers with the alignment the kernel assumes, dynamic
+    m / slots, a null stream): compiling needs no GPU."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    g = cute.AddressSpace.gmem
+
+    def ptr(dt, align):
+        return make_ptr(dt, 0, g, assumed_align=align)
+
+    return [ptr(cutlass.BFloat16, 16), ptr(cutlass.Float32, 4), ptr(cutlass.Uint8, 2),
+            ptr(cutlass.Uint8, 16), ptr(cutlass.Uint8, 1), ptr(cutlass.BFloat16, 16),
+            ptr(cutlass.Float32, 16), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)]
+
+
+@dataclass
+class QuantOutputs:
+    """Device buffers of one call shape: the operand plus the kernel's scratch."""
+
+    operand: QuantOperand
+    workspace: torch.Tensor        # float32 [AMAX_CTAS]: partial maxima (dynamic alpha)
+    dummy: torch.Tensor = field(repr=False)   # stands in for outputs a variant does not write
+
+
+class QuantKernel:
+    """A compiled quant_sm90 variant; call it on torch CUDA tensors.
+
+    kern = compile_config(QuantConfig("nvfp4", "full", 4096, "row_pair"))
+    out = kern.outputs(m, row_multiple=16, device=x.device)
+    kern(x, out, alpha=alpha)            # alpha: float32 [1] (static); masks: K-Ext
+    """
+
+    def __init__(self, config: QuantConfig, compiled: Any):
+        reason = config.why_invalid()
+        if reason:
+            raise ValueError(f"invalid quant_sm90 config: {reason}")
+        self.config = config
+        self.compiled = compiled
+
+    def outputs(self, m: int, row_multiple: int = 1, device="cuda") -> QuantOutputs:
+        """Allocate the operand buffers for m tokens (contents undefined until a call)."""
+        c = self.config
+        s = c.shape(m, row_multiple)
+        dev = torch.device(device)
+        dummy = torch.zeros(64, dtype=torch.uint8, device=dev)
+        codes = (torch.empty(s.t_pad, s.kq // 2, dtype=torch.uint8, device=dev)
+                 if c.write_codes else dummy[:0])
+        scales = (torch.empty(s.t_pad, s.kq // s.block, dtype=torch.uint8, device=dev)
+                  if c.write_codes else dummy[:0])
+        if c.fmt == "nvfp4":
+            scales = scales.view(torch.float8_e4m3fn)
+        xop = (torch.empty(s.t_pad, s.kp, dtype=torch.bfloat16, device=dev)
+               if c.write_xop else dummy[:0].view(torch.bfloat16))
+        alpha = torch.ones(1, dtype=torch.float32, device=dev) if c.fmt == "nvfp4" else None
+        ws = torch.zeros(AMAX_CTAS, dtype=torch.float32, device=dev)
+        return QuantOutputs(QuantOperand(s, codes, scales, xop, alpha), ws, dummy)
+
+    def __call__(self, x: torch.Tensor, out: QuantOutputs, alpha: torch.Tensor | None = None,
+                 masks: torch.Tensor | None = None, stream: Any = None) -> QuantOperand:
+        """Quantize x: [m, K] bf16 (CUDA, contiguous) into `out` on the current stream.
+
+        alpha: float32 [1] device tensor, required for static NVFP4 (it is copied into
+        out.operand.alpha's role: the kernel reads it where given); dynamic NVFP4 writes the
+        computed alpha to out.operand.alpha. masks: uint8 [K / 8] (K-Ext only)."""
+        import cuda.bindings.driver as cuda
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_ptr
+
+        c = self.config
+        op = out.operand
+        s = op.shape
+        if x.device != op.xop.device or x.device.type != "cuda":
+            raise ValueError(f"x must be on the outputs' CUDA device ({op.xop.device})")
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+            raise TypeError(f"x must be a contiguous 2-D bf16 tensor, got {x.dtype} "
+                            f"{tuple(x.shape)}")
+        if x.shape != (s.m, c.k):
+            raise ValueError(f"x is {tuple(x.shape)}, outputs were allocated for "
+                             f"{(s.m, c.k)}")
+        if s.m * c.k >= 2 ** 31 or s.t_pad * s.kp >= 2 ** 31:
+            raise ValueError("tensor too large for 32-bit element indexing")
+        if c.alpha == "static":
+            if alpha is None or alpha.dtype != torch.float32 or alpha.numel() != 1:
+                raise ValueError("static NVFP4 needs alpha: a float32 device tensor of 1 element")
+            if alpha.device != x.device:
+                raise ValueError("alpha must be on x's device")
+            alpha_t = alpha
+            op.alpha = alpha            # the operand's alpha is the tensor scale used
+        else:
+            if alpha is not None:
+                raise ValueError(f"alpha is computed by this variant ({c.alpha}); pass None")
+            alpha_t = op.alpha if op.alpha is not None else out.dummy
+        m_t = masks
+        if s.mode == "kext":
+            m_t = _masks_for(s, masks)
+            if m_t.device != x.device:
+                raise ValueError("masks must be on x's device")
+        elif masks is not None:
+            raise ValueError("masks are only used by K-Ext")
+        else:
+            m_t = out.dummy
+        g = cute.AddressSpace.gmem
+
+        def p(t: torch.Tensor, dt, align: int):
+            if t.data_ptr() % align:
+                raise ValueError(f"buffer at {t.data_ptr():#x} is not {align}-byte aligned")
+            return make_ptr(dt, t.data_ptr(), g, assumed_align=align)
+
+        if stream is None:
+            stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+        self.compiled(
+            p(x, cutlass.BFloat16, 16), p(alpha_t, cutlass.Float32, 4), p(m_t, cutlass.Uint8, 2),
+            p(op.codes if c.write_codes else out.dummy, cutlass.Uint8, 16),
+            p(op.scales if c.write_codes else out.dummy, cutlass.Uint8, 1),
+            p(op.xop if c.write_xop else out.dummy, cutlass.BFloat16, 16),
+            p(out.workspace, cutlass.Float32, 16), cutlass.Int32(s.m), cutlass.Int32(s.slots),
+            stream)
+        return op
+
+
+def compile_config(config: QuantConfig, arch: str = "sm_90a"):
+    """Render, import and compile one configuration; returns (QuantKernel, CompileResult)."""
+    from . import codegen
+
+    path, _ = codegen.render_to_file(TEMPLATE, config.template_params(), FAMILY)
+    module = codegen.load_module(path)
+    res = codegen.compile_entry(module.entry, fake_args(config), arch)
+    return QuantKernel(config, res.fn), res
