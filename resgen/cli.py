@@ -227,9 +227,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     gpu = _has_gpu()
     compile_only = args.compile_only or not gpu
     if not gpu and not args.compile_only:
-        print("No CUDA GPU found: running the COMPILE-ONLY pre-flight instead (every variant "
-              "is rendered and compiled; nothing is run or timed; results are stored with "
-              "status 'compiled' under a compile-only environment).", file=sys.stderr)
+        print("No CUDA GPU found: running the COMPILE-ONLY pre-flight instead: per workload "
+              f"up to --max-variants={args.max_variants} valid variants (the default plus an "
+              "even spread over the space) are rendered and compiled; nothing is run or "
+              "timed; results are stored with status 'compiled' under a compile-only "
+              "environment.", file=sys.stderr)
     if compile_only:
         arch = args.arch or settings().arch
         env = compile_only_environment(arch)

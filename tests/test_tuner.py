@@ -205,6 +205,19 @@ def test_compile_only_records_compiles_and_runs_nothing(tmp_path, monkeypatch):
         Tuner(None, env, TuneConfig(compile_only=False))
 
 
+def test_compile_only_spread_covers_every_axis_value(tmp_path):
+    env = make_env(gpu_name="none (compile-only)", compile_only=True)
+    p = FakeProblem(m=64, k=4096)
+    valid = _valid(p)
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[64], env=env, max_variants=9)
+    assert s.search == "spread" and s.evaluated == 9 < len(valid)
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        vs = [FakeVariant.from_key(r["variant_key"]) for r in db.rows()]
+    assert FakeVariant() in vs and len(set(vs)) == 9
+    for field in ("tile", "stages", "pack", "split"):
+        assert {getattr(v, field) for v in vs} == {getattr(v, field) for v in valid}, field
+
+
 def test_parallel_workers_compile_only(tmp_path):
     env = make_env(gpu_name="none (compile-only)", compile_only=True)
     cfg = TuneConfig(arch="sm_90a", compile_only=True, max_variants=64)

@@ -7,7 +7,9 @@ M bucket that shares one reuses it; failures, registers and spills recorded, nev
 policy, and store every outcome as its own row through a ResultStore (the dispatch database;
 this layer does not import it). Small spaces are searched exhaustively (the family default
 first, then space order); large ones with optuna's TPE sampler, seeded per workload, asked and
-told one trial at a time, so a run is reproducible given the same timings. Budgets:
+told one trial at a time, so a run is reproducible given the same timings. A compile-only
+pre-flight of a space larger than the budget compiles the default plus variants spread evenly
+over the space order (deterministic, every axis exercised). Budgets:
 `max_variants` per workload and `time_budget_s` for the whole run (shared fairly: each
 workload may use the remaining time divided by the workloads left; every workload gets at least
 one variant). Resume: a (workload, variant, fingerprint, environment) already stored is not
@@ -210,9 +212,15 @@ class Tuner:
         budget = self.config.max_variants
         out_of_time = (lambda: deadline is not None and time.monotonic() > deadline)
         if self.config.compile_only or len(valid) <= budget:
+            rest = [v for v in valid if default is None or v.key() != default.key()]
             s.search = "exhaustive"
-            order = ([default] if default is not None else []) + \
-                [v for v in valid if default is None or v.key() != default.key()]
+            if len(valid) > budget:
+                # Compile-only pre-flight of a large space: the default plus variants spread
+                # evenly over the fixed order, so every axis value gets compiled somewhere.
+                s.search = "spread"
+                n = budget - (default is not None)
+                rest = [rest[(i * len(rest)) // n] for i in range(n)] if n > 0 else []
+            order = ([default] if default is not None else []) + rest
             for v in order:
                 if len(results) >= budget:
                     s.stopped_by = "max_variants"
