@@ -263,7 +263,7 @@ from resgen.kernels.linear_sm90_geom import Geometry  # noqa: E402
 from resgen.kernels.linear_sm90_sim import simulate_kernel  # noqa: E402
 from resgen.search import family as family_registry  # noqa: E402
 from resgen.search.linear_sm90 import (FAMILY, LinearSm90Variant, Packing,  # noqa: E402
-                                       Reduction, compare, geometry_of)
+                                       Pipeline, Reduction, compare, geometry_of)
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 ARCH = "sm_90a"
@@ -277,8 +277,8 @@ def test_family_is_registered():
 def test_variant_key_changes_with_every_field():
     base = LinearSm90Variant()
     other = {"warps_m": 2, "warps_k": 4, "m_tiles": 2, "n_tiles": 2, "groups": 2,
-             "prefetch": False, "split_k": 2, "reduce": Reduction.WORKSPACE,
-             "packing": Packing.NIB}
+             "pipeline": Pipeline.REGS, "stages": 2, "split_k": 2,
+             "reduce": Reduction.WORKSPACE, "packing": Packing.NIB}
     assert set(other) == {f.name for f in dataclasses.fields(LinearSm90Variant)}
     keys = {base.key()}
     for name, value in other.items():
@@ -292,7 +292,8 @@ def test_variant_key_changes_with_every_field():
 def test_variant_from_dict_rejects_bad_values():
     d = LinearSm90Variant().as_dict()
     for field_name, bad in (("warps_m", 3), ("m_tiles", 8), ("reduce", "sum"),
-                            ("packing", "nibble"), ("prefetch", 1), ("groups", 3)):
+                            ("packing", "nibble"), ("pipeline", "tma"), ("stages", 9),
+                            ("groups", 3)):
         dd = dict(d, **{field_name: bad})
         with pytest.raises(ValueError):
             LinearSm90Variant.from_dict(dd)
@@ -306,7 +307,13 @@ def test_variant_from_dict_rejects_bad_values():
     (LinearSm90Variant(reduce=Reduction.ATOMIC), LinearProblem(), "without split_k"),
     (LinearSm90Variant(warps_m=1, warps_k=4, split_k=4, reduce=Reduction.WORKSPACE),
      LinearProblem(k=4096 + 256), "do not split evenly"),
-    (LinearSm90Variant(m_tiles=4, groups=2), LinearProblem(), "register estimate"),
+    (LinearSm90Variant(m_tiles=4, groups=2, pipeline=Pipeline.REGS, stages=1),
+     LinearProblem(), "register estimate"),
+    (LinearSm90Variant(pipeline=Pipeline.CP_ASYNC, stages=1), LinearProblem(), "stages >= 2"),
+    (LinearSm90Variant(pipeline=Pipeline.DIRECT, stages=3), LinearProblem(), "only applies"),
+    (LinearSm90Variant(warps_m=2, warps_k=4, m_tiles=4, groups=2, stages=8),
+     LinearProblem(n=4096, k=16384), "shared memory"),
+    (LinearSm90Variant(warps_m=1, warps_k=8, stages=8), LinearProblem(k=4096), "stages for"),
 ])
 def test_why_invalid_gives_reasons(v, p, reason):
     why = FAMILY.why_invalid(v, p, ARCH)
@@ -342,17 +349,39 @@ def test_compile_key_drops_m_only():
 
 # ----------------------------------------------------------------------------- kernel simulation
 
+_DIRECT = dict(pipeline=Pipeline.DIRECT, stages=1)
+_REGS = dict(pipeline=Pipeline.REGS, stages=1)
 SIM_CASES = [
-    ("nvfp4", "none", 3, dict(warps_m=2, warps_k=2)),
-    ("nvfp4", "full", 3, dict(warps_m=4, warps_k=1, packing=Packing.NIB)),
-    ("mxfp4", "full", 5, dict(warps_m=1, warps_k=4, m_tiles=2, n_tiles=2)),
+    ("nvfp4", "none", 3, dict(warps_m=2, warps_k=1, stages=3)),
+    ("nvfp4", "full", 3, dict(warps_m=4, warps_k=1, packing=Packing.NIB, **_REGS)),
+    ("mxfp4", "full", 5, dict(warps_m=1, warps_k=2, m_tiles=2, n_tiles=2, stages=2)),
     ("nvfp4", "1.0", 9, dict(warps_m=2, warps_k=2, split_k=2, reduce=Reduction.WORKSPACE,
-                             groups=1, prefetch=False)),
-    ("mxfp4", "none", 9, dict(warps_m=4, warps_k=1, split_k=4, reduce=Reduction.ATOMIC)),
-    ("nvfp4", "0.125", 2, dict(warps_m=1, warps_k=1, m_tiles=4, groups=1)),
+                             groups=1, **_DIRECT)),
+    ("mxfp4", "none", 9, dict(warps_m=4, warps_k=1, split_k=4, reduce=Reduction.ATOMIC,
+                              **_DIRECT)),
+    ("nvfp4", "0.125", 2, dict(warps_m=1, warps_k=1, m_tiles=4, groups=1, stages=6)),
     ("mxfp4", "full", 11, dict(warps_m=2, warps_k=1, n_tiles=4, split_k=2, groups=2,
-                               reduce=Reduction.WORKSPACE, packing=Packing.NIB)),
+                               reduce=Reduction.WORKSPACE, packing=Packing.NIB, **_REGS)),
 ]
+
+
+@pytest.mark.parametrize("v", [LinearSm90Variant(2, 2, 2, 1, 2, Pipeline.CP_ASYNC, 3),
+                               LinearSm90Variant(1, 8, 1, 1, 1, Pipeline.CP_ASYNC, 6)])
+def test_cp_async_ring_offsets_are_disjoint_and_in_bounds(v):
+    """Every (warp, slot, group, tile, chunk, lane) owns its own 16 bytes of the ring."""
+    g = geometry_of(v, LinearProblem(n=4096, k=4096))
+    seen_w, seen_s = set(), set()
+    for warp in range(g.warps_m * g.warps_k):
+        for slot in range(g.stages):
+            for u in range(g.groups):
+                for mt in range(g.m_tiles):
+                    for lane in range(32):
+                        for i in range(4):
+                            seen_w.add(g.sw_off(warp, slot, u, mt, i, lane))
+                        seen_s.add(g.ss_off(warp, slot, u, mt, lane))
+    n_w = g.warps_m * g.warps_k * g.stages * g.groups * g.m_tiles
+    assert len(seen_w) == n_w * 128 and min(seen_w) == 0 and max(seen_w) == n_w * 2048 - 16
+    assert len(seen_s) == n_w * 32 and max(seen_s) == n_w * 256 - 8
 
 
 @pytest.mark.parametrize("fmt, comp, m, fields", SIM_CASES)
@@ -389,17 +418,18 @@ def test_kernel_simulation_matches_emulator_bit_for_bit(fmt, comp, m, fields):
 
 # ----------------------------------------------------------------------------- compile (sm_90a)
 
+_CP, _DI, _RG = Pipeline.CP_ASYNC, Pipeline.DIRECT, Pipeline.REGS
 COMPILE_CASES = [
-    (LinearProblem("nvfp4", "none", 1, 4096, 4096), LinearSm90Variant(4, 2, 1, 1, 1, True)),
+    (LinearProblem("nvfp4", "none", 1, 4096, 4096), LinearSm90Variant(4, 2, 1, 1, 1, _CP, 4)),
     (LinearProblem("nvfp4", "full", 4, 24576, 4096),
-     LinearSm90Variant(2, 2, 2, 1, 2, True, packing=Packing.NIB)),
+     LinearSm90Variant(2, 2, 2, 1, 2, _RG, 1, packing=Packing.NIB)),
     (LinearProblem("mxfp4", "full", 16, 4096, 12288),
-     LinearSm90Variant(1, 4, 1, 4, 1, False, 2, Reduction.WORKSPACE)),
+     LinearSm90Variant(1, 4, 1, 4, 1, _DI, 1, 2, Reduction.WORKSPACE)),
     (LinearProblem("mxfp4", "none", 16, 6144, 4096),
-     LinearSm90Variant(4, 1, 1, 2, 1, True, 4, Reduction.ATOMIC)),
+     LinearSm90Variant(4, 1, 1, 2, 1, _CP, 3, 4, Reduction.ATOMIC)),
     (LinearProblem("nvfp4", "0.125", 2, 4096, 4096),
-     LinearSm90Variant(8, 1, 1, 1, 1, True, 2, Reduction.WORKSPACE)),
-    (LinearProblem("nvfp4", "full", 64, 4096, 4096), LinearSm90Variant(2, 4, 1, 8, 1, True)),
+     LinearSm90Variant(8, 1, 1, 1, 1, _CP, 2, 2, Reduction.WORKSPACE)),
+    (LinearProblem("nvfp4", "full", 64, 4096, 4096), LinearSm90Variant(2, 4, 1, 8, 1, _CP, 2)),
 ]
 
 
@@ -422,7 +452,10 @@ def test_compiles_for_sm90a_without_spills(p, v, tmp_path):
     assert ptx and ".target sm_90a" in ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "mul.rn.bf16x2" in ptx and "mul.rn.ftz" not in ptx
-    assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
+    if v.pipeline == Pipeline.CP_ASYNC:
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    else:
+        assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert res.spill_bytes == 0, f"{res.spill_bytes} bytes of local memory"
     assert res.registers is not None and res.registers <= 255

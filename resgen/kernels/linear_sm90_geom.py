@@ -35,7 +35,8 @@ class Geometry:
     m_tiles: int
     n_tiles: int
     groups: int        # U
-    prefetch: bool
+    pipeline: str      # "direct" | "regs" | "cp_async"
+    stages: int        # cp_async: ring depth (iterations in flight + 1); else 1
     split_k: int
     reduce: str        # "none" | "atomic" | "workspace"
 
@@ -85,8 +86,23 @@ class Geometry:
         """FP32 accumulator values per CTA after the in-CTA K reduction."""
         return self.warps_m * self.acc * 32
 
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA: cp.async rings + in-CTA reduction + flag."""
+        ring = 0
+        if self.pipeline == "cp_async":
+            ring = self.warps_m * self.warps_k * self.stages * self.groups * self.m_tiles * 2304
+        red = (self.warps_k - 1) * self.warps_m * self.acc * 32 * 4
+        return ring + red + (16 if self.reduce == "workspace" else 0)
+
     def check(self) -> None:
         """Raise ValueError if the constants do not describe a runnable kernel."""
+        if self.pipeline not in ("direct", "regs", "cp_async"):
+            raise ValueError(f"unknown pipeline {self.pipeline!r}")
+        if (self.pipeline == "cp_async") != (self.stages > 1):
+            raise ValueError("stages > 1 exactly for the cp_async pipeline")
+        if self.smem_bytes > 227 * 1024:
+            raise ValueError("shared memory above 227 KB per CTA")
         if self.n % (16 * self.m_tiles * self.warps_m):
             raise ValueError("N must be a multiple of 16 * m_tiles * warps_m")
         if self.kq % 4 or self.ng % (self.split_k * self.warps_k * self.groups):
@@ -150,6 +166,16 @@ class Geometry:
         ch = (mt0 + mt) * 16 + g + 8 * (e // 2)
         row = row0 + 8 * nt + 2 * t + e % 2
         return ch, row
+
+    def sw_off(self, warp: Any, slot: Any, u: int, mt: int, i: int, lane: Any) -> Any:
+        """cp.async ring: the lane's 16-byte weight vector (chunk i of group u, tile mt)."""
+        return (((((warp * self.stages + slot) * self.groups + u) * self.m_tiles + mt) * 4 + i)
+                * 512 + lane * 16)
+
+    def ss_off(self, warp: Any, slot: Any, u: int, mt: int, lane: Any) -> Any:
+        """cp.async ring: the lane's 8-byte scale vector (group u, tile mt)."""
+        return ((((warp * self.stages + slot) * self.groups + u) * self.m_tiles + mt) * 256
+                + lane * 8)
 
     def ws_off(self, tile: Any, split: Any, wm: Any, q: int, lane: Any) -> Any:
         """FP32 element of the workspace reduction: CTA tile, split index, accumulator q."""

@@ -124,14 +124,51 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
             ln, wm, wk, g, t, mt0, grp0, row0, sl = G.warp_coords(tid, bx, by, bz)
             acc = [[[torch.zeros(32) for _ in range(4)] for _ in range(G.n_tiles)]
                    for _ in range(G.m_tiles)]
+            ring = {}                                     # cp_async: smem byte offset -> word
+
+            def fetch(it):
+                """Global loads of iteration it: words[u][mt][i] (4 each), scales[u][mt]."""
+                wv = [[[wmem.words(G.w_off(mt0 + mt, (grp0 + it * G.groups + u) * 4 + i, ln), 4)
+                        for i in range(4)] for mt in range(G.m_tiles)] for u in range(G.groups)]
+                sv = [[smem_.words(G.s_off(mt0 + mt, grp0 + it * G.groups + u, sl), 2)
+                       for mt in range(G.m_tiles)] for u in range(G.groups)]
+                return wv, sv
+
+            def issue(it, slot):
+                wv, sv = fetch(it)
+                for u in range(G.groups):
+                    for mt in range(G.m_tiles):
+                        for i in range(4):
+                            base = G.sw_off(warp, slot, u, mt, i, ln)
+                            for q in range(4):
+                                _ring_put(ring, base + 4 * q, wv[u][mt][i][q])
+                        sbase = G.ss_off(warp, slot, u, mt, ln) + (1 << 40)
+                        for q in range(2):
+                            _ring_put(ring, sbase + 4 * q, sv[u][mt][q])
+
+            def read(slot):
+                wv = [[[[_ring_get(ring, G.sw_off(warp, slot, u, mt, i, ln) + 4 * q)
+                         for q in range(4)] for i in range(4)] for mt in range(G.m_tiles)]
+                      for u in range(G.groups)]
+                sv = [[[_ring_get(ring, G.ss_off(warp, slot, u, mt, ln) + (1 << 40) + 4 * q)
+                        for q in range(2)] for mt in range(G.m_tiles)] for u in range(G.groups)]
+                return wv, sv
+
+            if G.pipeline == "cp_async":
+                for s0 in range(G.stages - 1):
+                    if s0 < G.nit:
+                        issue(s0, s0)
             for it in range(G.nit):
+                if G.pipeline == "cp_async":
+                    nxt = it + G.stages - 1
+                    if nxt < G.nit:
+                        issue(nxt, nxt % G.stages)
+                    wall, sall = read(it % G.stages)
+                else:
+                    wall, sall = fetch(it)
                 for u in range(G.groups):
                     grp = grp0 + it * G.groups + u
-                    wv = [[wmem.words(wt_off, 4) for wt_off in
-                           [G.w_off(mt0 + mt, grp * 4 + i, ln) for i in range(4)]]
-                          for mt in range(G.m_tiles)]
-                    sv = [smem_.words(G.s_off(mt0 + mt, grp, sl), 2)
-                          for mt in range(G.m_tiles)]
+                    wv, sv = wall[u], sall[u]
                     for i in range(4):
                         xw = []
                         for nt in range(G.n_tiles):
@@ -194,6 +231,21 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
     if bool((sem != 0).any()):
         raise AssertionError("semaphores not reset")
     return out
+
+
+def _ring_put(ring: dict, off: torch.Tensor, w: torch.Tensor) -> None:
+    """Per-lane shared-memory words (the ring is private to the warp in the kernel too)."""
+    if bool((off % 4 != 0).any()):
+        raise AssertionError("misaligned shared store")
+    for o, v in zip(off.tolist(), w.tolist()):
+        ring[o] = v
+
+
+def _ring_get(ring: dict, off: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.tensor([ring[o] for o in off.tolist()], dtype=torch.int64)
+    except KeyError:
+        raise AssertionError("shared-memory read of a slot never written") from None
 
 
 def _as_i32(w: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ atomics and fences are not.
                                   (activations: re-read by every warp, keep them in L1)
     ld_cg_f32(addr)               ld.global.cg.f32 (L2 only: partial sums other CTAs wrote)
     ld_f32(addr)                  ld.global.nc.f32 (kernel-constant scalars)
+    cp_async_16(saddr, gaddr)     cp.async.cg.shared.global 16 bytes (L2 only), cp_async_8 (.ca, 8)
+    ld_shared_v4(saddr), ld_shared_v2(saddr)   ordered after cp.async.wait_group (side effects)
     prmt(a, b, sel)               byte permute
     mul_bf16x2(a, b)              mul.rn.bf16x2 (no .ftz exists for bf16: subnormals kept)
     mma_bf16_16816(a, b, c)       mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
@@ -30,7 +32,8 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-__all__ = ["ld_stream_v4", "ld_stream_v2", "ld_cached_v4", "ld_cg_f32", "ld_f32", "prmt", "mul_bf16x2",
+__all__ = ["ld_stream_v4", "ld_stream_v2", "ld_cached_v4", "ld_cg_f32", "ld_f32",
+           "cp_async_16", "cp_async_8", "ld_shared_v4", "ld_shared_v2", "prmt", "mul_bf16x2",
            "mma_bf16_16816", "cvt_bf16x2", "st_u16", "st_u32", "st_f32", "red_add_f32", "red_add_f32_pred",
            "atom_add_u32", "fence_gpu"]
 
@@ -97,6 +100,37 @@ def ld_cg_f32(addr, *, loc=None, ip=None) -> Float32:
 def ld_f32(addr, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [_i64(addr, loc, ip)], "ld.global.nc.f32 $0, [$1];", "=f,l",
                         loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cp_async_16(saddr, gaddr, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(saddr).ir_value(loc=loc, ip=ip), _i64(gaddr, loc, ip)],
+         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}", effects=True,
+         loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_8(saddr, gaddr, *, loc=None, ip=None) -> None:
+    # .cg only takes 16 bytes; .ca (L1-allocating) for the 8-byte scale vectors
+    _asm(None, [Int32(saddr).ir_value(loc=loc, ip=ip), _i64(gaddr, loc, ip)],
+         "cp.async.ca.shared.global [$0], [$1], 8;", "r,l,~{memory}", effects=True,
+         loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_v4(saddr, *, loc=None, ip=None) -> tuple:
+    st = _asm(_struct(4, "i32"), [Int32(saddr).ir_value(loc=loc, ip=ip)],
+              "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+              effects=True, loc=loc, ip=ip)
+    return _unpack(st, 4, Uint32, T.i32(), loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v2(saddr, *, loc=None, ip=None) -> tuple:
+    st = _asm(_struct(2, "i32"), [Int32(saddr).ir_value(loc=loc, ip=ip)],
+              "ld.shared.v2.u32 {$0,$1}, [$2];", "=r,=r,r,~{memory}", effects=True,
+              loc=loc, ip=ip)
+    return _unpack(st, 2, Uint32, T.i32(), loc, ip)
 
 
 @dsl_user_op

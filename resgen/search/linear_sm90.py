@@ -8,7 +8,12 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
     m_tiles            m16 tiles (16 output channels) per warp
     n_tiles            n8 tiles (8 xop rows) per CTA: the token tile is 8 n_tiles rows
     groups             4-chunk K groups (256 columns) per main-loop iteration
-    prefetch           register double buffering of the next iteration's weights
+    pipeline, stages   how weight/scale loads run ahead of use: "direct" (loaded in the
+                       iteration that uses them; other warps hide the latency), "regs" (register
+                       double buffer of the next iteration; ptxas may sink those loads),
+                       "cp_async" (per-lane cp.async.cg into a shared-memory ring of `stages`
+                       iterations, stages - 1 in flight; each lane reads back only what it
+                       copied, so no barrier is needed)
     split_k, reduce    CTAs along K and how their partials meet: "atomic" (FP32 red.global into
                        a workspace, then a convert kernel; not deterministic) or "workspace"
                        (partials + per-tile semaphore, the last CTA sums in split order; one
@@ -31,7 +36,7 @@ import torch
 from .family import CheckResult, register
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
-__all__ = ["Packing", "Reduction", "LinearSm90Variant", "LinearSm90Family", "FAMILY",
+__all__ = ["Packing", "Pipeline", "Reduction", "LinearSm90Variant", "LinearSm90Family", "FAMILY",
            "TOLERANCE", "geometry_of", "kp_of", "rows_of"]
 
 TOLERANCE = 3e-3
@@ -41,6 +46,12 @@ _MAX_REGS_EST = 232        # estimated live registers above which a variant woul
 class Packing(Choice):
     NIB = "nib"
     SPLIT = "split"
+
+
+class Pipeline(Choice):
+    DIRECT = "direct"
+    REGS = "regs"
+    CP_ASYNC = "cp_async"
 
 
 class Reduction(Choice):
@@ -57,7 +68,8 @@ class LinearSm90Variant(VariantBase):
     m_tiles: int = field(default=1, metadata={"range": IntRange(1, 4, pow2=True), "short": "mt"})
     n_tiles: int = field(default=1, metadata={"range": IntRange(1, 8, pow2=True), "short": "nt"})
     groups: int = field(default=1, metadata={"range": IntRange(1, 2), "short": "u"})
-    prefetch: bool = field(default=True, metadata={"short": "pf"})
+    pipeline: Pipeline = field(default=Pipeline.CP_ASYNC, metadata={"short": "pl"})
+    stages: int = field(default=4, metadata={"range": IntRange(1, 8), "short": "st"})
     split_k: int = field(default=1, metadata={"range": IntRange(1, 16), "short": "sk"})
     reduce: Reduction = field(default=Reduction.NONE, metadata={"short": "red"})
     packing: Packing = field(default=Packing.SPLIT, metadata={"short": "pk"})
@@ -85,12 +97,17 @@ def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
     return Geometry(fmt=problem.fmt, mext=problem.compensation == "full",
                     packing=variant.packing.value, n=problem.n, kq=kp_of(problem) // 64,
                     warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
-                    n_tiles=variant.n_tiles, groups=variant.groups, prefetch=variant.prefetch,
+                    n_tiles=variant.n_tiles, groups=variant.groups,
+                    pipeline=variant.pipeline.value, stages=variant.stages,
                     split_k=variant.split_k, reduce=variant.reduce.value)
 
 
 def _reg_estimate(v: LinearSm90Variant) -> int:
-    held = v.groups * v.m_tiles * 18 * (2 if v.prefetch else 1)   # 16 weight + 2 scale words
+    # weight + scale words live in registers: one iteration (two with the register double
+    # buffer; cp_async reads them from shared memory one chunk at a time)
+    per_iter = v.groups * v.m_tiles * 18
+    held = {Pipeline.DIRECT: per_iter, Pipeline.REGS: 2 * per_iter,
+            Pipeline.CP_ASYNC: v.m_tiles * 6}[v.pipeline]
     return 40 + held + 8 * v.n_tiles + 4 * v.m_tiles * v.n_tiles
 
 
@@ -123,12 +140,20 @@ class LinearSm90Family:
         if ng % div:
             return (f"Kp/256 = {ng} K groups do not split evenly over split_k * warps_k * "
                     f"groups = {div}")
+        if (v.pipeline == Pipeline.CP_ASYNC) != (v.stages > 1):
+            return ("the cp_async pipeline needs stages >= 2" if v.pipeline == Pipeline.CP_ASYNC
+                    else f"stages={v.stages} only applies to the cp_async pipeline")
         if (v.split_k > 1) != (v.reduce != Reduction.NONE):
             return ("split_k > 1 needs reduce atomic/workspace" if v.split_k > 1
                     else f"reduce={v.reduce.value} without split_k > 1")
         est = _reg_estimate(v)
         if est > _MAX_REGS_EST:
             return f"register estimate {est} > {_MAX_REGS_EST} (would spill)"
+        smem = geometry_of(v, p).smem_bytes
+        if smem > 227 * 1024:
+            return f"{smem} bytes of shared memory per CTA (at most 227 KB)"
+        if v.pipeline == Pipeline.CP_ASYNC and v.stages > geometry_of(v, p).nit + 1:
+            return f"{v.stages} stages for {geometry_of(v, p).nit} iterations per warp"
         return None
 
     # ------------------------------------------------------------------ space
@@ -144,13 +169,15 @@ class LinearSm90Family:
                 for mt in (1, 2, 4):
                     for nt in nts:
                         for u in (1, 2):
-                            for pf in (True, False):
+                            for pl, st in ((Pipeline.CP_ASYNC, 4), (Pipeline.CP_ASYNC, 2),
+                                           (Pipeline.CP_ASYNC, 6), (Pipeline.DIRECT, 1),
+                                           (Pipeline.REGS, 1)):
                                 for sk, red in ((1, Reduction.NONE),
                                                 (2, Reduction.WORKSPACE),
                                                 (4, Reduction.WORKSPACE),
                                                 (2, Reduction.ATOMIC),
                                                 (4, Reduction.ATOMIC)):
-                                    v = LinearSm90Variant(wm, wk, mt, nt, u, pf, sk, red,
+                                    v = LinearSm90Variant(wm, wk, mt, nt, u, pl, st, sk, red,
                                                           packing)
                                     if sk > 1 and problem.n // (16 * mt * wm) >= 264:
                                         continue
@@ -168,9 +195,11 @@ class LinearSm90Family:
         wm = 4 // wk
         while wm > 1 and problem.n % (16 * wm):
             wm //= 2
+        nit = ng // wk
         v = LinearSm90Variant(warps_m=wm, warps_k=wk, m_tiles=1, n_tiles=1, groups=1,
-                              prefetch=True, split_k=1, reduce=Reduction.NONE,
-                              packing=Packing.SPLIT)
+                              pipeline=Pipeline.CP_ASYNC if nit >= 2 else Pipeline.DIRECT,
+                              stages=min(4, nit + 1) if nit >= 2 else 1, split_k=1,
+                              reduce=Reduction.NONE, packing=Packing.SPLIT)
         why = self.why_invalid(v, problem, arch)
         if why is not None:
             raise ValueError(f"linear_sm90_mma cannot run {problem.key()}: {why}")
@@ -182,7 +211,7 @@ class LinearSm90Family:
         return {"fmt": g.fmt, "mext": bool(g.mext), "packing": g.packing, "n": int(g.n),
                 "kq": int(g.kq), "warps_m": int(g.warps_m), "warps_k": int(g.warps_k),
                 "m_tiles": int(g.m_tiles), "n_tiles": int(g.n_tiles),
-                "groups": int(g.groups), "prefetch": bool(g.prefetch),
+                "groups": int(g.groups), "pipeline": g.pipeline, "stages": int(g.stages),
                 "split_k": int(g.split_k), "reduce": g.reduce}
 
     def compile_key(self, variant: LinearSm90Variant, problem: LinearProblem) -> LinearProblem:
@@ -204,6 +233,13 @@ class LinearSm90Family:
                 cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)]
 
     # ------------------------------------------------------------------ running
+    def working_set_bytes(self, variant: LinearSm90Variant, problem: LinearProblem) -> int:
+        """Bytes of one input set (weights + scales + activation operand + output)."""
+        kp = kp_of(problem)
+        per_w = 0.5 + (1 / 16 if problem.fmt == "nvfp4" else 1 / 32)
+        t_pad = -(-problem.rows // (8 * variant.n_tiles)) * 8 * variant.n_tiles
+        return int(problem.n * kp * per_w + t_pad * kp * 2 + problem.m * problem.n * 2)
+
     def runner(self, compiled: Any, variant: LinearSm90Variant, problem: LinearProblem,
                device: Any, n_sets: int = 1, seed: int = 0) -> "LinearSm90Runner":
         return LinearSm90Runner(compiled, variant, problem, device, n_sets, seed)
@@ -238,6 +274,34 @@ def _compensation(problem: LinearProblem):
     return problem.ratio if problem.ratio is not None else problem.compensation
 
 
+_SETS: dict[tuple, list] = {}
+_SETS_KEEP = 2          # input-set lists kept for reuse by the next variants of a problem
+
+
+def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n_sets: int,
+                seed: int) -> list:
+    """[(qweight, Sm90Weight, x, xop, alpha_x)] * n_sets, cached for the few most recent
+    problems: preparing big weights costs more than timing a variant."""
+    from ..kernels.layouts import prepare_sm90_weight
+    from ..kernels.linear_sm90 import make_xop
+
+    key = (problem.key(), packing, t_multiple, str(device), n_sets, seed)
+    if key in _SETS:
+        return _SETS[key]
+    while len(_SETS) >= _SETS_KEEP:
+        _SETS.pop(next(iter(_SETS)))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sets = []
+    for _ in range(max(1, n_sets)):
+        qw = random_layer(problem, device, gen)
+        wt = prepare_sm90_weight(qw, packing)
+        x = torch.randn(problem.m, problem.k, generator=gen, device=device)
+        xop, ax = make_xop(x, qw, _compensation(problem), t_multiple=t_multiple)
+        sets.append((qw, wt, x, xop, ax))
+    _SETS[key] = sets
+    return sets
+
+
 class LinearSm90Runner:
     """n_sets complete input sets (weights + activation operand), one compiled variant.
 
@@ -247,22 +311,16 @@ class LinearSm90Runner:
     """
 
     def __init__(self, compiled, variant, problem, device, n_sets, seed):
-        from ..kernels.layouts import prepare_sm90_weight
-        from ..kernels.linear_sm90 import LinearSm90Launcher, make_xop
+        from ..kernels.linear_sm90 import LinearSm90Launcher
 
         self.variant, self.problem = variant, problem
         self.geom = geometry_of(variant, problem)
         self.device = torch.device(device)
-        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.comp = _compensation(problem)
         self.m, self.rows = problem.m, problem.rows
-        self.sets = []
-        for _ in range(max(1, n_sets)):
-            qw = random_layer(problem, self.device, self.gen)
-            wt = prepare_sm90_weight(qw, variant.packing.value)
-            x = torch.randn(self.m, problem.k, generator=self.gen, device=self.device)
-            xop, ax = make_xop(x, qw, self.comp, t_multiple=self.geom.tok)
-            self.sets.append((qw, wt, x, xop, ax))
+        self.sets = _input_sets(problem, variant.packing.value, self.geom.tok, self.device,
+                                n_sets, seed)
         self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
         self.launcher = LinearSm90Launcher(compiled, self.geom,
                                            ws_floats=self.geom.ws_floats(self.rows, self.m),
