@@ -114,6 +114,9 @@ def quantize_query(q: torch.Tensor, *, scale: Literal["row", "tensor"] = "row"):
     return mk(c, sc), mk(rc, rsc), alpha
 
 
+FP8_P_SCALE = 256.0     # P is scaled by 2^8 before E4M3 rounding in the FP8 PV path
+
+
 def _round_e4m3(v: torch.Tensor) -> torch.Tensor:
     sign = torch.sign(v)
     return sign * formats.e4m3_round(v.abs()).float()
@@ -121,7 +124,7 @@ def _round_e4m3(v: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, *, compensation: bool = True,
-                     pv: Literal["fp32", "bf16", "fp8"] = "fp32",
+                     pv: Literal["fp32", "bf16", "f16", "fp8"] = "fp32",
                      query_scale: Literal["row", "tensor"] = "row",
                      sm_scale: float | None = None) -> torch.Tensor:
     """Reference ResAttn decode attention over a paged NVFP4 KV cache.
@@ -129,8 +132,9 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
     q: [B, Hq, D] float; block_tables: int [B, max_pages]; seq_lens: int [B].
     scores = (Q_hat K_hat^T + R_hat K_hat^T) * sm_scale, the two products added in FP32 before
     the softmax (compensation=False drops R_hat: the plain NVFP4-KV baseline).
-    pv: "fp32" exact P V_hat; "bf16" P rounded to BF16 (V_hat / alpha_v is exact in BF16);
-        "fp8" P and V_hat / alpha_v rounded to E4M3, as the paper's FP8 PV.
+    pv: "fp32" exact P V_hat; "bf16" / "f16" P rounded to BF16 / FP16 (V_hat / alpha_v is
+        exact in both); "fp8" P * 2^8 and V_hat / alpha_v rounded to E4M3 (the paper's FP8 PV;
+        the 2^8 puts P in [0, 256] so probabilities down to 2^-14 stay E4M3 normals).
     A sequence of length 0 yields zeros. Returns float32 [B, Hq, D].
     """
     bsz, hq, d = q.shape
@@ -162,11 +166,13 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
             v = vu[h]
             if pv == "bf16":
                 p = p.to(torch.bfloat16).double()
+            elif pv == "f16":
+                p = p.to(torch.float16).double()
             elif pv == "fp8":
-                p = _round_e4m3(p.float()).double()
+                p = _round_e4m3(p.float() * FP8_P_SCALE).double() / FP8_P_SCALE
                 v = _round_e4m3(v.float()).double()
             elif pv != "fp32":
-                raise ValueError(f"pv must be 'fp32', 'bf16' or 'fp8', got {pv!r}")
+                raise ValueError(f"pv must be 'fp32', 'bf16', 'f16' or 'fp8', got {pv!r}")
             out[b, heads] = ((p @ v) / l_sum * float(cache.v_scale)).float()
     return out
 

@@ -220,3 +220,7 @@ class AttentionProblem(ProblemBase):
     kv_len: int = dataclasses.field(default=8192, metadata={"range": IntRange(0, 1 << 24)})
     page_size: int = dataclasses.field(default=32, metadata={"range": IntRange(1, 4096)})
     compensation: bool = True
+    # PV numerics: "f16" (V decoded exactly, P rounded to FP16) or "fp8" (V and P rounded to
+    # E4M3, the paper's FP8 PV). A workload field, not a variant axis: a tuner must never
+    # trade accuracy for speed behind the user's back.
+    pv: str = dataclasses.field(default="f16", metadata={"allowed": ("f16", "fp8")})

@@ -1,0 +1,394 @@
+"""attention_sm90 on the CPU: the kernel's index maps and bit tricks, a lane-level emulation of
+its data path against resgen.reference, the variant family's tables, and compile-only builds
+for sm_90a with checks on the generated PTX / cubin."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+
+from resgen import formats as F
+from resgen import reference as R
+from resgen.kernels import attention_sm90_maps as M
+from resgen.kernels.attention_sm90_emu import (EmuConfig, decode_k_word, decode_v_pair,
+                                               emulate_decode_attention, f16x2_values, prmt)
+from resgen.kvcache import PagedKVCache
+from resgen.search.attention_sm90 import (FAMILY, AttentionSm90Variant, Packing, Reduction,
+                                          preset)
+from resgen.search.variant import AttentionProblem
+
+ARCH = "sm_90a"
+
+
+# ----------------------------------------------------------------------------- maps
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_qk_slots_cover_every_head_dim_once(d):
+    seen = [M.k_slot_dim(kk, s, d) for kk in range(d // 16) for s in range(16)]
+    assert sorted(seen) == list(range(d))
+    # the dims of lane t's k-slots are exactly the d/4 dims it loads
+    for t in range(4):
+        mine = {M.k_slot_dim(kk, s, d) for kk in range(d // 16) for s in range(16)
+                if (s & 7) >> 1 == t}
+        lo = M.k_lane_dims(t, d)
+        assert mine == set(range(lo, lo + d // 4))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_pv_rows_cover_every_head_dim_once(d):
+    seen = [M.v_row_dim(mt, row, d) for mt in range(d // 16) for row in range(16)]
+    assert sorted(seen) == list(range(d))
+    for g in range(8):     # lane group g's rows are the d/8 dims it loads V bytes for
+        mine = {M.v_row_dim(mt, g + r8, d) for mt in range(d // 16) for r8 in (0, 8)}
+        assert mine == set(range(d // 8 * g, d // 8 * (g + 1)))
+
+
+def test_pv_slot_orders_are_permutations_matching_the_loaded_keys():
+    assert sorted(M.pv_slot_key(s) for s in range(16)) == list(range(16))
+    assert sorted(M.pv_slot_key_fp8(s) for s in range(32)) == list(range(32))
+    for t in range(4):
+        loaded16 = {k for k in M.v_lane_keys(t, 16)}
+        assert {M.pv_slot_key(s) for s in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)} == loaded16
+        loaded32 = set(M.v_lane_keys(t, 32))
+        fp8_slots = [4 * t + i for i in range(4)] + [4 * t + 16 + i for i in range(4)]
+        assert {M.pv_slot_key_fp8(s) for s in fp8_slots} == loaded32
+
+
+@pytest.mark.parametrize("packing,group", [("pair", 4), ("pair", 8), ("pair", 3),
+                                           ("dense", 8), ("dense", 4)])
+def test_probability_exchange_delivers_the_right_keys(packing, group):
+    """Receiver (g, t) needs P[head of PV column g][key at each of its B slots]; the sender
+    lanes hold, after the QK fold, scores of keys g', g'+8 for heads score_head(t', r)."""
+    nr = M.n_score_regs(group, packing)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        head = M.pv_col_head(g, packing)
+        r = g & 1
+        for src, slots in zip(M.p_source_lanes(g, t), ((2 * t, 2 * t + 1), (2 * t + 8, 2 * t + 9))):
+            sg, st = src >> 2, src & 3
+            if r >= nr:
+                continue                               # zero column (no second register)
+            assert M.score_head(st, r, packing) == head
+            assert [sg, sg + 8] == [M.pv_slot_key(s) for s in slots]
+            # e4m3 step: the sender's four keys in byte order are the receiver's k32 slots
+            k32 = [4 * t + i for i in range(4)] if src < 16 else [4 * t + 16 + i for i in range(4)]
+            assert [sg, sg + 8, 16 + sg, 24 + sg] == [M.pv_slot_key_fp8(s) for s in k32]
+    # a lane owns the softmax state of exactly the heads in its two PV output columns
+    for t in range(4):
+        assert [M.pv_col_head(2 * t + r, packing) for r in range(2)] == \
+            [M.score_head(t, r, packing) for r in range(2)]
+
+
+@pytest.mark.parametrize("group,packing", [(1, "pair"), (4, "pair"), (6, "pair"), (8, "pair"),
+                                           (8, "dense"), (5, "dense")])
+def test_query_columns_hold_every_head_and_residue(group, packing):
+    cols = {M.qk_col_head(i, c, packing) for i in range(M.n_qk_tiles(group, packing))
+            for c in range(8)}
+    kinds = (0, 1) if packing == "pair" else (0,)
+    assert {(h, k) for h in range(group) for k in kinds} <= cols
+    heads = {M.score_head(t, r, packing) for t in range(4)
+             for r in range(M.n_score_regs(group, packing))}
+    assert set(range(group)) <= heads
+
+
+def test_split_and_warp_ranges_cover_every_chunk_once():
+    for n, splits, ps, kc, warps in itertools.product((0, 1, 31, 32, 33, 200, 1000), (1, 3, 8),
+                                                      (16, 32, 64), (16, 32), (2, 4)):
+        if ps % kc:
+            continue
+        got = []
+        for s in range(splits):
+            q0, q1, nch = M.chunk_range(n, s, splits, ps, kc)
+            end = min(q1, nch)
+            for w in range(warps):
+                got += [q0 + w + warps * c for c in range(max(0, M.warp_chunks(q0, end, w, warps)))]
+        assert sorted(got) == list(range(math.ceil(n / kc)))
+
+
+# ----------------------------------------------------------------------------- bit tricks
+
+
+def _expected_f16(code: torch.Tensor) -> torch.Tensor:
+    return F.e2m1_decode(code) * 2.0 ** -14
+
+
+def test_k_word_decode_is_exact_for_every_code_in_every_position():
+    codes = torch.arange(16)
+    for pos in range(8):
+        base = torch.randint(0, 16, (16, 8), generator=torch.Generator().manual_seed(pos))
+        base[:, pos] = codes
+        w = sum(base[:, i].to(torch.int64) << (4 * i) for i in range(8))
+        regs = decode_k_word(w)
+        dims = [(0, 2), (4, 6), (1, 3), (5, 7)]
+        for r, (dl, dh) in zip(regs, dims):
+            lo, hi = f16x2_values(r)
+            assert torch.equal(lo, _expected_f16(base[:, dl]))
+            assert torch.equal(hi, _expected_f16(base[:, dh]))
+            # -0 keeps its sign bit (code 8): same bits as the reference's signed zero
+            assert torch.equal(torch.signbit(lo), base[:, dl] >= 8)
+
+
+def test_v_pair_decode_interleaves_two_keys_exactly():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 16, (64, 8), generator=g)
+    b = torch.randint(0, 16, (64, 8), generator=g)
+    wa = sum(a[:, i].to(torch.int64) << (4 * i) for i in range(8))
+    wb = sum(b[:, i].to(torch.int64) << (4 * i) for i in range(8))
+    regs = decode_v_pair(wa, wb)
+    for dim, r in enumerate(regs):
+        lo, hi = f16x2_values(r)
+        assert torch.equal(lo, _expected_f16(a[:, dim]))
+        assert torch.equal(hi, _expected_f16(b[:, dim]))
+
+
+def test_prmt_matches_the_ptx_definition():
+    a = torch.tensor([0x33221100], dtype=torch.int64)
+    b = torch.tensor([0x77665544], dtype=torch.int64)
+    assert int(prmt(a, b, 0x5410)) == 0x55441100
+    assert int(prmt(a, b, 0x7632)) == 0x77663322
+    assert int(prmt(a, torch.zeros_like(a), M.sel_f16_pair(1, 3))) == 0x33001100
+    with pytest.raises(ValueError):
+        prmt(a, b, 0x8000)
+
+
+def test_scaled_decode_is_exact_for_every_e4m3_scale():
+    """E2M1 x 2^-14 (f16) times (sf x 2^7) (f16) == E2M1 x sf x 2^-7 exactly, for all 126
+    finite positive E4M3 scales including subnormals."""
+    from resgen.kernels.attention_sm90_emu import _e4m3_to_f16x2, _hmul2
+    sf = torch.arange(1, 127, dtype=torch.int64)
+    s128 = _hmul2(_e4m3_to_f16x2(sf, sf), torch.full_like(sf, 0x58005800))
+    vals = F.e2m1_values()
+    for code in range(16):
+        w = torch.full_like(sf, code << 12)          # nibble 3 = dim 3: high half of R2
+        reg = decode_k_word(w)[2]
+        lo, hi = f16x2_values(_hmul2(reg, s128))
+        want = vals[code] * sf.to(torch.uint8).view(torch.float8_e4m3fn).float() * 2.0 ** -7
+        assert torch.equal(hi, want) and torch.equal(lo, torch.zeros_like(lo) + 0.0)
+
+
+# ----------------------------------------------------------------------------- emulation
+
+
+def _problem(lens, hq, hkv, d, page, seed, k_scale=1.0, v_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    ks = [torch.randn(hkv, n, d, generator=g) * 2 for n in lens]
+    vs = [torch.randn(hkv, n, d, generator=g) for n in lens]
+    cache, bt, sl = PagedKVCache.from_dense(ks, vs, page_size=page, k_scale=k_scale,
+                                            v_scale=v_scale)
+    q = (torch.randn(len(lens), hq, d, generator=g) * 2).bfloat16().float()
+    return q, cache, bt, sl
+
+
+EMU_CASES = [
+    # lens, hq, hkv, d, page, cfg
+    ([70, 0, 1, 33], 8, 2, 128, 32, EmuConfig()),
+    ([70, 45], 8, 2, 128, 32, EmuConfig(num_splits=3, num_warps=2)),
+    ([100, 17], 8, 1, 64, 16, EmuConfig(kc=16)),
+    ([90], 16, 2, 128, 32, EmuConfig(compensation=False, packing="dense")),
+    ([90], 16, 2, 128, 32, EmuConfig(compensation=False)),
+    ([60, 5], 12, 2, 256, 64, EmuConfig(num_splits=2)),
+    ([129], 2, 2, 128, 32, EmuConfig(num_warps=8)),
+]
+
+
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"{c[5]}")
+def test_emulated_kernel_matches_reference(case):
+    lens, hq, hkv, d, page, cfg = case
+    q, cache, bt, sl = _problem(lens, hq, hkv, d, page, seed=len(lens) + d)
+    out = emulate_decode_attention(q, cache, bt, sl, cfg)
+    ref = R.decode_attention(q, cache, bt, sl, compensation=cfg.compensation, pv="fp32")
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+    assert bool(torch.isfinite(out).all())
+    rel = float((out - ref).norm() / ref.norm())
+    assert rel < 2e-4, rel                 # f16 P rounding only
+    rel_bf16 = float((out.bfloat16().float() - ref).norm() / ref.norm())
+    assert rel_bf16 < 3e-3                 # the kernel's BF16 output: family tolerance
+
+
+def test_emulated_kernel_applies_global_scales():
+    q, cache, bt, sl = _problem([50, 20], 8, 2, 128, 32, seed=5, k_scale=0.25, v_scale=3.0)
+    out = emulate_decode_attention(q, cache, bt, sl, EmuConfig(num_splits=2))
+    ref = R.decode_attention(q, cache, bt, sl, pv="fp32")
+    assert float((out - ref).norm() / ref.norm()) < 2e-4
+
+
+def test_emulated_fp8_pv_matches_the_fp8_reference_loosely():
+    q, cache, bt, sl = _problem([200, 1, 0, 77], 8, 2, 128, 32, seed=9)
+    out = emulate_decode_attention(q, cache, bt, sl, EmuConfig(pv="fp8", num_splits=2))
+    ref8 = R.decode_attention(q, cache, bt, sl, pv="fp8")
+    ref = R.decode_attention(q, cache, bt, sl, pv="fp32")
+    e8 = float((out - ref8).norm() / ref8.norm())
+    e = float((out - ref).norm() / ref.norm())
+    assert e8 < 2e-2 and 5e-3 < e < 5e-2        # E4M3 P and V rounding is visible
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_residue_compensation_reduces_error_in_emulation():
+    """ResAttn vs plain on the same cache: the base+residue query is closer to BF16."""
+    q, cache, bt, sl = _problem([256, 256], 8, 2, 128, 32, seed=11)
+    ks, vs = [], []
+    for b in range(2):
+        k, v = cache.gather(bt[b], int(sl[b]))
+        ks.append(k)
+        vs.append(v)
+    exact = R.attention_fp32(q, ks, vs)
+    res = emulate_decode_attention(q, cache, bt, sl, EmuConfig())
+    plain = emulate_decode_attention(q, cache, bt, sl, EmuConfig(compensation=False))
+    assert R.nmse(res, exact) < 0.2 * R.nmse(plain, exact)
+
+
+# ----------------------------------------------------------------------------- family tables
+
+
+def _prob(**kw):
+    return AttentionProblem(**kw)
+
+
+def test_variant_keys_separate_field_by_field():
+    v = AttentionSm90Variant(num_warps=4, kc=32, packing=Packing.PAIR, splits=8,
+                             reduction=Reduction.LASTCTA)
+    keys = {v.key()}
+    for f, alt in (("num_warps", 8), ("kc", 16), ("packing", Packing.DENSE), ("splits", 4),
+                   ("reduction", Reduction.WORKSPACE)):
+        other = dataclasses.replace(v, **{f: alt})
+        assert other.key() not in keys
+        keys.add(other.key())
+        assert AttentionSm90Variant.from_key(other.key()) == other
+    assert len(keys) == 1 + len(dataclasses.fields(v))
+    with pytest.raises(ValueError):
+        AttentionSm90Variant.from_dict({**v.as_dict(), "splits": 0})
+    p = _prob()
+    assert p.key() != _prob(pv="fp8").key()
+
+
+def test_why_invalid_reasons():
+    p = _prob(batch=1, kv_len=8192)
+    ok = AttentionSm90Variant()
+    assert FAMILY.why_invalid(ok, p, ARCH) is None
+    cases = [
+        (ok, p, "sm_100a", "runs on"),
+        (ok, _prob(head_dim=96), ARCH, "head_dim"),
+        (ok, _prob(q_heads=30, kv_heads=8), ARCH, "multiple"),
+        (ok, _prob(q_heads=80, kv_heads=8), ARCH, "group"),
+        (ok, _prob(page_size=24), ARCH, "page_size"),
+        (dataclasses.replace(ok, kc=32), _prob(page_size=16), ARCH, "kc=32"),
+        (dataclasses.replace(ok, kc=16), _prob(pv="fp8"), ARCH, "kc=32"),
+        (dataclasses.replace(ok, packing=Packing.DENSE), p, ARCH, "residue"),
+        (dataclasses.replace(ok, splits=4), p, ARCH, "needs reduction"),
+        (dataclasses.replace(ok, reduction=Reduction.LASTCTA), p, ARCH, "single split"),
+        (AttentionSm90Variant(splits=64, reduction=Reduction.LASTCTA), _prob(kv_len=500), ARCH,
+         "empty splits"),
+    ]
+    for v, prob, arch, frag in cases:
+        why = FAMILY.why_invalid(v, prob, arch)
+        assert why and frag in why, (v, prob, why)
+
+
+def test_space_is_deterministic_valid_and_contains_the_preset():
+    for p in (_prob(batch=1, kv_len=8192), _prob(batch=64, kv_len=131072),
+              _prob(batch=8, kv_len=1000, compensation=False, q_heads=64),
+              _prob(batch=2, q_heads=16, kv_heads=2, head_dim=256, pv="fp8")):
+        sp = list(FAMILY.space(p, ARCH))
+        assert sp == list(FAMILY.space(p, ARCH)) and len(set(sp)) == len(sp) and sp
+        assert all(FAMILY.why_invalid(v, p, ARCH) is None for v in sp)
+        assert FAMILY.default(p, ARCH) in sp
+        dense = [v for v in sp if v.packing == Packing.DENSE]
+        assert bool(dense) == (not p.compensation)
+
+
+@pytest.mark.parametrize("batch,kv_len,splits", [(1, 8192, 32), (1, 131072, 50), (8, 32768, 7),
+                                                 (32, 8192, 2), (64, 8192, 1), (1, 100, 1)])
+def test_preset_split_rule(batch, kv_len, splits):
+    v = preset(_prob(batch=batch, kv_len=kv_len))
+    assert v.splits == splits
+    assert v.reduction == (Reduction.NONE if splits == 1 else Reduction.LASTCTA)
+    assert FAMILY.why_invalid(v, _prob(batch=batch, kv_len=kv_len), ARCH) is None
+
+
+def test_compile_key_drops_runtime_fields_only():
+    a = _prob(batch=1, kv_len=8192)
+    b = _prob(batch=64, kv_len=131072, q_heads=64, kv_heads=16)
+    v = AttentionSm90Variant()
+    assert FAMILY.compile_key(v, a) == FAMILY.compile_key(v, b)
+    assert FAMILY.compile_key(v, a) != FAMILY.compile_key(v, _prob(compensation=False))
+    assert FAMILY.compile_key(v, a) != FAMILY.compile_key(v, _prob(pv="fp8"))
+    assert FAMILY.template_params(v, FAMILY.compile_key(v, a)) == \
+        FAMILY.template_params(dataclasses.replace(v, splits=4, reduction=Reduction.NONE),
+                               FAMILY.compile_key(v, a))
+
+
+def test_hbm_bytes_accounting():
+    from resgen.kernels.attention_sm90 import decode_hbm_bytes
+    from resgen.kvcache import kv_bytes_per_token
+    n = decode_hbm_bytes([8192] * 8, 8, 128, 32)
+    kv = 8 * 8192 * 2 * 8 * (64 + 8)
+    assert n == kv + 2 * 8 * 32 * 128 * 2
+    assert kv_bytes_per_token(8, 128)["ratio"] == pytest.approx(0.28125)
+
+
+# ----------------------------------------------------------------------------- compile-only
+
+
+cute = pytest.importorskip("cutlass.cute", reason="CuTe DSL not installed")
+
+
+def _compile(v: AttentionSm90Variant, p: AttentionProblem):
+    from resgen.search.build import compile_variant
+    out = compile_variant(FAMILY, v, p, ARCH)
+    assert out.ok, out.error
+    return out
+
+
+COMPILE_CASES = [
+    (AttentionSm90Variant(), _prob(batch=64), 16 + 16),
+    (AttentionSm90Variant(splits=8, reduction=Reduction.LASTCTA), _prob(q_heads=64), 32 + 16),
+    (AttentionSm90Variant(kc=16, splits=4, reduction=Reduction.WORKSPACE),
+     _prob(page_size=16), 8 + 8),
+    (AttentionSm90Variant(packing=Packing.DENSE), _prob(q_heads=64, compensation=False), 16 + 16),
+    (AttentionSm90Variant(splits=2, reduction=Reduction.LASTCTA), _prob(pv="fp8"), 16 + 8),
+    (AttentionSm90Variant(num_warps=8), _prob(q_heads=16, kv_heads=2, head_dim=256), 64 + 32),
+]
+
+
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: c[0].name() if hasattr(c, "name") else str(c))
+def test_compiles_for_sm90a_without_spills(case, tmp_path, monkeypatch):
+    v, p, mmas_per_chunk = case
+    out = _compile(v, p)
+    assert out.registers is not None and out.registers <= 255
+    assert out.spill_bytes == 0, f"{out.spill_bytes} bytes of local memory"
+
+
+def test_ptx_of_the_default_variant(tmp_path):
+    from resgen.kernels.attention_sm90 import compile_attention
+    from resgen.search.attention_sm90 import shape_of
+    p = _prob()
+    for v, mma, n_mma in ((AttentionSm90Variant(), "m16n8k16.row.col.f32.f16.f16.f32", 32),
+                          (AttentionSm90Variant(), "m16n8k32.row.col.f32.e4m3.e4m3.f32", 8)):
+        pv = "fp8" if "e4m3" in mma else "f16"
+        res, source = compile_attention(shape_of(v, dataclasses.replace(p, pv=pv)))
+        ptx = res.ptx
+        assert "helpers digest" in source
+        assert ptx.count(mma) == n_mma                          # per 32-key chunk, unrolled once
+        assert "mul.rn.f16x2" in ptx and "mul.rn.ftz.f16x2" not in ptx
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
+        assert "div.approx" not in ptx and "div.full" not in ptx   # exact query quantization
+        assert "div.rn.f32" in ptx
+        assert "ld.local" not in ptx and "st.local" not in ptx
+        assert "ld.global.nc.L1::no_allocate.v4.b32" in ptx      # 16-byte K loads
+        assert "ex2.approx.ftz.f32" in ptx
+
+
+def test_append_kernel_compiles_with_exact_division():
+    from resgen.kernels.attention_sm90 import compile_append
+    for d, hkv in ((128, 8), (64, 2), (256, 3)):
+        res, _ = compile_append(d, hkv, 32)
+        assert res.spill_bytes == 0
+        assert "div.rn.f32" in res.ptx and "div.approx" not in res.ptx
+        assert "cvt.rn.satfinite.e4m3x2.f32" in res.ptx
