@@ -197,13 +197,15 @@ def _problems_for(fam: Any, models: list, args: argparse.Namespace) -> list:
         return lin
     if fam.PROBLEM is AttentionProblem:
         return attention_problems(models, args.tp, args.attn_batches, args.kv_lens)
-    # Another problem type (e.g. a quantizer's): build it from the linear workloads' fields of
-    # the same name, when that makes a valid problem.
+    # Another problem type (e.g. the quantizer's): its `for_linear(LinearProblem)` classmethod
+    # when it has one, else the linear workloads' fields of the same name.
     names = {f.name for f in dataclasses.fields(fam.PROBLEM)}
+    for_linear = getattr(fam.PROBLEM, "for_linear", None)
     out, seen = [], set()
     for lp in lin:
         try:
-            p = fam.PROBLEM(**{n: getattr(lp, n) for n in names if hasattr(lp, n)})
+            p = for_linear(lp) if for_linear is not None else \
+                fam.PROBLEM(**{n: getattr(lp, n) for n in names if hasattr(lp, n)})
         except (TypeError, ValueError):
             continue
         if p not in seen:
@@ -294,14 +296,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
                        f"failed {totals['compile_failed'] + totals['check_failed'] + totals['run_failed']}")
         elif kind == "crash":
             crashes.append(str(obj))
+        elif kind == "lost":
+            totals["lost"] += 1
+            print(f"\nreplacing a tuner process: {obj}", file=sys.stderr)
 
     t0 = time.monotonic()
     modules = list(args.imports) + sorted({type(f).__module__ for f in fams})
+    # On a GPU the tuning always runs in worker processes: one whose CUDA context a broken
+    # variant poisons is replaced, and the run goes on.
     summaries = run_jobs(jobs, functools.partial(TuningDB, db_path), env, config,
-                         workers=workers, modules=modules, on_event=on_event)
+                         workers=workers, isolate=not compile_only, modules=modules,
+                         on_event=on_event)
     bar.close()
     elapsed = time.monotonic() - t0
     print(_summary_text(summaries, compile_only, elapsed, db_path), flush=True)
+    if totals["lost"]:
+        print(f"{totals['lost']} tuner process(es) were replaced after a variant broke the "
+              "CUDA context (those variants are stored as run_failed)")
     for c in crashes:
         print(f"tuner process crashed: {c}", file=sys.stderr)
     if args.json:

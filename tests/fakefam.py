@@ -72,6 +72,9 @@ class FakeRunner:
         return self.fn([1, 2])
 
     def check(self) -> CheckResult:
+        if POISON and self.v == FakeVariant(tile=8, stages=4, pack=Pack.A, split=False):
+            _POISONED[0] = True
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (fake)")
         if self.v.split and self.v.pack is Pack.B:
             return CheckResult(False, 0.5, 3e-3, "injected wrong answer (split with pack b)")
         return CheckResult(True, 1e-4, 3e-3)
@@ -134,6 +137,16 @@ class FakeFamily:
 
 
 FAMILY = register(FakeFamily())
+
+# FAKEFAM_POISON=1: the variant (tile 8, 4 stages, pack a, no split) "breaks the CUDA context"
+# of the process that runs it (the tuner's health check then fails), to test that a tuner
+# process is replaced and the run goes on.
+POISON = bool(__import__("os").environ.get("FAKEFAM_POISON"))
+_POISONED = [False]
+if POISON:
+    import resgen.search.tuner as _tuner
+
+    _tuner._device_healthy = lambda device: not _POISONED[0]
 
 
 def make_env(gpu_name: str = "Fake GPU", arch: str = "sm_90a", compile_only: bool = False):

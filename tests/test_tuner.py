@@ -236,6 +236,53 @@ def test_parallel_workers_compile_only(tmp_path):
                  TuneConfig(), workers=2)
 
 
+POISON = FakeVariant(tile=8, stages=4, pack=Pack.A)
+
+
+def test_device_loss_in_process_stops_cleanly(tmp_path, monkeypatch):
+    import resgen.search.tuner as tuner_mod
+
+    monkeypatch.setattr(fakefam, "POISON", True)
+    monkeypatch.setattr(fakefam, "_POISONED", [False])
+    monkeypatch.setattr(tuner_mod, "_device_healthy", lambda d: not fakefam._POISONED[0])
+    events = []
+    cfg = TuneConfig(arch="sm_90a", max_variants=64)
+    jobs = [Job(FAM.NAME, FakeProblem(m=m, k=4096).key()) for m in (1, 4)]
+    sums = run_jobs(jobs, functools.partial(TuningDB, tmp_path / "t.sqlite"), make_env(), cfg,
+                    timer=fakefam.fake_timer, on_event=lambda k, o: events.append((k, o)))
+    assert sorted(k for k, _ in events if k in ("lost", "crash")) == ["crash", "lost"]
+    assert sums == []                       # the first workload was cut short, nothing else ran
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        bad = [r for r in db.rows() if r["status"] == Status.RUN_FAILED]
+    assert [FakeVariant.from_key(r["variant_key"]) for r in bad] == [POISON]
+    assert "illegal memory access" in bad[0]["error"]
+
+
+def test_a_process_with_a_broken_context_is_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKEFAM_POISON", "1")
+    cfg = TuneConfig(arch="sm_90a", max_variants=64, gpu_lock=str(tmp_path / "gpu.lock"),
+                     timer="fakefam:fake_timer")
+    jobs = [Job(FAM.NAME, FakeProblem(m=m, n=n, k=4096).key())
+            for n, m in ((256, 1), (256, 16), (512, 1))]
+    events = []
+    sums = run_jobs(jobs, functools.partial(TuningDB, tmp_path / "t.sqlite"), make_env(), cfg,
+                    workers=2, isolate=True, modules=["fakefam"],
+                    on_event=lambda k, o: events.append(k))
+    assert events.count("lost") == 3 and "crash" not in events
+    assert sorted(s.problem_key for s in sums) == sorted(j.problem_key for j in jobs)
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        rows = db.rows()
+    for j in jobs:
+        p = FakeProblem.from_key(j.problem_key)
+        mine = {FakeVariant.from_key(r["variant_key"]): r for r in rows
+                if r["workload_key"] == j.problem_key}
+        assert set(mine) == set(_valid(p))                   # every variant evaluated once
+        assert mine[POISON]["status"] == Status.RUN_FAILED
+        assert all(r["status"] != Status.RUN_FAILED for v, r in mine.items() if v != POISON)
+    s16 = next(s for s in sums if FakeProblem.from_key(s.problem_key).m == 16)
+    assert s16.resumed > 0 and s16.winner is not None
+
+
 def test_gpu_lock_is_exclusive_across_processes(tmp_path):
     import multiprocessing as mp
 

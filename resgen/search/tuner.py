@@ -43,7 +43,7 @@ from .timing import DEFAULT_POLICY, MeasurementPolicy, Timing, measure
 from .variant import ProblemBase, VariantBase, canonical_json, _to_jsonable
 
 __all__ = ["TuneConfig", "ResultStore", "WorkloadSummary", "Tuner", "Job", "run_jobs",
-           "working_set_bytes", "gpu_lock"]
+           "working_set_bytes", "gpu_lock", "DeviceLost"]
 
 log = logging.getLogger("resgen.tuner")
 
@@ -68,6 +68,7 @@ class TuneConfig:
     seed: int = 0
     device: str = "cuda"
     gpu_lock: str | None = None            # lock file held around check + time
+    timer: str | None = None               # "module:function" replacing timing.measure
 
     def __post_init__(self) -> None:
         if self.max_variants < 1:
@@ -321,8 +322,11 @@ class Tuner:
                 t = self.timer(runner, cfg.policy, n_sets)
         except Exception as e:
             s.run_failed += 1
+            runner = None
             self._record(problem, v, out.fingerprint, idx, Status.RUN_FAILED,
                          error=format_error(e), **stats)
+            if not _device_healthy(cfg.device):
+                raise DeviceLost(f"{v.name()} broke the CUDA context: {e}") from e
             return None
         finally:
             del runner
@@ -430,10 +434,39 @@ def _import_modules(mods: Sequence[str]) -> None:
         importlib.import_module(m)
 
 
+def _resolve_timer(config: TuneConfig, default: Timer) -> Timer:
+    """config.timer ("module:function", picklable into worker processes) or `default`."""
+    if config.timer is None:
+        return default
+    mod, _, name = config.timer.partition(":")
+    fn = getattr(importlib.import_module(mod), name, None)
+    if not callable(fn):
+        raise ValueError(f"timer {config.timer!r} is not a callable")
+    return fn
+
+
+class DeviceLost(RuntimeError):
+    """A variant left the CUDA context unusable (e.g. an illegal address): its row is stored;
+    this process must not run anything else."""
+
+
+def _device_healthy(device: str) -> bool:
+    import torch
+
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        return float((torch.ones(1, device=device) + 1).item()) == 2.0
+    except Exception:
+        return False
+
+
 def _run_groups(groups_next: Callable[[], list[Job] | None], store_factory: Callable[[], Any],
                 env: Environment, config: TuneConfig, deadline: float | None,
                 remaining: Callable[[int], int], workers: int,
-                emit: Callable[[str, Any], None], timer: Timer = measure) -> None:
+                emit: Callable[[str, Any], None], requeue: Callable[[list[Job]], None],
+                timer: Timer = measure) -> None:
     store = store_factory()
     try:
         tuner = Tuner(store, env, config, timer)
@@ -441,7 +474,7 @@ def _run_groups(groups_next: Callable[[], list[Job] | None], store_factory: Call
             group = groups_next()
             if group is None:
                 return
-            for job in group:
+            for i, job in enumerate(group):
                 left = remaining(-1) + 1          # workloads not yet started, this one included
                 wl_deadline = None
                 if deadline is not None:
@@ -451,6 +484,11 @@ def _run_groups(groups_next: Callable[[], list[Job] | None], store_factory: Call
                 try:
                     fam, problem = job.resolve()
                     summary = tuner.tune(fam, problem, wl_deadline)
+                except DeviceLost as e:
+                    remaining(len(group) - i)
+                    requeue(group[i:])               # resume skips what is already stored
+                    emit("lost", f"{job.family} {job.problem_key}: {e}")
+                    return
                 except Exception as e:              # a broken family never stops the run
                     summary = WorkloadSummary(family=job.family, problem_key=job.problem_key,
                                               error=format_error(e))
@@ -462,28 +500,38 @@ def _run_groups(groups_next: Callable[[], list[Job] | None], store_factory: Call
             close()
 
 
-def _child(queue_in: Any, queue_out: Any, counter: Any, store_factory: Callable[[], Any],
-           env: Environment, config: TuneConfig, deadline: float | None, workers: int,
-           modules: Sequence[str], log_level: int) -> None:
+def _child(queue_in: Any, queue_out: Any, counter: Any, pending: Any,
+           store_factory: Callable[[], Any], env: Environment, config: TuneConfig,
+           deadline: float | None, workers: int, modules: Sequence[str],
+           log_level: int) -> None:
     logging.basicConfig(level=log_level)
     try:
         _import_modules(modules)
-
-        def next_group() -> list[Job] | None:
-            import queue as _q
-
-            try:
-                return queue_in.get_nowait()
-            except _q.Empty:
-                return None
 
         def remaining(delta: int) -> int:
             with counter.get_lock():
                 counter.value += delta
                 return counter.value
 
+        def next_group() -> list[Job] | None:
+            # `pending` counts groups put and not yet claimed: a claimed group is in (or on
+            # its way into) the queue, so the blocking get cannot wait forever.
+            with pending.get_lock():
+                if pending.value <= 0:
+                    return None
+                pending.value -= 1
+            return queue_in.get()
+
+        def requeue(rest: list[Job]) -> None:
+            with pending.get_lock():
+                pending.value += 1
+            queue_in.put(rest)
+            queue_in.close()
+            queue_in.join_thread()      # flushed before this process reports the loss
+
         _run_groups(next_group, store_factory, env, config, deadline, remaining, workers,
-                    lambda kind, obj: queue_out.put((kind, obj)))
+                    lambda kind, obj: queue_out.put((kind, obj)), requeue,
+                    _resolve_timer(config, measure))
     except BaseException as e:
         queue_out.put(("crash", format_error(e)))
         raise
@@ -492,13 +540,19 @@ def _child(queue_in: Any, queue_out: Any, counter: Any, store_factory: Callable[
 
 
 def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environment,
-             config: TuneConfig, *, workers: int = 1, modules: Sequence[str] = (),
+             config: TuneConfig, *, workers: int = 1, isolate: bool = False,
+             modules: Sequence[str] = (),
              on_event: Callable[[str, Any], None] = lambda kind, obj: None,
              timer: Timer = measure) -> list[WorkloadSummary]:
     """Tune every job; `store_factory` (picklable, e.g. functools.partial(TuningDB, path))
-    opens the result store in each process. `modules` are imported in worker processes first
-    (where families outside resgen register themselves). Events: ("start", Job),
-    ("done", WorkloadSummary), ("crash", str)."""
+    opens the result store in each process.
+
+    workers == 1 and not isolate: in this process (with `timer`; tests use this). Otherwise in
+    `workers` spawned processes (each with the real timer) that import `modules` first (where
+    families outside resgen register themselves); a process whose CUDA context a variant broke
+    hands its remaining workloads back and is replaced. Events: ("start", Job),
+    ("done", WorkloadSummary), ("lost", str), ("crash", str).
+    """
     groups = group_jobs(jobs)
     deadline = None if config.time_budget_s is None else time.time() + config.time_budget_s
     summaries: list[WorkloadSummary] = []
@@ -511,7 +565,7 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
     workers = max(1, min(int(workers), len(groups) or 1))
     if workers > 1 and config.gpu_lock is None and not config.compile_only:
         raise ValueError("several tuner processes on one GPU need config.gpu_lock")
-    if workers == 1:
+    if workers == 1 and not isolate:
         it = iter(groups)
         left = [len(jobs)]
 
@@ -519,40 +573,56 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
             left[0] += delta
             return left[0]
 
+        def lost(rest: list[Job]) -> None:
+            emit("crash", f"the device was lost; {len(rest)} workloads not tuned (run in "
+                          "worker processes to continue past a broken variant)")
+
         _run_groups(lambda: next(it, None), store_factory, env, config, deadline, remaining, 1,
-                    emit, timer)
+                    emit, lost, _resolve_timer(config, timer))
         return summaries
 
     import multiprocessing as mp
+    import queue as _q
 
     ctx = mp.get_context("spawn")           # never fork a process that may hold a CUDA context
     q_in, q_out = ctx.Queue(), ctx.Queue()
     for g in groups:
         q_in.put(g)
     counter = ctx.Value("i", len(jobs))
-    procs = [ctx.Process(target=_child, args=(q_in, q_out, counter, store_factory, env, config,
-                                              deadline, workers, list(modules),
-                                              logging.getLogger().level), daemon=True)
-             for _ in range(workers)]
-    for p in procs:
-        p.start()
-    exited = 0
-    import queue as _q
+    pending = ctx.Value("i", len(groups))
+    args = (q_in, q_out, counter, pending, store_factory, env, config, deadline, workers,
+            list(modules), logging.getLogger().level)
 
-    while exited < workers:
+    def spawn():
+        p = ctx.Process(target=_child, args=args, daemon=True)
+        p.start()
+        return p
+
+    procs = [spawn() for _ in range(workers)]
+    alive, respawns = workers, 0
+    while alive > 0:
         try:
             kind, obj = q_out.get(timeout=1.0)
         except _q.Empty:
             if all(not p.is_alive() for p in procs):
-                # Workers that died without saying so (e.g. SIGKILL): whatever they stored is
-                # in the database; report it and stop waiting.
-                emit("crash", f"{workers - exited} tuner process(es) died without exiting")
+                # Processes that died without saying so (e.g. SIGKILL): whatever they stored
+                # is in the database; report it and stop waiting.
+                emit("crash", f"{alive} tuner process(es) died without exiting")
                 break
             continue
         if kind == "exit":
-            exited += 1
+            alive -= 1
+        elif kind == "lost":
+            emit(kind, obj)
+            if respawns < 4 * workers:
+                respawns += 1
+                procs.append(spawn())
+                alive += 1
         else:
             emit(kind, obj)
+    if pending.value > 0:
+        emit("crash", f"{pending.value} workload group(s) left untuned (too many broken "
+                      "processes)")
     for p in procs:
         p.join(timeout=10)
     return summaries
