@@ -476,3 +476,68 @@ def test_compile_through_the_build_helper(tmp_path, monkeypatch):
     out = build.compile_variant(FAMILY, FAMILY.default(p, ARCH), p, ARCH)
     assert out.ok, out.error
     assert out.spill_bytes == 0 and out.registers and len(out.fingerprint) == 64
+
+
+# ----------------------------------------------------------------------------- runner plumbing
+
+
+class _SimulatedKernel:
+    """Stands in for a compiled variant on the CPU: maps the raw pointers the launcher passes
+    (entry order: words, scales, xop, out, alpha_x, alpha_w, ws, sem, m, rows, stream) back to
+    the tensors and runs the thread-level simulation on them."""
+
+    def __init__(self, geom, registry):
+        self.geom, self.registry = geom, registry
+        self.calls = 0
+
+    def __call__(self, wp, sp, xp, yp, axp, awp, wsp, semp, m, rows, stream):
+        t = {name: self.registry[p._pointer] for name, p in
+             (("w", wp), ("s", sp), ("x", xp), ("y", yp), ("ax", axp), ("aw", awp),
+              ("ws", wsp), ("sem", semp))}
+        g = self.geom
+        wt = L.Sm90Weight(g.fmt, g.packing, g.n, 0, g.kp, t["w"].view(g.n // 16, g.kq, 32, 4),
+                          t["s"].view(g.n // 16, g.ng, g.sl, 8), t["aw"])
+        xop = t["x"].view(-1, g.kp)
+        out = t["y"].view(-1, g.n)
+        simulate_kernel(g, wt, xop, m, rows, t["ax"], out, ws=t["ws"], sem=t["sem"])
+        self.calls += 1
+
+
+@pytest.mark.parametrize("fmt, comp, fields", [
+    ("nvfp4", "full", dict(warps_m=2, warps_k=2, split_k=2, reduce=Reduction.WORKSPACE,
+                           stages=2)),
+    ("mxfp4", "1.0", dict(warps_m=4, warps_k=1, split_k=2, reduce=Reduction.ATOMIC,
+                           pipeline=Pipeline.DIRECT, stages=1)),
+])
+def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, monkeypatch):
+    """Runner + launcher plumbing (input sets, rotation, poisoned check, workspace and
+    semaphore reuse across calls) with the simulation standing in for the GPU kernel."""
+    from resgen.kernels import linear_sm90 as H
+
+    registry = {}
+    orig = H.LinearSm90Launcher._ptr
+
+    def record(self, t, align):
+        registry[t.data_ptr()] = t
+        return orig(self, t, align)
+
+    monkeypatch.setattr(H.LinearSm90Launcher, "_ptr", record)
+    p = LinearProblem(fmt, comp, 3, 64, 1024)
+    v = LinearSm90Variant(**fields)
+    assert FAMILY.why_invalid(v, p, ARCH) is None
+    fake = _SimulatedKernel(geometry_of(v, p), registry)
+    r = FAMILY.runner(fake, v, p, "cpu", n_sets=2, seed=0)
+    for _ in range(2):
+        res = r.check()
+        assert res.ok, res.detail
+    r.rotate(1)
+    y1 = r().clone()
+    r.rotate(0)
+    y0 = r().clone()
+    assert not torch.equal(y0, y1)               # the sets differ
+    qw1, wt1, x1, xop1, ax1 = r.sets[1]
+    c = p.ratio if p.ratio is not None else comp
+    emu = L.emulate_linear_sm90(xop1, wt1, 3, xop_layout_for(c), ax1).to(torch.bfloat16)
+    assert torch.equal(y1.view(torch.int16), emu.view(torch.int16))
+    assert fake.calls == 4
+    assert FAMILY.working_set_bytes(v, p) >= wt1.nbytes()

@@ -358,7 +358,8 @@ class LinearSm90Runner:
         qw = self.sets[0][0]
         x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
         out = self.run_on(x)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         ref = reference.linear(x, qw, self.comp)
         return compare(out, ref)
 
