@@ -599,3 +599,28 @@ def test_family_compiles_through_the_build_pipeline():
     out = build.compile_variant(fam, v, p, "sm_90a")
     assert out.ok, out.error
     assert out.spill_bytes == 0 and len(out.fingerprint) == 64
+
+
+def test_gpu_probe_kernel_compiles():
+    """The device-function probe used by tests/gpu/test_quant_sm90_gpu.py builds for sm_90a."""
+    pytest.importorskip("cutlass")
+    import importlib.util
+    from pathlib import Path
+
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from resgen.kernels.codegen import compile_entry
+
+    path = Path(__file__).parent / "gpu" / "quant_probe_kernels.py"
+    spec = importlib.util.spec_from_file_location("quant_probe_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    g = cute.AddressSpace.gmem
+    fake = [make_ptr(cutlass.Float32, 0, g, 4), make_ptr(cutlass.Float32, 0, g, 4),
+            make_ptr(cutlass.Uint32, 0, g, 4), cutlass.Int32(128), cuda.CUstream(0)]
+    res = compile_entry(mod.probe, fake, "sm_90a")
+    assert "div.rn.f32" in res.ptx and "cvt.rn.satfinite.e4m3x2.f32" in res.ptx
+    assert ".ftz" not in res.ptx and res.spill_bytes == 0

@@ -493,9 +493,10 @@ class QuantKernel:
                  masks: torch.Tensor | None = None, stream: Any = None) -> QuantOperand:
         """Quantize x: [m, K] bf16 (CUDA, contiguous) into `out` on the current stream.
 
-        alpha: float32 [1] device tensor, required for static NVFP4 (it is copied into
-        out.operand.alpha's role: the kernel reads it where given); dynamic NVFP4 writes the
-        computed alpha to out.operand.alpha. masks: uint8 [K / 8] (K-Ext only)."""
+        alpha: float32 [1] device tensor, required for static NVFP4 (it becomes
+        out.operand.alpha); dynamic NVFP4 writes the computed alpha to out.operand.alpha.
+        masks: uint8 [K / 8] on x's device (K-Ext only; a calibrate.Selection's masks).
+        Nothing here synchronizes with the device, so calls can be captured in a CUDA graph."""
         import cuda.bindings.driver as cuda
         import cutlass
         import cutlass.cute as cute
@@ -527,9 +528,15 @@ class QuantKernel:
             alpha_t = op.alpha if op.alpha is not None else out.dummy
         m_t = masks
         if s.mode == "kext":
-            m_t = _masks_for(s, masks)
-            if m_t.device != x.device:
-                raise ValueError("masks must be on x's device")
+            # Shape / dtype / device only: the per-group bit counts (validated when the
+            # calibrate.Selection was made) would need a device->host copy, which is not
+            # allowed while a CUDA graph is being captured.
+            if isinstance(masks, Selection):
+                masks = masks.masks
+            if (not isinstance(masks, torch.Tensor) or masks.dtype != torch.uint8
+                    or masks.shape != (c.k // GROUP,) or masks.device != x.device):
+                raise ValueError(f"K-Ext needs masks: uint8 [{c.k // GROUP}] on {x.device}")
+            m_t = masks
         elif masks is not None:
             raise ValueError("masks are only used by K-Ext")
         else:
