@@ -34,6 +34,7 @@ __all__ = [
     "extend_weight",
     "save_layers",
     "load_layers",
+    "read_metadata",
 ]
 
 GROUP = 8
@@ -220,8 +221,12 @@ _VERSION_KEY = "resgen_checkpoint_version"
 _CHECKPOINT_VERSION = "1"
 
 
-def save_layers(path: str | Path, layers: Mapping[str, QLinearWeight]) -> None:
+def save_layers(path: str | Path, layers: Mapping[str, QLinearWeight],
+                metadata: Mapping[str, str] | None = None) -> None:
     """Write prepared layers with safetensors, ModelOpt field names plus resgen's own.
+
+    metadata: extra string entries for the file header (e.g. a compensation plan under
+    "resgen_plan"); keys must not collide with resgen's own.
 
     Per layer `name`: name.weight (uint8 packed E2M1 [N, K(+ext)/2]), name.weight_scale (E4M3 or
     E8M0 uint8), name.weight_scale_2 (NVFP4 alpha), name.input_scale (NVFP4, static only),
@@ -247,6 +252,10 @@ def save_layers(path: str | Path, layers: Mapping[str, QLinearWeight]) -> None:
                                                            dtype=torch.float32)
     meta = {_FORMAT_KEY: fmts.pop() if fmts else "", _VERSION_KEY: _CHECKPOINT_VERSION,
             "resgen_layers": json.dumps(sorted(layers))}
+    for key, value in (metadata or {}).items():
+        if key in meta or not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"metadata entry {key!r} is reserved or not a str -> str pair")
+        meta[key] = value
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -289,3 +298,11 @@ def load_layers(path: str | Path) -> dict[str, QLinearWeight]:
             q = QuantizedTensor(fmt, codes, scales, None if gs is None else gs.float().reshape(()))
             out[name] = QLinearWeight(q, k, sel, get("input_scale"))
         return out
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The safetensors header metadata of a checkpoint written by save_layers."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})

@@ -39,6 +39,7 @@ __all__ = [
     "e2m1_values",
     "e2m1_encode",
     "e2m1_decode",
+    "e2m1_round",
     "e4m3_round",
     "pack_fp4",
     "unpack_fp4",
@@ -139,6 +140,19 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of E2M1 codes (uint8 0..15)."""
     return e2m1_values(codes.device)[codes.long()]
+
+
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """float32 v -> the nearest E2M1 value, equal to e2m1_decode(e2m1_encode(v)) including the
+    sign of zero, without materialising codes (fast path for fake quantization and searches).
+
+    On [0, 2) the grid step is 0.5, on [2, 4) it is 1, on [4, 6] it is 2; torch.round breaks
+    ties to even, which on each segment is exactly the even E2M1 code (x2 / x0.5 are exact).
+    """
+    a = v.abs()
+    q = torch.where(a < 2, torch.round(a * 2) * 0.5,
+                    torch.where(a < 4, torch.round(a), torch.round(a * 0.5) * 2))
+    return torch.copysign(q.clamp_(max=E2M1_MAX), v)
 
 
 def e4m3_round(v: torch.Tensor) -> torch.Tensor:

@@ -132,6 +132,13 @@ def _candidate_scales(wf: torch.Tensor, fmt: str, alpha, targets: Sequence[float
             for s in _MX_SHIFTS]
 
 
+def _scaled(blocks: torch.Tensor, fmt: str, scales: torch.Tensor, d: torch.Tensor):
+    """blocks / effective scale, divided exactly as formats does (by d, or by 2^e)."""
+    if fmt == "nvfp4":
+        return blocks / torch.where(d > 0, d, torch.full_like(d, float("inf")))
+    return torch.ldexp(blocks, 127 - scales.to(torch.int32).unsqueeze(-1))
+
+
 def search_scales(w: torch.Tensor, fmt: str, *, importance: torch.Tensor | None = None,
                   targets: Sequence[float] = NVFP4_TARGETS,
                   global_scale: torch.Tensor | None = None) -> QuantizedTensor:
@@ -155,22 +162,27 @@ def search_scales(w: torch.Tensor, fmt: str, *, importance: torch.Tensor | None 
         if global_scale is not None:
             raise ValueError("MXFP4 has no global scale")
         alpha = None
-    imp = None if importance is None else _importance(importance, wf.shape[1])
-    best_q = best_err = None
+    blocks = _blocks(wf, fmt)
+    imp = None if importance is None else \
+        _blocks(_importance(importance, wf.shape[1]).to(torch.float32), fmt)
+    best = None
     for sc in _candidate_scales(wf, fmt, alpha, targets):
-        q = quantize_with_scales(wf, fmt, sc, alpha)
-        err = block_error(wf, q, imp)
-        if best_q is None:
-            best_q, best_err, best_sc, best_codes = q, err, sc, formats.unpack_fp4(q.codes)
+        d = _effective(sc, fmt, alpha)
+        grid = formats.e2m1_round(_scaled(blocks, fmt, sc, d))
+        # Per-block error in float64 (candidates can differ by less than FP32 resolution).
+        err = (blocks.double() - (d * grid).double()) ** 2
+        err = (err if imp is None else err * imp.double()).sum(-1)
+        if best is None:
+            best = [err, sc.view(torch.uint8), grid]
             continue
-        better = err < best_err                   # strict: ties keep the earlier candidate
-        best_err = torch.where(better, err, best_err)
-        best_sc = torch.where(better, sc.view(torch.uint8), best_sc.view(torch.uint8)) \
-            .view(sc.dtype)
-        bs = formats.block_size(fmt)
-        codes = formats.unpack_fp4(q.codes)
-        best_codes = torch.where(better.repeat_interleave(bs, dim=-1), codes, best_codes)
-    return QuantizedTensor(fmt, formats.pack_fp4(best_codes), best_sc, alpha)
+        better = err < best[0]                    # strict: ties keep the earlier candidate
+        best[0] = torch.where(better, err, best[0])
+        best[1] = torch.where(better, sc.view(torch.uint8), best[1])
+        best[2] = torch.where(better.unsqueeze(-1), grid, best[2])
+    # The kept grid values are exact E2M1 values, so encoding them gives their codes.
+    codes = formats.e2m1_encode(best[2]).reshape(wf.shape)
+    scales = best[1].view(torch.float8_e4m3fn) if fmt == "nvfp4" else best[1]
+    return QuantizedTensor(fmt, formats.pack_fp4(codes), scales, alpha)
 
 
 def four_over_six(w: torch.Tensor, *, importance: torch.Tensor | None = None,
@@ -225,21 +237,18 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, fmt: str, *, damp: float = 0.01
             sub = search_scales(wb[:, cols].float(), fmt, importance=imp_all[c0 + g0: c0 + g0 + bs],
                                 targets=targets, global_scale=alpha)
             scales.append(sub.scales)
-            d32 = _effective(sub.scales, fmt, alpha).reshape(-1)
-            d = d32.double()
-            # Divide exactly as formats does: by d (NVFP4, +inf when d == 0), by 2^e (MXFP4).
-            inv = (None if fmt == "mxfp4"
-                   else torch.where(d32 > 0, d32, torch.full_like(d32, float("inf"))))
-            shift = 127 - sub.scales.to(torch.int32).reshape(-1)
+            d32 = _effective(sub.scales, fmt, alpha).reshape(-1, 1)
+            d = d32.reshape(-1).double()
+            grid_cols = []
             for j in range(g0, g0 + bs):
-                col = wb[:, j].float()
-                v = torch.ldexp(col, shift) if inv is None else col / inv
-                code = formats.e2m1_encode(v)
-                codes[:, c0 + j] = code
-                qcol = d * formats.e2m1_decode(code).double()
-                e = (wb[:, j] - qcol) / ub[j, j]
+                v = _scaled(wb[:, j].float().unsqueeze(-1), fmt, sub.scales.reshape(-1),
+                            d32).squeeze(-1)
+                grid = formats.e2m1_round(v)
+                grid_cols.append(grid)
+                e = (wb[:, j] - d * grid.double()) / ub[j, j]
                 wb[:, j + 1:] -= e.unsqueeze(1) * ub[j, j + 1:].unsqueeze(0)
                 errs[:, j] = e
+            codes[:, c0 + g0: c0 + g0 + bs] = formats.e2m1_encode(torch.stack(grid_cols, -1))
         work[:, c1:] -= errs @ u[c0:c1, c1:]
     sc = torch.cat(scales, dim=-1)
     return QuantizedTensor(fmt, formats.pack_fp4(codes), sc, alpha)
@@ -248,12 +257,14 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, fmt: str, *, damp: float = 0.01
 def prepare(w: torch.Tensor, fmt: str, method: str = "amax", *,
             selection: Selection | None = None, importance: torch.Tensor | None = None,
             ext_importance: torch.Tensor | None = None, hessian: torch.Tensor | None = None,
-            input_scale=None) -> QLinearWeight:
+            input_scale=None, base: QuantizedTensor | None = None) -> QLinearWeight:
     """resgen.calibrate.prepare_weight with a weight-side method. w: [N, K] float.
 
     importance: [K] for the base columns (E[x^2]); ext_importance: [len(selection.indices)]
         for the K-Ext columns (E[r^2] of the selected channels: they multiply the residue).
     hessian: [K, K] for "gptq" (its K-Ext columns use `search` with ext_importance).
+    base: a precomputed base QuantizedTensor [N, K] of this method (a cache: GPTQ's base does
+        not depend on the selection); None computes it.
     The base part and the extension are quantized independently, as formats' blocks never
     straddle K; the NVFP4 global scale is amax(W) / 2688 for both (prepare_weight's rule).
     """
@@ -265,7 +276,10 @@ def prepare(w: torch.Tensor, fmt: str, method: str = "amax", *,
         return prepare_weight(w, fmt, selection=selection, input_scale=input_scale)
     wf = _check_weight(w, fmt)
     alpha = formats.nvfp4_global_scale(wf) if fmt == "nvfp4" else None
-    if method == "gptq":
+    if base is not None:
+        if base.fmt != fmt or tuple(base.shape) != tuple(wf.shape):
+            raise ValueError("the precomputed base does not match the weight / format")
+    elif method == "gptq":
         if hessian is None:
             raise ValueError("gptq needs the calibration hessian [K, K]")
         base = gptq(wf, hessian, fmt, global_scale=alpha)

@@ -130,6 +130,7 @@ def capture_inputs(model, seqs: torch.Tensor, *, batch: int = 4) -> dict[str, to
     return {site: torch.cat(parts) for site, parts in rows.items()}
 
 
+@torch.enable_grad()
 def capture_grads(model, seqs: torch.Tensor, *, batch: int = 2) -> dict[str, torch.Tensor]:
     """Linear name -> float32 [S * T, N]: dLoss/dy of every quantizable linear's output.
 

@@ -22,22 +22,9 @@ import torch.nn.functional as F
 from .. import formats
 from ..calibrate import QLinearWeight
 
-__all__ = ["qdq", "qdq_with_residue", "round_e2m1", "FakeQuantLinear"]
+__all__ = ["qdq", "qdq_with_residue", "FakeQuantLinear"]
 
 _BLOCK = {"nvfp4": 16, "mxfp4": 32}
-
-
-def round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """float32 v -> the nearest E2M1 value (ties to the even code, saturating at +-6).
-
-    Same result as e2m1_decode(e2m1_encode(v)) including the sign of zero: on [0, 2) the grid
-    step is 0.5, on [2, 4) it is 1, on [4, 6] it is 2, and torch.round breaks ties to even,
-    which on each segment is exactly the even E2M1 code (scaling by 2 or 0.5 is exact).
-    """
-    a = v.abs()
-    q = torch.where(a < 2, torch.round(a * 2) * 0.5,
-                    torch.where(a < 4, torch.round(a), torch.round(a * 0.5) * 2))
-    return torch.copysign(q.clamp_(max=formats.E2M1_MAX), v)
 
 
 def _effective_scale(blocks: torch.Tensor, fmt: str, alpha: torch.Tensor | None) -> torch.Tensor:
@@ -64,7 +51,7 @@ def qdq(x: torch.Tensor, fmt: str, alpha: torch.Tensor | None = None) -> torch.T
     d = _effective_scale(blocks, fmt, alpha)
     # A zero effective scale divides by +inf: finite / inf = +-0, exact zeros (as formats does).
     v = blocks / torch.where(d > 0, d, torch.full_like(d, float("inf")))
-    return (d * round_e2m1(v)).reshape(x.shape)
+    return (d * formats.e2m1_round(v)).reshape(x.shape)
 
 
 def qdq_with_residue(x: torch.Tensor, fmt: str, alpha: torch.Tensor | None = None,

