@@ -62,12 +62,13 @@ def candidates(p: LinearProblem, nt: int) -> list[LinearSm90Variant]:
     W, A, Z = Reduction.WORKSPACE, Reduction.ATOMIC, Reduction.NONE
     CP, DI, RG = Pipeline.CP_ASYNC, Pipeline.DIRECT, Pipeline.REGS
 
-    def V(wm, wk, mt=1, pl=CP, st=4, sk=1, red=Z, pk=S, u=1):
-        return LinearSm90Variant(wm, wk, mt, nt, u, pl, st, sk, red, pk)
+    def V(wm, wk, mt=1, pl=CP, st=4, sk=1, red=Z, pk=S, u=1, l2=0):
+        return LinearSm90Variant(wm, wk, mt, nt, u, pl, st, l2, sk, red, pk)
 
     raw = [
         V(1, 4), V(4, 1), V(2, 2), V(1, 8), V(2, 4), V(4, 2), V(2, 2, 2),
         V(1, 4, st=3), V(1, 8, st=3), V(1, 4, pl=DI, st=1), V(4, 2, pl=RG, st=1),
+        V(4, 1, pl=DI, st=1, l2=2), V(1, 4, pl=DI, st=1, l2=1),
         V(1, 4, sk=2, red=W), V(1, 8, st=3, sk=2, red=W), V(1, 4, sk=2, red=A),
         V(1, 4, u=2, st=3), V(1, 4, pk=N),
     ]

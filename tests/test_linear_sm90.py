@@ -277,7 +277,7 @@ def test_family_is_registered():
 def test_variant_key_changes_with_every_field():
     base = LinearSm90Variant()
     other = {"warps_m": 2, "warps_k": 4, "m_tiles": 2, "n_tiles": 2, "groups": 2,
-             "pipeline": Pipeline.REGS, "stages": 2, "split_k": 2,
+             "pipeline": Pipeline.REGS, "stages": 2, "l2_prefetch": 2, "split_k": 2,
              "reduce": Reduction.WORKSPACE, "packing": Packing.NIB}
     assert set(other) == {f.name for f in dataclasses.fields(LinearSm90Variant)}
     keys = {base.key()}
@@ -314,6 +314,10 @@ def test_variant_from_dict_rejects_bad_values():
     (LinearSm90Variant(warps_m=2, warps_k=4, m_tiles=4, groups=2, stages=8),
      LinearProblem(n=4096, k=16384), "shared memory"),
     (LinearSm90Variant(warps_m=1, warps_k=8, stages=8), LinearProblem(k=4096), "stages for"),
+    (LinearSm90Variant(warps_m=4, warps_k=2, l2_prefetch=8), LinearProblem(k=4096),
+     "prefetch 8 iterations ahead"),
+    (LinearSm90Variant(warps_m=4, warps_k=1, stages=4, l2_prefetch=2), LinearProblem(),
+     "does nothing"),
 ])
 def test_why_invalid_gives_reasons(v, p, reason):
     why = FAMILY.why_invalid(v, p, ARCH)
@@ -357,8 +361,8 @@ SIM_CASES = [
     ("mxfp4", "full", 5, dict(warps_m=1, warps_k=2, m_tiles=2, n_tiles=2, stages=2)),
     ("nvfp4", "1.0", 9, dict(warps_m=2, warps_k=2, split_k=2, reduce=Reduction.WORKSPACE,
                              groups=1, **_DIRECT)),
-    ("mxfp4", "none", 9, dict(warps_m=4, warps_k=1, split_k=4, reduce=Reduction.ATOMIC,
-                              **_DIRECT)),
+    ("mxfp4", "none", 9, dict(warps_m=4, warps_k=1, split_k=2, reduce=Reduction.ATOMIC,
+                              l2_prefetch=1, **_DIRECT)),
     ("nvfp4", "0.125", 2, dict(warps_m=1, warps_k=1, m_tiles=4, groups=1, stages=6)),
     ("mxfp4", "full", 11, dict(warps_m=2, warps_k=1, n_tiles=4, split_k=2, groups=2,
                                reduce=Reduction.WORKSPACE, packing=Packing.NIB, **_REGS)),
@@ -422,13 +426,14 @@ _CP, _DI, _RG = Pipeline.CP_ASYNC, Pipeline.DIRECT, Pipeline.REGS
 COMPILE_CASES = [
     (LinearProblem("nvfp4", "none", 1, 4096, 4096), LinearSm90Variant(4, 2, 1, 1, 1, _CP, 4)),
     (LinearProblem("nvfp4", "full", 4, 24576, 4096),
-     LinearSm90Variant(2, 2, 2, 1, 2, _RG, 1, packing=Packing.NIB)),
+     LinearSm90Variant(2, 2, 2, 1, 2, _RG, 1, l2_prefetch=3, packing=Packing.NIB)),
     (LinearProblem("mxfp4", "full", 16, 4096, 12288),
-     LinearSm90Variant(1, 4, 1, 4, 1, _DI, 1, 2, Reduction.WORKSPACE)),
+     LinearSm90Variant(1, 4, 1, 4, 1, _DI, 1, l2_prefetch=2, split_k=2,
+                       reduce=Reduction.WORKSPACE)),
     (LinearProblem("mxfp4", "none", 16, 6144, 4096),
-     LinearSm90Variant(4, 1, 1, 2, 1, _CP, 3, 4, Reduction.ATOMIC)),
+     LinearSm90Variant(4, 1, 1, 2, 1, _CP, 3, split_k=4, reduce=Reduction.ATOMIC)),
     (LinearProblem("nvfp4", "0.125", 2, 4096, 4096),
-     LinearSm90Variant(8, 1, 1, 1, 1, _CP, 2, 2, Reduction.WORKSPACE)),
+     LinearSm90Variant(8, 1, 1, 1, 1, _CP, 2, split_k=2, reduce=Reduction.WORKSPACE)),
     (LinearProblem("nvfp4", "full", 64, 4096, 4096), LinearSm90Variant(2, 4, 1, 8, 1, _CP, 2)),
 ]
 
@@ -452,6 +457,7 @@ def test_compiles_for_sm90a_without_spills(p, v, tmp_path):
     assert ptx and ".target sm_90a" in ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "mul.rn.bf16x2" in ptx and "mul.rn.ftz" not in ptx
+    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (v.l2_prefetch > 0)
     if v.pipeline == Pipeline.CP_ASYNC:
         assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
     else:

@@ -37,6 +37,7 @@ class Geometry:
     groups: int        # U
     pipeline: str      # "direct" | "regs" | "cp_async"
     stages: int        # cp_async: ring depth (iterations in flight + 1); else 1
+    l2_prefetch: int   # iterations ahead that lane 0 bulk-prefetches into L2 (0: none)
     split_k: int
     reduce: str        # "none" | "atomic" | "workspace"
 
@@ -176,6 +177,16 @@ class Geometry:
         """cp.async ring: the lane's 8-byte scale vector (group u, tile mt)."""
         return ((((warp * self.stages + slot) * self.groups + u) * self.m_tiles + mt) * 256
                 + lane * 8)
+
+    def prefetch_spans(self, mt0: Any, grp0: Any, it: Any):
+        """(byte offset, bytes) of the weight and scale spans iteration `it` of a warp reads,
+        one pair per m16 tile: U groups are contiguous in both layouts."""
+        out = []
+        for mt in range(self.m_tiles):
+            grp = grp0 + it * self.groups
+            out.append((self.w_off(mt0 + mt, grp * 4, 0), self.groups * 2048))
+            out.append((self.s_off(mt0 + mt, grp, 0), self.groups * self.sl * 8))
+        return out
 
     def ws_off(self, tile: Any, split: Any, wm: Any, q: int, lane: Any) -> Any:
         """FP32 element of the workspace reduction: CTA tile, split index, accumulator q."""

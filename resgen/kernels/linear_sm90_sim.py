@@ -154,6 +154,11 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
                         for q in range(2)] for mt in range(G.m_tiles)] for u in range(G.groups)]
                 return wv, sv
 
+            for it in range(G.nit):     # L2 prefetch spans (lane 0) stay inside the buffers
+                for q, (off, nb) in enumerate(G.prefetch_spans(mt0[0], grp0[0], it)):
+                    size = (wmem if q % 2 == 0 else smem_).b.numel()
+                    if int(off) < 0 or int(off) + nb > size:
+                        raise AssertionError("L2 prefetch span out of bounds")
             if G.pipeline == "cp_async":
                 for s0 in range(G.stages - 1):
                     if s0 < G.nit:

@@ -14,6 +14,7 @@ atomics and fences are not.
     ld_f32(addr)                  ld.global.nc.f32 (kernel-constant scalars)
     cp_async_16(saddr, gaddr)     cp.async.cg.shared.global 16 bytes (L2 only), cp_async_8 (.ca, 8)
     ld_shared_v4(saddr), ld_shared_v2(saddr)   ordered after cp.async.wait_group (side effects)
+    prefetch_l2_bulk(gaddr, nbytes, pred)     cp.async.bulk.prefetch.L2.global when pred != 0
     prmt(a, b, sel)               byte permute
     mul_bf16x2(a, b)              mul.rn.bf16x2 (no .ftz exists for bf16: subnormals kept)
     mma_bf16_16816(a, b, c)       mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
@@ -33,7 +34,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 __all__ = ["ld_stream_v4", "ld_stream_v2", "ld_cached_v4", "ld_cg_f32", "ld_f32",
-           "cp_async_16", "cp_async_8", "ld_shared_v4", "ld_shared_v2", "prmt", "mul_bf16x2",
+           "cp_async_16", "cp_async_8", "ld_shared_v4", "ld_shared_v2", "prefetch_l2_bulk", "prmt", "mul_bf16x2",
            "mma_bf16_16816", "cvt_bf16x2", "st_u16", "st_u32", "st_f32", "red_add_f32", "red_add_f32_pred",
            "atom_add_u32", "fence_gpu"]
 
@@ -131,6 +132,15 @@ def ld_shared_v2(saddr, *, loc=None, ip=None) -> tuple:
               "ld.shared.v2.u32 {$0,$1}, [$2];", "=r,=r,r,~{memory}", effects=True,
               loc=loc, ip=ip)
     return _unpack(st, 2, Uint32, T.i32(), loc, ip)
+
+
+@dsl_user_op
+def prefetch_l2_bulk(gaddr, nbytes: int, pred, *, loc=None, ip=None) -> None:
+    """One thread asks the copy engine to pull nbytes (multiple of 16) into L2."""
+    _asm(None, [_i64(gaddr, loc, ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+         "{\n .reg .pred p;\n setp.ne.b32 p, $1, 0;\n"
+         f" @p cp.async.bulk.prefetch.L2.global [$0], {int(nbytes)};\n}}",
+         "l,r", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -14,6 +14,8 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
                        "cp_async" (per-lane cp.async.cg into a shared-memory ring of `stages`
                        iterations, stages - 1 in flight; each lane reads back only what it
                        copied, so no barrier is needed)
+    l2_prefetch        iterations ahead whose weight/scale spans lane 0 asks the copy engine to
+                       pull into L2 (cp.async.bulk.prefetch.L2; 0 = none): later loads hit L2
     split_k, reduce    CTAs along K and how their partials meet: "atomic" (FP32 red.global into
                        a workspace, then a convert kernel; not deterministic) or "workspace"
                        (partials + per-tile semaphore, the last CTA sums in split order; one
@@ -70,6 +72,7 @@ class LinearSm90Variant(VariantBase):
     groups: int = field(default=1, metadata={"range": IntRange(1, 2), "short": "u"})
     pipeline: Pipeline = field(default=Pipeline.CP_ASYNC, metadata={"short": "pl"})
     stages: int = field(default=4, metadata={"range": IntRange(1, 8), "short": "st"})
+    l2_prefetch: int = field(default=0, metadata={"range": IntRange(0, 8), "short": "l2"})
     split_k: int = field(default=1, metadata={"range": IntRange(1, 16), "short": "sk"})
     reduce: Reduction = field(default=Reduction.NONE, metadata={"short": "red"})
     packing: Packing = field(default=Packing.SPLIT, metadata={"short": "pk"})
@@ -99,6 +102,7 @@ def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
                     warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
                     n_tiles=variant.n_tiles, groups=variant.groups,
                     pipeline=variant.pipeline.value, stages=variant.stages,
+                    l2_prefetch=variant.l2_prefetch,
                     split_k=variant.split_k, reduce=variant.reduce.value)
 
 
@@ -152,8 +156,13 @@ class LinearSm90Family:
         smem = geometry_of(v, p).smem_bytes
         if smem > 227 * 1024:
             return f"{smem} bytes of shared memory per CTA (at most 227 KB)"
-        if v.pipeline == Pipeline.CP_ASYNC and v.stages > geometry_of(v, p).nit + 1:
-            return f"{v.stages} stages for {geometry_of(v, p).nit} iterations per warp"
+        nit = geometry_of(v, p).nit
+        if v.pipeline == Pipeline.CP_ASYNC and v.stages > nit + 1:
+            return f"{v.stages} stages for {nit} iterations per warp"
+        if v.l2_prefetch >= nit:
+            return f"L2 prefetch {v.l2_prefetch} iterations ahead of {nit} per warp"
+        if v.pipeline == Pipeline.CP_ASYNC and 0 < v.l2_prefetch < v.stages:
+            return "an L2 prefetch closer than the cp.async ring's depth does nothing"
         return None
 
     # ------------------------------------------------------------------ space
@@ -169,16 +178,18 @@ class LinearSm90Family:
                 for mt in (1, 2, 4):
                     for nt in nts:
                         for u in (1, 2):
-                            for pl, st in ((Pipeline.CP_ASYNC, 4), (Pipeline.CP_ASYNC, 2),
-                                           (Pipeline.CP_ASYNC, 6), (Pipeline.DIRECT, 1),
-                                           (Pipeline.REGS, 1)):
+                            for pl, st, l2 in ((Pipeline.CP_ASYNC, 4, 0),
+                                               (Pipeline.CP_ASYNC, 2, 0),
+                                               (Pipeline.CP_ASYNC, 6, 0),
+                                               (Pipeline.DIRECT, 1, 0), (Pipeline.DIRECT, 1, 2),
+                                               (Pipeline.REGS, 1, 0), (Pipeline.REGS, 1, 2)):
                                 for sk, red in ((1, Reduction.NONE),
                                                 (2, Reduction.WORKSPACE),
                                                 (4, Reduction.WORKSPACE),
                                                 (2, Reduction.ATOMIC),
                                                 (4, Reduction.ATOMIC)):
-                                    v = LinearSm90Variant(wm, wk, mt, nt, u, pl, st, sk, red,
-                                                          packing)
+                                    v = LinearSm90Variant(wm, wk, mt, nt, u, pl, st, l2, sk,
+                                                          red, packing)
                                     if sk > 1 and problem.n // (16 * mt * wm) >= 264:
                                         continue
                                     if self.why_invalid(v, problem, arch) is None:
@@ -212,6 +223,7 @@ class LinearSm90Family:
                 "kq": int(g.kq), "warps_m": int(g.warps_m), "warps_k": int(g.warps_k),
                 "m_tiles": int(g.m_tiles), "n_tiles": int(g.n_tiles),
                 "groups": int(g.groups), "pipeline": g.pipeline, "stages": int(g.stages),
+                "l2_prefetch": int(g.l2_prefetch),
                 "split_k": int(g.split_k), "reduce": g.reduce}
 
     def compile_key(self, variant: LinearSm90Variant, problem: LinearProblem) -> LinearProblem:

@@ -122,3 +122,34 @@ def test_cuda_graph_replay_matches_eager():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))
+
+
+@pytest.mark.parametrize("packing", ["split", "nib"])
+def test_subnormal_half_codes_survive_the_bf16_decode(packing):
+    """Every weight code is +-0.5 (decoded to the BF16 subnormal 2^-127 before the scale
+    multiply): an FTZ anywhere in mul.rn.bf16x2 would zero the output."""
+    from resgen import calibrate as C
+    from resgen import formats as F
+    from resgen import reference
+    from resgen.kernels.layouts import prepare_sm90_weight
+    from resgen.kernels.linear_sm90 import LinearSm90Launcher, make_xop
+    from resgen.search.linear_sm90 import compare, geometry_of
+
+    n, k, m = 128, 512, 4
+    g = torch.Generator().manual_seed(0)
+    codes = torch.where(torch.rand(n, k, generator=g) < 0.5, 1, 9).to(torch.uint8)
+    q = F.QuantizedTensor("nvfp4", F.pack_fp4(codes),
+                          torch.full((n, k // 16), 2.0).to(torch.float8_e4m3fn),
+                          torch.tensor(0.5))
+    qw = C.QLinearWeight(q.to("cuda"), k)
+    p = LinearProblem("nvfp4", "none", m, n, k, static_scale=False)
+    v = dataclasses.replace(FAMILY.default(p, ARCH), packing=Packing(packing))
+    geom = geometry_of(v, p)
+    wt = prepare_sm90_weight(qw, packing)
+    x = torch.randn(m, k, device="cuda")
+    xop, ax = make_xop(x, qw, "none", t_multiple=geom.tok)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    LinearSm90Launcher(_compiled(v, p), geom, 0, 0, "cuda")(wt, xop, m, m, ax, out)
+    torch.cuda.synchronize()
+    res = compare(out, reference.linear(x, qw, "none"))
+    assert res.ok, f"{res.detail}: rel err {res.rel_err:.3e} (1.0 means the 0.5 codes vanished)"
