@@ -624,3 +624,94 @@ def test_gpu_probe_kernel_compiles():
     res = compile_entry(mod.probe, fake, "sm_90a")
     assert "div.rn.f32" in res.ptx and "cvt.rn.satfinite.e4m3x2.f32" in res.ptx
     assert ".ftz" not in res.ptx and res.spill_bytes == 0
+
+
+# ============================================================================ host plumbing
+
+
+class FakeCompiled:
+    """Stands in for a compiled quant_sm90 entry on the CPU: reads and writes memory at the
+    raw addresses it is given, in the documented layouts, computing with the emulator. It
+    checks the launcher's argument order, dtypes, alignments and m / slots end to end."""
+
+    SIMULATED = True
+
+    def __init__(self, cfg: Q.QuantConfig):
+        self.cfg = cfg
+        self.calls = []
+
+    @staticmethod
+    def _view(ptr, nbytes: int, dtype) -> torch.Tensor:
+        import ctypes
+
+        buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr._pointer)
+        return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype)
+
+    def __call__(self, xp, ap, mp, cp, sp, op, pp, m, slots, stream):
+        c = self.cfg
+        m, slots = int(getattr(m, "value", m)), int(getattr(slots, "value", slots))
+        self.calls.append((m, slots))
+        for p_, align in ((xp, 16), (cp, 16), (op, 16), (pp, 16), (ap, 4), (mp, 2)):
+            assert p_._pointer % align == 0 and p_._assumed_align == align
+        shape = Q.operand_shape(c.fmt, c.compensation, c.k, m, c.layout, 1, c.kp_align)
+        rows_per_slot = shape.rows_per_slot
+        t_pad = slots * rows_per_slot
+        x = self._view(xp, m * c.k * 2, torch.bfloat16).reshape(m, c.k).clone()
+        masks = (self._view(mp, c.k // 8, torch.uint8).clone() if shape.mode == "kext"
+                 else None)
+        alpha = None
+        if c.alpha == "static":
+            alpha = float(self._view(ap, 4, torch.float32)[0])
+        emu = emu_operand(x, c.fmt, c.compensation, c.layout, t_pad, alpha, masks, c.kp_align)
+        assert emu.codes.shape[0] == t_pad
+        if c.alpha == "dynamic":
+            self._view(ap, 4, torch.float32).copy_(emu.alpha)
+        if c.write_codes:
+            self._view(cp, emu.codes.numel(), torch.uint8).copy_(emu.codes.reshape(-1))
+            self._view(sp, emu.scales.numel(), torch.uint8).copy_(
+                emu.scales.view(torch.uint8).reshape(-1))
+        if c.write_xop:
+            self._view(op, emu.xop.numel() * 2, torch.bfloat16).copy_(emu.xop.reshape(-1))
+
+
+@pytest.mark.parametrize("fmt,comp,layout,alpha,outputs", [
+    ("nvfp4", "full", "row_pair", "static", "xop"),
+    ("nvfp4", "full", "tile8", "dynamic", "both"),
+    ("nvfp4", "0.25", "plain", "static", "codes"),
+    ("mxfp4", "0.125", "plain", "none", "both"),
+    ("mxfp4", "none", "plain", "none", "xop"),
+])
+def test_runner_and_launcher_plumbing_with_a_simulated_kernel(fmt, comp, layout, alpha, outputs):
+    from resgen.search.quant_sm90 import QuantProblem, QuantSm90Runner, config_of
+
+    p = QuantProblem(fmt=fmt, compensation=comp, m=19, k=512, static_scale=alpha == "static",
+                     layout=layout, outputs=outputs, kp_align=128)
+    fam = __import__("resgen.search.family", fromlist=["get_family"]).get_family("quant_sm90")
+    v = fam.default(p, "sm_90a")
+    fake = FakeCompiled(config_of(v, p))
+    r = QuantSm90Runner(fake, v, p, "cpu", n_sets=2, seed=3)
+    for _ in range(4):                         # every check input kind in turn
+        res = r.check()
+        assert res.ok and res.rel_err == 0.0, res.detail
+    r.rotate(1)
+    op = r()
+    s = op.shape
+    assert fake.calls[-1] == (19, s.slots)
+    x, a, _ = r.sets[1]
+    ref = Q.operand_reference(x, fmt, comp, layout, 1, a, r.masks, 128)
+    from resgen.search.quant_sm90 import compare_operands
+
+    assert compare_operands(op, ref, config_of(v, p)).ok
+
+
+def test_compare_operands_reports_mismatches():
+    from resgen.search.quant_sm90 import compare_operands
+
+    cfg = Q.QuantConfig("nvfp4", "none", 256, "plain")
+    x = Q.make_inputs("randn", 3, 256)
+    ref = Q.operand_reference(x, "nvfp4", "none", "plain")
+    got = Q.operand_reference(x, "nvfp4", "none", "plain")
+    assert compare_operands(got, ref, cfg).ok
+    got.xop[1, 5] = -got.xop[1, 5] if got.xop[1, 5] != 0 else 1.0
+    res = compare_operands(got, ref, cfg, "t")
+    assert not res.ok and "xop" in res.detail and res.rel_err > 0
