@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--m-buckets", type=_csv(_pos_int), default=list(DEFAULT_M_BUCKETS))
     t.add_argument("--attn-batches", type=_csv(_pos_int), default=list(DEFAULT_ATTN_BATCHES))
     t.add_argument("--kv-lens", type=_csv(_pos_int), default=list(DEFAULT_KV_LENS))
+    t.add_argument("--attn-pv", type=_csv(str), default=["f16", "fp8"],
+                   help="decode attention P.V numerics to tune (f16, fp8)")
     t.add_argument("--tp", type=_pos_int, default=1)
     t.add_argument("--db", type=Path, default=None,
                    help="output database (default: the user's cache database)")
@@ -196,7 +198,8 @@ def _problems_for(fam: Any, models: list, args: argparse.Namespace) -> list:
     if fam.PROBLEM is LinearProblem:
         return lin
     if fam.PROBLEM is AttentionProblem:
-        return attention_problems(models, args.tp, args.attn_batches, args.kv_lens)
+        return attention_problems(models, args.tp, args.attn_batches, args.kv_lens,
+                                  pv=args.attn_pv)
     # Another problem type (e.g. the quantizer's): its `for_linear(LinearProblem)` classmethod
     # when it has one, else the linear workloads' fields of the same name.
     names = {f.name for f in dataclasses.fields(fam.PROBLEM)}

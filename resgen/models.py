@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .search.variant import AttentionProblem, LinearProblem
 
 __all__ = ["ModelSpec", "LinearShape", "AttentionGeometry", "MODELS", "get_model",
-           "linear_problems", "attention_problems", "COMPENSATIONS", "FORMATS"]
+           "linear_problems", "attention_problems", "COMPENSATIONS", "FORMATS", "ATTENTION_PV"]
 
 FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
 COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
@@ -178,13 +178,17 @@ def linear_problems(models: Sequence[ModelSpec], tp: int = 1,
                    for c in compensations for m in m_buckets)
 
 
+ATTENTION_PV: tuple[str, ...] = ("f16", "fp8")
+
+
 def attention_problems(models: Sequence[ModelSpec], tp: int = 1,
                        batches: Sequence[int] = (1,), kv_lens: Sequence[int] = (8192,),
-                       page_size: int = 32, compensation: Sequence[bool] = (True, False)
-                       ) -> list[AttentionProblem]:
-    """Decode attention workloads (ResAttn and the plain NVFP4-KV form) per geometry."""
+                       page_size: int = 32, compensation: Sequence[bool] = (True, False),
+                       pv: Sequence[str] = ATTENTION_PV) -> list[AttentionProblem]:
+    """Decode attention workloads per geometry: ResAttn and the plain NVFP4-KV form, with the
+    P.V product in FP16 (V decoded exactly) and in FP8 E4M3 (the paper's)."""
     return _dedupe(AttentionProblem(batch=b, q_heads=g.q_heads, kv_heads=g.kv_heads,
                                     head_dim=g.head_dim, kv_len=L, page_size=page_size,
-                                    compensation=c)
+                                    compensation=c, pv=v)
                    for spec in models for g in [spec.attention(tp)] for c in compensation
-                   for b in batches for L in kv_lens)
+                   for v in pv for b in batches for L in kv_lens)

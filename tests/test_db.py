@@ -73,7 +73,10 @@ def test_round_trip_and_reload(tmp_path):
 
 def test_workload_columns_and_schema(tmp_path):
     with TuningDB(tmp_path / "t.sqlite") as db:
+        wid = db.add_workload(FakeProblem(m=16))
+        assert db.add_workload(FakeProblem(m=16)) == wid != db.add_workload(FakeProblem(m=4))
         db.record(rec(m=16))
+        assert db.conn.execute("SELECT count(*) FROM workloads").fetchone()[0] == 2
         w = list(db.db.query("SELECT * FROM workloads"))[0]
         assert (w["op"], w["fmt"], w["compensation"], w["m"], w["n"], w["k"]) == \
             ("fake_gemm", "nvfp4", "none", 16, 256, 256)

@@ -93,6 +93,7 @@ def test_workload_lists():
     both = linear_problems([m8, m8], 1, ("nvfp4",), ("none",), (1,))
     assert len(both) == 4                                  # duplicates removed
     att = attention_problems([m8], 1, (1, 8), (8192, 32768))
-    assert len(att) == 2 * 2 * 2 and all(isinstance(a, AttentionProblem) for a in att)
+    assert len(att) == 2 * 2 * 2 * 2 and all(isinstance(a, AttentionProblem) for a in att)
     assert {(a.q_heads, a.kv_heads, a.head_dim) for a in att} == {(32, 8, 128)}
     assert {a.compensation for a in att} == {True, False}
+    assert {a.pv for a in att} == {"f16", "fp8"}

@@ -341,6 +341,10 @@ class TuningDB:
             return self.conn.execute(sql, vals).rowcount > 0
         return self._write(tx)
 
+    def add_workload(self, problem: ProblemBase) -> int:
+        """Commit a workload (its own transaction); returns its id."""
+        return self._write(lambda: self._ensure_workload(problem))
+
     def find(self, problem: ProblemBase, variant: VariantBase, fingerprint: str,
              environment: Environment) -> dict[str, Any] | None:
         """The stored result of exactly this (workload, variant, fingerprint, environment)."""

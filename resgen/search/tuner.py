@@ -329,7 +329,8 @@ class Tuner:
                 raise DeviceLost(f"{v.name()} broke the CUDA context: {e}") from e
             return None
         finally:
-            del runner
+            runner = None
+            _release_device_memory(cfg.device)
         s.timed += 1
         self._record(problem, v, out.fingerprint, idx, Status.OK, median_us=t.median_us,
                      q10_us=t.quantile_us(0.1), q90_us=t.quantile_us(0.9),
@@ -443,6 +444,21 @@ def _resolve_timer(config: TuneConfig, default: Timer) -> Timer:
     if not callable(fn):
         raise ValueError(f"timer {config.timer!r} is not a callable")
     return fn
+
+
+def _release_device_memory(device: str) -> None:
+    """Return this process's cached CUDA memory: several tuner processes share the GPU, and
+    one runner can hold many GB (a 64 x 128K-token KV cache is about 10 GB)."""
+    import torch
+
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        try:
+            torch.cuda.empty_cache()
+        except Exception:       # a broken context is reported by the health check
+            pass
 
 
 class DeviceLost(RuntimeError):
