@@ -50,7 +50,9 @@ One block held in registers (block = 16 NVFP4 / 32 MXFP4 elements spread over `l
     quantize_block_with_amax(xs, fmt, alpha, amax) -> Block   when the block amax is known
     block_quotients(xs, d, amax) -> list[Float32]   |RN(x / d)| per element (NVFP4's division:
                                                     shared reciprocal + 2 exact FMA refinements,
-                                                    div.rn fallback for extreme scales)
+                                                    div.rn fallback for extreme scales; exact
+                                                    for every quotient >= 2^-4, i.e. wherever
+                                                    the E2M1 code depends on it)
     fast_division_ok(d, amax) -> Boolean
     residues(xs, block) -> list[Float32]            r = x - d * value (FP32, formats' order)
     operand_values(block) -> list[Float32]          value * scale: the exact BF16 GEMM operand
@@ -412,12 +414,16 @@ def block_quotients(xs: Sequence, d, amax) -> list:
     Division is the costliest step of NVFP4 quantization (div.rn.f32 is ~10 instructions plus a
     branch per element), so the common case shares one correctly rounded reciprocal y = 1 / d
     per block and refines q0 = x * y twice with exact-remainder FMA steps:
-        r0 = x - q0 d, q1 = q0 + r0 y   (q1 within half an ulp of x / d, plus 2^-23 ulp)
-        r1 = x - q1 d (exact),  q2 = q1 + r1 y   (= RN(x / d): the error |x/d - q1| * |d y - 1|
-                                                  is below the distance of x / d to any midpoint)
-    5 instructions per element. It needs no underflow in r and no overflow in x * y, which holds
-    when 2^-60 <= d <= 2^60 and amax <= 2^60 d (fast_division_ok); any other block (tiny or huge
-    tensor scales only) takes div.rn.f32 per element: a per-lane branch, uniform in practice.
+        r0 = x - q0 d, q1 = q0 + r0 y    (q1 within half an ulp of x / d, plus ~2^-22 ulp)
+        r1 = x - q1 d (exact), q2 = q1 + r1 y = RN(x / d)
+    The last step is Markstein's theorem (y = RN(1 / d), q1 within one ulp of x / d, r1 exact
+    => RN(q1 + r1 y) = RN(x / d); a quotient of two floats is never a midpoint, so there are no
+    ties). One step already sufficed on 10^8 emulated worst cases (d's mantissa near 2, x / d
+    near midpoints); the second makes q1 provably within one ulp. 5 instructions per element.
+    It needs no underflow in r and no overflow in x * y, which holds when 2^-60 <= d <= 2^60
+    and amax <= 2^60 d (fast_division_ok); quotients below 2^-4 may be inexact there, which
+    cannot change their E2M1 code (0, sign from x). Any other block (tiny or huge tensor scales
+    only) takes div.rn.f32 per element: a per-lane branch, uniform in practice.
     """
     fast = fast_division_ok(d, amax)
     y = sel_f32(d > Float32(0.0), div_rn(1.0, d), 0.0)
