@@ -10,9 +10,10 @@ random inputs, NaN-poisoned output, rel err <= 3e-3) and timed at M = 1 (all can
 (the best, with token tiles sized for the rows) and 64 (the best two); MXFP4 with the best NVFP4
 configurations at M = 1 and 16; cuBLAS BF16 (torch.matmul) and FP8 (torch._scaled_mm) at the
 same M. Timing: resgen.search.timing.measure, policy cold-l2-graph (CUDA graph of many launches,
-input sets rotated past 2 x the 60 MB L2, median of 7). The timed kernel is the GEMM + fold +
-epilogue on a prepared activation operand: activation quantization is NOT included (the fused
-quantizer is not wired in yet). A variant that fails to compile, check or run is recorded and
+input sets rotated past 2 x the 60 MB L2, median of 7). Most entries time the GEMM + fold + epilogue
+on a prepared activation operand; for the best NVFP4 variant per (shape, mode, M in {1, 16})
+the whole layer is timed too: quant_sm90 (default config, xop only) + the GEMM, two launches
+(column "q+g us", BENCH.md's protocol). A variant that fails to compile, check or run is recorded and
 skipped; a time budget (RESGEN_BENCH_BUDGET_S, default 330 s) stops timing new entries.
 Prints a short table last; writes $OUT/linear_sm90_check.json.
 """
@@ -92,10 +93,30 @@ def compiled(v: LinearSm90Variant, p: LinearProblem):
     return _COMPILED[key]
 
 
-def run_entry(shape: str, p: LinearProblem, v: LinearSm90Variant) -> dict | None:
-    """Compile (cached), check, time one (problem, variant); None if it failed."""
+_QUANT: dict[tuple, object] = {}
+
+
+def quantizer_for(p: LinearProblem):
+    """The fused quantizer (quant_sm90, default configuration, xop only, kp_align 256) in
+    front of problem p; compiled once per (fmt, compensation, K)."""
+    from resgen.kernels.quant_sm90 import QuantConfig, compile_config
+
+    key = (p.fmt, p.compensation, p.k, p.static_scale)
+    if key not in _QUANT:
+        alpha = "none" if p.fmt == "mxfp4" else ("static" if p.static_scale else "dynamic")
+        layout = "row_pair" if p.compensation == "full" else "plain"
+        cfg = QuantConfig(p.fmt, p.compensation, p.k, layout, write_codes=False,
+                          write_xop=True, alpha=alpha, kp_align=256)
+        _QUANT[key] = compile_config(cfg)[0]
+    return _QUANT[key]
+
+
+def run_entry(shape: str, p: LinearProblem, v: LinearSm90Variant,
+              with_quantizer: bool = False) -> dict | None:
+    """Compile (cached), check, time one (problem, variant); None if it failed. With the
+    quantizer: the timed call is quant_sm90 + the GEMM (BENCH.md's linear-layer protocol)."""
     rec = {"shape": shape, "problem": p.key(), "variant": v.key(), "name": v.name(),
-           "fmt": p.fmt, "mode": p.compensation, "m": p.m}
+           "fmt": p.fmt, "mode": p.compensation, "m": p.m, "quantizer": with_quantizer}
     try:
         fn = compiled(v, p)
         if fn is None:
@@ -104,13 +125,15 @@ def run_entry(shape: str, p: LinearProblem, v: LinearSm90Variant) -> dict | None
             return None
         n_sets = DEFAULT_POLICY.sets_for(FAMILY.working_set_bytes(v, p))
         r = FAMILY.runner(fn, v, p, "cuda", n_sets=n_sets, seed=0)
-        chk = r.check()
+        if with_quantizer:
+            r.attach_quantizer(quantizer_for(p))
+        chk = r.check_quantized() if with_quantizer else r.check()
         rec["check"] = {"ok": chk.ok, "rel_err": chk.rel_err, "detail": chk.detail}
         if not chk.ok:
             rec["error"] = "check failed: " + chk.detail
             REPORT["entries"].append(rec)
             return None
-        if v.deterministic:
+        if v.deterministic and not with_quantizer:
             x = torch.randn(p.m, p.k, device="cuda")
             a, b = r.run_on(x), r.run_on(x)
             rec["bit_identical_rerun"] = bool(torch.equal(a.view(torch.int16),
@@ -191,6 +214,15 @@ def shape_block(shape: str, n: int, k: int) -> None:
                 vv = dataclasses.replace(v, n_tiles=nt)
                 if left() > 0 and FAMILY.why_invalid(vv, p64, ARCH) is None:
                     run_entry(shape, p64, vv)
+    for mode in ("none", "full"):            # the whole layer: quantizer + GEMM
+        for m in (1, 16):
+            p = LinearProblem("nvfp4", mode, m, n, k)
+            b = best([e for e in REPORT["entries"] if e["shape"] == shape and e["m"] == m
+                      and e["mode"] == mode and e["fmt"] == "nvfp4"
+                      and not e.get("quantizer")])
+            if b is not None and left() > 0:
+                run_entry(shape, p, LinearSm90Variant.from_key(b["variant"]),
+                          with_quantizer=True)
     for mode in ("none", "full"):
         for m in (1, 16):
             p = LinearProblem("mxfp4", mode, m, n, k)
@@ -208,17 +240,20 @@ def environment() -> dict:
     env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
     env["policy"] = DEFAULT_POLICY.as_dict()
     env["policy_label"] = DEFAULT_POLICY.label
-    env["timed_op"] = "GEMM + fold + epilogue on a prepared activation operand (no quantizer)"
+    env["timed_op"] = ("entries with quantizer=false: GEMM + fold + epilogue on a prepared "
+                       "activation operand; quantizer=true: quant_sm90 + GEMM")
     return env
 
 
 def table() -> list[str]:
-    ents = [e for e in REPORT["entries"] if e.get("median_us")]
+    ents = [e for e in REPORT["entries"] if e.get("median_us") and not e.get("quantizer")]
+    qents = [e for e in REPORT["entries"] if e.get("median_us") and e.get("quantizer")]
     bases = {(b["shape"], b["m"], b["baseline"]): b.get("median_us")
              for b in REPORT["baselines"]}
     lines = [f"{'shape':8} {'fmt':5} {'mode':4} {'M':>3} {'us':>7} {'%floor':>6} "
-             f"{'xBF16':>6} {'xFP8':>5} {'ext/pl':>6}  best variant"]
+             f"{'xBF16':>6} {'xFP8':>5} {'ext/pl':>6} {'q+g us':>7}  best variant (GEMM only)"]
     sums: dict[tuple, float] = {}
+    qsums: dict[tuple, float] = {}
     for shape, (n, k) in SHAPES.items():
         floor = {"nvfp4": B.floor_us(B.nvfp4_weight_bytes(n, k)),
                  "mxfp4": B.floor_us(B.mxfp4_weight_bytes(n, k))}
@@ -240,16 +275,26 @@ def table() -> list[str]:
                         ratio = f"{us / plain:.3f}"
                     sums.setdefault((fmt, mode, m), 0.0)
                     sums[(fmt, mode, m)] += us
+                    qb = best([e for e in qents if e["shape"] == shape and e["fmt"] == fmt
+                               and e["mode"] == mode and e["m"] == m])
+                    qus = qb["median_us"] if qb else math.nan
+                    if qb:
+                        qsums.setdefault((fmt, mode, m), 0.0)
+                        qsums[(fmt, mode, m)] += qus
                     lines.append(
                         f"{shape:8} {fmt:5} {mode:4} {m:>3} {us:7.2f} "
                         f"{100 * floor[fmt] / us:5.0f}% "
                         f"{(bf / us if bf else math.nan):6.2f} {(f8 / us if f8 else math.nan):5.2f} "
-                        f"{ratio:>6}  {b['name'].split(':', 1)[1]}")
+                        f"{ratio:>6} {qus:7.2f}  {b['name'].split(':', 1)[1]}")
     for (fmt, mode, m), s in sorted(sums.items()):
         bf = sum(bases.get((sh, m, "cublas_bf16")) or math.nan for sh in SHAPES)
         f8 = sum(bases.get((sh, m, "cublas_fp8")) or math.nan for sh in SHAPES)
-        lines.append(f"sum of 4 shapes {fmt} {mode} M={m}: {s:.2f} us, x{bf / s:.2f} vs cuBLAS "
-                     f"BF16 ({bf:.2f} us), x{f8 / s:.2f} vs FP8 (targets: x3.5 / x2.0)")
+        q = qsums.get((fmt, mode, m))
+        qtxt = (f"; with quantizer {q:.2f} us, x{bf / q:.2f} / x{f8 / q:.2f}"
+                if q is not None else "")
+        lines.append(f"sum of 4 shapes {fmt} {mode} M={m}: GEMM {s:.2f} us, x{bf / s:.2f} vs "
+                     f"cuBLAS BF16 ({bf:.2f} us), x{f8 / s:.2f} vs FP8{qtxt} "
+                     f"(targets: x3.5 / x2.0)")
     return lines
 
 
@@ -279,7 +324,7 @@ def main() -> None:
     print(f"linear_sm90_mma on {REPORT.get('environment', {}).get('gpu_name', '?')}: "
           f"{len(REPORT['entries'])} entries, {len(failed)} failed, {len(nondet)} "
           f"non-deterministic, {sum(1 for c in REPORT['compiles'] if not c['ok'])} compile "
-          f"errors, {REPORT['seconds']} s; GEMM only (activation quantization excluded)")
+          f"errors, {REPORT['seconds']} s")
     for e in failed[:8]:
         print(f"  FAILED {e['shape']} {e['fmt']} {e['mode']} M={e['m']} {e['name']}: "
               f"{e['error'][:150]}")

@@ -547,3 +547,49 @@ def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, mo
     assert torch.equal(y1.view(torch.int16), emu.view(torch.int16))
     assert fake.calls == 4
     assert FAMILY.working_set_bytes(v, p) >= wt1.nbytes()
+
+
+class _TorchQuantizer:
+    """Duck-typed stand-in for a compiled quant_sm90 QuantKernel (make_xop in torch)."""
+
+    class _Op:
+        def __init__(self, xop, alpha):
+            self.xop, self.alpha = xop, alpha
+
+    def __init__(self, qweight, comp, alpha_mode):
+        self.qw, self.comp = qweight, comp
+        self.config = type("Cfg", (), {"alpha": alpha_mode})()
+        self.calls = 0
+
+    def outputs(self, m, row_multiple=1, device="cpu"):
+        return {"row_multiple": row_multiple}
+
+    def __call__(self, x, outs, alpha=None):
+        assert x.dtype == torch.bfloat16
+        assert (alpha is not None) == (self.config.alpha == "static")
+        xop, ax = make_xop(x.float(), self.qw, self.comp, t_multiple=outs["row_multiple"])
+        self.calls += 1
+        return self._Op(xop, alpha if alpha is not None else ax)
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+def test_runner_with_a_quantizer_in_front(fmt, monkeypatch):
+    from resgen.kernels import linear_sm90 as H
+
+    registry = {}
+    orig = H.LinearSm90Launcher._ptr
+
+    def record(self, t, align):
+        registry[t.data_ptr()] = t
+        return orig(self, t, align)
+
+    monkeypatch.setattr(H.LinearSm90Launcher, "_ptr", record)
+    p = LinearProblem(fmt, "full", 2, 64, 1024)
+    v = LinearSm90Variant(warps_m=4, warps_k=1, stages=3)
+    r = FAMILY.runner(_SimulatedKernel(geometry_of(v, p), registry), v, p, "cpu", n_sets=1)
+    q = _TorchQuantizer(r.sets[0][0], "full", "static" if fmt == "nvfp4" else "none")
+    r.attach_quantizer(q)
+    res = r.check_quantized()
+    assert res.ok, res.detail
+    r()
+    assert q.calls == 2

@@ -334,6 +334,8 @@ class LinearSm90Runner:
         self.sets = _input_sets(problem, variant.packing.value, self.geom.tok, self.device,
                                 n_sets, seed)
         self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
+        self.quantizer = None
+        self.qsets: list = []
         self.launcher = LinearSm90Launcher(compiled, self.geom,
                                            ws_floats=self.geom.ws_floats(self.rows, self.m),
                                            sem_count=self.geom.sem_count(self.rows),
@@ -347,9 +349,48 @@ class LinearSm90Runner:
     def rotate(self, i: int) -> None:
         self.cur = i % len(self.sets)
 
+    def attach_quantizer(self, qkernel: Any) -> None:
+        """Time the whole layer as BENCH.md asks: the fused quantizer (a compiled
+        resgen.kernels.quant_sm90.QuantKernel writing the xop with kp_align 256) on bf16
+        activations, then the GEMM on its operand; two launches per call."""
+        self.quantizer = qkernel
+        self.qsets = []
+        for qw, _, x, _, _ in self.sets:
+            outs = qkernel.outputs(self.m, row_multiple=self.geom.tok, device=self.device)
+            alpha = None
+            if qkernel.config.alpha == "static":
+                alpha = torch.as_tensor(qw.input_scale, dtype=torch.float32,
+                                        device=self.device).reshape(1)
+            self.qsets.append((x.to(torch.bfloat16).contiguous(), outs, alpha))
+
+    def _quantized_call(self, xb, outs, alpha, wt, out) -> torch.Tensor:
+        op = self.quantizer(xb, outs, alpha=alpha)
+        return self.launcher(wt, op.xop, xb.shape[0], self.rows, op.alpha, out)
+
     def __call__(self) -> torch.Tensor:
         _, wt, _, xop, ax = self.sets[self.cur]
+        if self.quantizer is not None:
+            xb, outs, alpha = self.qsets[self.cur]
+            return self._quantized_call(xb, outs, alpha, wt, self.out)
         return self.launcher(wt, xop, self.m, self.rows, ax, self.out)
+
+    def check_quantized(self) -> CheckResult:
+        """Fresh bf16 activations through the attached quantizer and the GEMM vs
+        resgen.reference.linear on the same bf16 values."""
+        from .. import reference
+
+        if self.quantizer is None:
+            raise ValueError("no quantizer attached")
+        qw, wt, _, _, _ = self.sets[0]
+        _, outs, alpha = self.qsets[0]
+        xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
+              * 3).to(torch.bfloat16)
+        out = torch.full((self.m, self.problem.n), float("nan"), dtype=torch.bfloat16,
+                         device=self.device)
+        self._quantized_call(xb, outs, alpha, wt, out)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return compare(out, reference.linear(xb.float(), qw, self.comp))
 
     def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
         """Quantize x in torch, run the kernel on set `set_index`'s weight; poisoned output."""
