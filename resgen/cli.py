@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="variants evaluated per workload (spaces up to this size are searched "
                         "exhaustively, larger ones with optuna)")
     t.add_argument("--time-budget", type=float, default=None,
-                   help="seconds for the whole run (default 540 on a GPU, none compile-only)")
+                   help="seconds for the whole run (default 480 on a GPU, none compile-only); "
+                        "tuner processes still running 60 s later (a hung kernel) are killed")
     t.add_argument("--compile-only", action="store_true",
                    help="render and compile only (automatic without a GPU)")
     t.add_argument("--arch", default=None, help="compile target (default: the GPU's, or "
@@ -272,7 +273,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     db_path = args.db or settings().user_db
     TuningDB(db_path).close()                     # create (or reject) before starting workers
     budget = args.time_budget if args.time_budget is not None else (
-        None if compile_only else 540.0)
+        None if compile_only else 480.0)
     cores = os.cpu_count() or 1
     # Compile-only: one process per core. On a GPU: up to 8 compiling processes (16 cores on
     # the H200 machine), which take turns on the GPU.

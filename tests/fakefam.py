@@ -72,6 +72,15 @@ class FakeRunner:
         return self.fn([1, 2])
 
     def check(self) -> CheckResult:
+        if HANG and self.v == FakeVariant(tile=8, stages=2, pack=Pack.A, split=False):
+            import time
+
+            time.sleep(3600)                           # a kernel that never finishes
+        if KILL and self.v == FakeVariant(tile=8, stages=3, pack=Pack.A, split=False):
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)       # a segfaulting / killed tuner process
         if POISON and self.v == FakeVariant(tile=8, stages=4, pack=Pack.A, split=False):
             _POISONED[0] = True
             raise RuntimeError("CUDA error: an illegal memory access was encountered (fake)")
@@ -142,6 +151,8 @@ FAMILY = register(FakeFamily())
 # of the process that runs it (the tuner's health check then fails), to test that a tuner
 # process is replaced and the run goes on.
 POISON = bool(__import__("os").environ.get("FAKEFAM_POISON"))
+KILL = bool(__import__("os").environ.get("FAKEFAM_KILL"))      # (8, 3, a, no split) dies
+HANG = bool(__import__("os").environ.get("FAKEFAM_HANG"))      # (8, 2, a, no split) hangs
 _POISONED = [False]
 if POISON:
     import resgen.search.tuner as _tuner

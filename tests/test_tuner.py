@@ -283,6 +283,48 @@ def test_a_process_with_a_broken_context_is_replaced(tmp_path, monkeypatch):
     assert s16.resumed > 0 and s16.winner is not None
 
 
+def test_a_process_that_dies_is_replaced_and_its_work_requeued(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKEFAM_KILL", "1")
+    killer = FakeVariant(tile=8, stages=3, pack=Pack.A)
+    cfg = TuneConfig(arch="sm_90a", max_variants=64, gpu_lock=str(tmp_path / "gpu.lock"),
+                     timer="fakefam:fake_timer")
+    jobs = [Job(FAM.NAME, FakeProblem(m=m, n=256, k=4096).key()) for m in (1, 4)]
+    events = []
+    sums = run_jobs(jobs, functools.partial(TuningDB, tmp_path / "t.sqlite"), make_env(), cfg,
+                    workers=1, isolate=True, modules=["fakefam"],
+                    on_event=lambda k, o: events.append((k, o)))
+    lost = [o for k, o in events if k == "lost"]
+    assert len(lost) == 2 and all("died (exit code -9)" in o for o in lost), events
+    assert sorted(s.problem_key for s in sums) == sorted(j.problem_key for j in jobs)
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        rows = db.rows()
+    for j in jobs:
+        mine = {FakeVariant.from_key(r["variant_key"]): r for r in rows
+                if r["workload_key"] == j.problem_key}
+        assert set(mine) == set(_valid(FakeProblem.from_key(j.problem_key)))
+        assert mine[killer]["status"] == Status.RUN_FAILED
+        assert "never finished" in mine[killer]["error"]
+
+
+def test_hung_process_is_killed_after_the_budget(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKEFAM_HANG", "1")
+    hang = FakeVariant(tile=8, stages=2, pack=Pack.A)
+    cfg = TuneConfig(arch="sm_90a", max_variants=64, gpu_lock=str(tmp_path / "gpu.lock"),
+                     timer="fakefam:fake_timer", time_budget_s=10.0, hard_stop_grace_s=2.0)
+    jobs = [Job(FAM.NAME, FakeProblem(m=1, n=256, k=4096).key())]
+    events = []
+    t0 = time.monotonic()
+    run_jobs(jobs, functools.partial(TuningDB, tmp_path / "t.sqlite"), make_env(), cfg,
+             workers=1, isolate=True, modules=["fakefam"],
+             on_event=lambda k, o: events.append((k, o)))
+    assert time.monotonic() - t0 < 60
+    assert any(k == "crash" and "hard stop" in o for k, o in events)
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        rows = {FakeVariant.from_key(r["variant_key"]): r for r in db.rows()}
+    assert rows[hang]["status"] == Status.RUN_FAILED and "never finished" in rows[hang]["error"]
+    assert rows[FakeVariant()]["status"] == Status.OK       # finished work is kept
+
+
 def test_gpu_lock_is_exclusive_across_processes(tmp_path):
     import multiprocessing as mp
 

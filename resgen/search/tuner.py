@@ -69,6 +69,7 @@ class TuneConfig:
     device: str = "cuda"
     gpu_lock: str | None = None            # lock file held around check + time
     timer: str | None = None               # "module:function" replacing timing.measure
+    hard_stop_grace_s: float = 60.0        # kill processes this long past the time budget
 
     def __post_init__(self) -> None:
         if self.max_variants < 1:
@@ -270,11 +271,11 @@ class Tuner:
         return variant_fingerprint(family, v, problem, self.config.arch)
 
     def _record(self, problem: ProblemBase, v: VariantBase, fp: str, idx: int, status: str,
-                **kw: Any) -> None:
+                replace: bool = False, **kw: Any) -> None:
         rec = ResultRecord(problem=problem, variant=v, environment=self.env, fingerprint=fp,
                            status=status, space_index=idx, policy=self.config.policy.as_dict()
                            if status == Status.OK else {}, **kw)
-        self.store.record(rec, replace=not self.config.resume)
+        self.store.record(rec, replace=replace or not self.config.resume)
 
     def _evaluate(self, family: KernelFamily, problem: ProblemBase, v: VariantBase, idx: int,
                   s: WorkloadSummary) -> float | None:
@@ -305,39 +306,47 @@ class Tuner:
         if cfg.compile_only:
             self._record(problem, v, out.fingerprint, idx, Status.COMPILED, **stats)
             return None
-        runner = None
         try:
             with gpu_lock(cfg.gpu_lock):
-                n_sets = cfg.policy.sets_for(working_set_bytes(family, v, problem))
-                runner = family.runner(out.compiled, v, problem, cfg.device, n_sets=n_sets,
-                                       seed=cfg.seed)
-                chk = runner.check()
-                if not chk.ok:
-                    s.check_failed += 1
-                    self._record(problem, v, out.fingerprint, idx, Status.CHECK_FAILED,
-                                 rel_err=_finite(chk.rel_err),
-                                 error=f"check failed: rel_err={chk.rel_err} > "
-                                       f"{chk.tolerance}: {chk.detail}"[:4000], **stats)
-                    return None
-                t = self.timer(runner, cfg.policy, n_sets)
+                # A marker first: if this variant hangs the GPU or kills the process, the row
+                # says so and a resumed run skips it. The outcome below replaces it.
+                self._record(problem, v, out.fingerprint, idx, Status.RUN_FAILED,
+                             error=_UNFINISHED, replace=True, **stats)
+                runner = None
+                try:
+                    n_sets = cfg.policy.sets_for(working_set_bytes(family, v, problem))
+                    runner = family.runner(out.compiled, v, problem, cfg.device,
+                                           n_sets=n_sets, seed=cfg.seed)
+                    chk = runner.check()
+                    if not chk.ok:
+                        s.check_failed += 1
+                        self._record(problem, v, out.fingerprint, idx, Status.CHECK_FAILED,
+                                     rel_err=_finite(chk.rel_err), replace=True,
+                                     error=f"check failed: rel_err={chk.rel_err} > "
+                                           f"{chk.tolerance}: {chk.detail}"[:4000], **stats)
+                        return None
+                    t = self.timer(runner, cfg.policy, n_sets)
+                finally:
+                    runner = None
+                    _release_device_memory(cfg.device)
         except Exception as e:
             s.run_failed += 1
-            runner = None
             self._record(problem, v, out.fingerprint, idx, Status.RUN_FAILED,
-                         error=format_error(e), **stats)
+                         error=format_error(e), replace=True, **stats)
             if not _device_healthy(cfg.device):
                 raise DeviceLost(f"{v.name()} broke the CUDA context: {e}") from e
             return None
-        finally:
-            runner = None
-            _release_device_memory(cfg.device)
         s.timed += 1
         self._record(problem, v, out.fingerprint, idx, Status.OK, median_us=t.median_us,
                      q10_us=t.quantile_us(0.1), q90_us=t.quantile_us(0.9),
                      samples_us=t.samples_us, launches=t.launches, n_sets=t.n_sets,
                      timing_mode=t.mode, rel_err=_finite(chk.rel_err),
-                     error=t.note or None, **stats)
+                     error=t.note or None, replace=True, **stats)
         return t.median_us
+
+
+_UNFINISHED = ("started, never finished: the process hung, crashed or was killed while "
+               "running this variant")
 
 
 def _finite(x: float | None) -> float | None:
@@ -529,6 +538,11 @@ def _child(queue_in: Any, queue_out: Any, counter: Any, pending: Any,
                 counter.value += delta
                 return counter.value
 
+        pid = os.getpid()
+
+        def emit(kind: str, obj: Any) -> None:
+            queue_out.put((kind, obj, pid))
+
         def next_group() -> list[Job] | None:
             # `pending` counts groups put and not yet claimed: a claimed group is in (or on
             # its way into) the queue, so the blocking get cannot wait forever.
@@ -536,7 +550,9 @@ def _child(queue_in: Any, queue_out: Any, counter: Any, pending: Any,
                 if pending.value <= 0:
                     return None
                 pending.value -= 1
-            return queue_in.get()
+            group = queue_in.get()
+            emit("claim", group)            # the parent re-queues it if this process dies
+            return group
 
         def requeue(rest: list[Job]) -> None:
             with pending.get_lock():
@@ -546,13 +562,12 @@ def _child(queue_in: Any, queue_out: Any, counter: Any, pending: Any,
             queue_in.join_thread()      # flushed before this process reports the loss
 
         _run_groups(next_group, store_factory, env, config, deadline, remaining, workers,
-                    lambda kind, obj: queue_out.put((kind, obj)), requeue,
-                    _resolve_timer(config, measure))
+                    emit, requeue, _resolve_timer(config, measure))
     except BaseException as e:
-        queue_out.put(("crash", format_error(e)))
+        queue_out.put(("crash", format_error(e), os.getpid()))
         raise
     finally:
-        queue_out.put(("exit", os.getpid()))
+        queue_out.put(("exit", None, os.getpid()))
 
 
 def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environment,
@@ -566,7 +581,9 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
     workers == 1 and not isolate: in this process (with `timer`; tests use this). Otherwise in
     `workers` spawned processes (each with the real timer) that import `modules` first (where
     families outside resgen register themselves); a process whose CUDA context a variant broke
-    hands its remaining workloads back and is replaced. Events: ("start", Job),
+    hands its remaining workloads back and is replaced; so is one that dies outright (its
+    claimed workloads are re-queued). With a time budget, processes still running `grace`
+    seconds after it (a hung kernel) are killed. Events: ("start", Job),
     ("done", WorkloadSummary), ("lost", str), ("crash", str).
     """
     groups = group_jobs(jobs)
@@ -614,31 +631,67 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
         p.start()
         return p
 
-    procs = [spawn() for _ in range(workers)]
-    alive, respawns = workers, 0
-    while alive > 0:
+    procs = {p.pid: p for p in (spawn() for _ in range(workers))}
+    claimed: dict[int, list[Job]] = {}       # per process: claimed jobs not yet done
+    exited: set[int] = set()
+    respawns = 0
+    grace = config.hard_stop_grace_s
+
+    def replace(pid: int, why: str) -> None:
+        nonlocal respawns
+        emit("lost", why)
+        if respawns < 4 * workers:
+            respawns += 1
+            p = spawn()
+            procs[p.pid] = p
+
+    while len(exited) < len(procs):
         try:
-            kind, obj = q_out.get(timeout=1.0)
+            kind, obj, pid = q_out.get(timeout=1.0)
         except _q.Empty:
-            if all(not p.is_alive() for p in procs):
-                # Processes that died without saying so (e.g. SIGKILL): whatever they stored
-                # is in the database; report it and stop waiting.
-                emit("crash", f"{alive} tuner process(es) died without exiting")
-                break
+            # The pipe is empty, so every message of a process that exited normally has been
+            # read: a dead process not marked exited died abruptly.
+            for pid, p in list(procs.items()):
+                if pid in exited or p.is_alive():
+                    continue
+                # Died without saying so (SIGKILL, segfault): put back what it had claimed
+                # (its variant in flight is stored as "never finished", so resume skips it).
+                exited.add(pid)
+                rest = claimed.pop(pid, [])
+                if rest:
+                    with pending.get_lock():
+                        pending.value += 1
+                    q_in.put(rest)
+                replace(pid, f"tuner process {pid} died (exit code {p.exitcode}) during "
+                             f"{rest[0].problem_key if rest else 'no workload'}")
+            kind = None
+        if deadline is not None and time.time() > deadline + grace:
+            for p in procs.values():
+                if p.is_alive():
+                    p.kill()
+            emit("crash", f"hard stop {grace:.0f} s after the time budget: killed the tuner "
+                          "processes still running (a hung kernel?); every finished result "
+                          "is stored")
+            break
+        if kind is None:
             continue
         if kind == "exit":
-            alive -= 1
-        elif kind == "lost":
+            exited.add(pid)
+        elif kind == "claim":
+            claimed[pid] = list(obj)
+        elif kind == "done":
+            rest = claimed.get(pid, [])
+            claimed[pid] = [j for j in rest if (j.family, j.problem_key) !=
+                            (obj.family, obj.problem_key)]
             emit(kind, obj)
-            if respawns < 4 * workers:
-                respawns += 1
-                procs.append(spawn())
-                alive += 1
+        elif kind == "lost":
+            claimed.pop(pid, None)          # the process re-queued its own work
+            replace(pid, obj)
         else:
             emit(kind, obj)
     if pending.value > 0:
         emit("crash", f"{pending.value} workload group(s) left untuned (too many broken "
                       "processes)")
-    for p in procs:
+    for p in procs.values():
         p.join(timeout=10)
     return summaries
