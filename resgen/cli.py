@@ -475,13 +475,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     models = [get_model(m) for m in args.model]
     rows, table = [], []
     base_cache: dict[tuple, dict] = {}
+    compiled: dict[tuple, Any] = {}                 # one compile per compile key (M buckets)
     for p in linear_problems(models, args.tp, args.formats, args.compensations, args.m):
         rec: dict[str, Any] = {"problem": json.loads(p.key())}
         try:
             v = disp.lookup("linear", p)
             rec["variant"], rec["source"] = v.name(), disp.source("linear", p)
             fam = get_family(type(v).FAMILY)
-            out = compile_variant(fam, v, p, env.arch)
+            ck = (fam.NAME, v.key(), fam.compile_key(v, p).key())
+            out = compiled.get(ck) or compile_variant(fam, v, p, env.arch)
+            compiled[ck] = out
             if not out.ok:
                 raise RuntimeError(out.error)
             n_sets = policy.sets_for(working_set_bytes(fam, v, p))

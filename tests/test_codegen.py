@@ -15,11 +15,11 @@ import jinja2
 import pytest
 
 import fakefam
-from fakefam import FakeFamily, FakeProblem, FakeVariant, Pack, isolated_cache  # noqa: F401
+from fakefam import FakeFamily, FakeProblem, FakeVariant, isolated_cache  # noqa: F401
 from resgen.kernels import codegen
 from resgen.search import family as family_mod
 from resgen.search.build import compile_variant, render_variant, variant_fingerprint
-from resgen.search.family import families, register
+from resgen.search.family import families
 from resgen.search.variant import (AttentionProblem, LinearProblem, ProblemBase, VariantBase,
                                    _to_jsonable)
 
@@ -183,7 +183,7 @@ def test_strict_undefined_rejects_missing_parameters():
                        TEMPLATES)
 
 
-def test_render_to_file_writes_only_when_changed(isolated_cache):
+def test_render_to_file_writes_only_when_changed(isolated_cache):  # noqa: F811
     root = isolated_cache / "gen"
     p1, s1 = codegen.render_to_file("fake_kernel.py.j2", PARAMS, "fake", root, TEMPLATES)
     stamp = p1.stat().st_mtime_ns

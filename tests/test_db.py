@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fakefam import (FakeProblem, FakeVariant, Pack, isolated_cache, make_env,  # noqa: F401
-                     subprocess_env)
+from fakefam import FakeProblem, FakeVariant, make_env, subprocess_env
 from resgen.db import (CorruptDatabaseError, DatabaseError, ForeignDatabaseError,
                        MissingDatabaseError, NewerSchemaError, TuningDB)
 from resgen.search.record import ResultRecord, Status, pick_winner
