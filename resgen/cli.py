@@ -184,6 +184,21 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _gpu_lock_path() -> str:
+    """One lock file per physical GPU (its UUID), so tuners on different GPUs of one host
+    (CUDA_VISIBLE_DEVICES) never wait for each other, and tuners sharing one GPU take turns."""
+    from .settings import settings
+
+    try:
+        import torch
+
+        tag = str(torch.cuda.get_device_properties(0).uuid)
+    except Exception:
+        tag = "0"
+    tag = "".join(c for c in tag if c.isalnum() or c == "-")[:64] or "0"
+    return str(settings().cache_dir / f"gpu-{tag}.lock")
+
+
 def _problems_for(fam: Any, models: list, args: argparse.Namespace) -> list:
     """The workloads of a family for the models (see the module docstring of models.py)."""
     import dataclasses
@@ -278,7 +293,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # Compile-only: one process per core. On a GPU: up to 8 compiling processes (16 cores on
     # the H200 machine), which take turns on the GPU.
     workers = args.jobs or (cores if compile_only else max(1, min(8, cores // 2)))
-    lock = None if compile_only else str(settings().cache_dir / "gpu0.lock")
+    lock = None if compile_only else _gpu_lock_path()
     config = TuneConfig(arch=arch, policy=DEFAULT_POLICY, max_variants=args.max_variants,
                         time_budget_s=budget, resume=args.resume, compile_only=compile_only,
                         seed=args.seed, gpu_lock=lock)
