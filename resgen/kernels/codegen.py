@@ -68,7 +68,8 @@ def template_digest(template: str, template_dir: Path | None = None) -> str:
     files in the template directory whose name starts with '_')."""
     d = Path(template_dir) if template_dir is not None else TEMPLATE_DIR
     h = hashlib.sha256()
-    for path in sorted([d / template, *[p for p in d.iterdir() if p.name.startswith("_")]]):
+    for path in sorted([d / template, *[p for p in d.iterdir()
+                                        if p.name.startswith("_") and p.is_file()]]):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
