@@ -119,6 +119,10 @@ def working_set_bytes(family: KernelFamily, variant: VariantBase, problem: Probl
     if type(problem).OP == "decode_attention":
         kv = d["batch"] * d["kv_len"] * d["kv_heads"] * d["head_dim"] * 2 * (0.5 + 1 / 16)
         return int(kv + d["batch"] * d["q_heads"] * d["head_dim"] * 4)
+    if isinstance(d.get("m"), int) and isinstance(d.get("k"), int):
+        # An activation-shaped problem (e.g. the quantizer): bf16 input plus up to twice its
+        # size written (base + residue operand rows).
+        return 6 * d["m"] * d["k"]
     return 0
 
 
