@@ -243,6 +243,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .search.tuner import Job, TuneConfig, run_jobs
     from .settings import settings
 
+    started = time.monotonic()            # the budget counts from here: setup included
     _import_all(args.imports)
     models = [get_model(m) for m in args.model]
     gpu = _has_gpu()
@@ -294,8 +295,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # the H200 machine), which take turns on the GPU.
     workers = args.jobs or (cores if compile_only else max(1, min(8, cores // 2)))
     lock = None if compile_only else _gpu_lock_path()
+    left = None if budget is None else max(1.0, budget - (time.monotonic() - started))
     config = TuneConfig(arch=arch, policy=DEFAULT_POLICY, max_variants=args.max_variants,
-                        time_budget_s=budget, resume=args.resume, compile_only=compile_only,
+                        time_budget_s=left, resume=args.resume, compile_only=compile_only,
                         seed=args.seed, gpu_lock=lock)
     label = "compile-only pre-flight" if compile_only else f"tuning on {env.gpu_name}"
     print(f"resgen tune: {label}, arch {arch}, {len(jobs)} workloads "
@@ -319,7 +321,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
             totals["lost"] += 1
             print(f"\nreplacing a tuner process: {obj}", file=sys.stderr)
 
-    t0 = time.monotonic()
     modules = list(args.imports) + sorted({type(f).__module__ for f in fams})
     # On a GPU the tuning always runs in worker processes: one whose CUDA context a broken
     # variant poisons is replaced, and the run goes on.
@@ -327,7 +328,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                          workers=workers, isolate=not compile_only, modules=modules,
                          on_event=on_event)
     bar.close()
-    elapsed = time.monotonic() - t0
+    elapsed = time.monotonic() - started
     print(_summary_text(summaries, compile_only, elapsed, db_path), flush=True)
     if totals["lost"]:
         print(f"{totals['lost']} tuner process(es) were replaced after a variant broke the "
