@@ -256,7 +256,7 @@ def test_variant_keys_separate_field_by_field():
                              reduction=Reduction.LASTCTA)
     keys = {v.key()}
     for f, alt in (("num_warps", 8), ("kc", 16), ("packing", Packing.DENSE), ("splits", 4),
-                   ("reduction", Reduction.WORKSPACE)):
+                   ("reduction", Reduction.WORKSPACE), ("prefetch", not v.prefetch)):
         other = dataclasses.replace(v, **{f: alt})
         assert other.key() not in keys
         keys.add(other.key())
@@ -285,6 +285,10 @@ def test_why_invalid_reasons():
         (dataclasses.replace(ok, reduction=Reduction.LASTCTA), p, ARCH, "single split"),
         (AttentionSm90Variant(splits=64, reduction=Reduction.LASTCTA), _prob(kv_len=500), ARCH,
          "empty splits"),
+        (AttentionSm90Variant(num_warps=8, prefetch=False),
+         _prob(q_heads=16, kv_heads=2, head_dim=256), ARCH, "shared memory"),
+        (AttentionSm90Variant(prefetch=True), _prob(q_heads=16, kv_heads=2, head_dim=256), ARCH,
+         "register estimate"),
     ]
     for v, prob, arch, frag in cases:
         why = FAMILY.why_invalid(v, prob, arch)
@@ -307,6 +311,7 @@ def test_space_is_deterministic_valid_and_contains_the_preset():
                                                  (32, 8192, 2), (64, 8192, 1), (1, 100, 1)])
 def test_preset_split_rule(batch, kv_len, splits):
     v = preset(_prob(batch=batch, kv_len=kv_len))
+    assert v.prefetch and not preset(_prob(q_heads=16, kv_heads=2, head_dim=256)).prefetch
     assert v.splits == splits
     assert v.reduction == (Reduction.NONE if splits == 1 else Reduction.LASTCTA)
     assert FAMILY.why_invalid(v, _prob(batch=batch, kv_len=kv_len), ARCH) is None
@@ -321,6 +326,9 @@ def test_compile_key_drops_runtime_fields_only():
     assert FAMILY.compile_key(v, a) != FAMILY.compile_key(v, _prob(pv="fp8"))
     assert FAMILY.template_params(v, FAMILY.compile_key(v, a)) == \
         FAMILY.template_params(dataclasses.replace(v, splits=4, reduction=Reduction.NONE),
+                               FAMILY.compile_key(v, a))
+    assert FAMILY.template_params(v, FAMILY.compile_key(v, a)) != \
+        FAMILY.template_params(dataclasses.replace(v, prefetch=not v.prefetch),
                                FAMILY.compile_key(v, a))
 
 
@@ -348,12 +356,14 @@ def _compile(v: AttentionSm90Variant, p: AttentionProblem):
 
 COMPILE_CASES = [
     (AttentionSm90Variant(), _prob(batch=64), 16 + 16),
+    (AttentionSm90Variant(prefetch=False), _prob(batch=64), 16 + 16),
     (AttentionSm90Variant(splits=8, reduction=Reduction.LASTCTA), _prob(q_heads=64), 32 + 16),
     (AttentionSm90Variant(kc=16, splits=4, reduction=Reduction.WORKSPACE),
      _prob(page_size=16), 8 + 8),
     (AttentionSm90Variant(packing=Packing.DENSE), _prob(q_heads=64, compensation=False), 16 + 16),
     (AttentionSm90Variant(splits=2, reduction=Reduction.LASTCTA), _prob(pv="fp8"), 16 + 8),
-    (AttentionSm90Variant(num_warps=8), _prob(q_heads=16, kv_heads=2, head_dim=256), 64 + 32),
+    (AttentionSm90Variant(num_warps=4, prefetch=False),
+     _prob(q_heads=16, kv_heads=2, head_dim=256), 64 + 32),
 ]
 
 
@@ -363,6 +373,8 @@ def test_compiles_for_sm90a_without_spills(case, tmp_path, monkeypatch):
     out = _compile(v, p)
     assert out.registers is not None and out.registers <= 255
     assert out.spill_bytes == 0, f"{out.spill_bytes} bytes of local memory"
+    from resgen.search.attention_sm90 import reg_estimate
+    assert abs(reg_estimate(v, p) - out.registers) < 48, (reg_estimate(v, p), out.registers)
 
 
 def test_ptx_of_the_default_variant(tmp_path):

@@ -63,6 +63,7 @@ class AttnShape:
     packing: str
     pv: str
     reduction: str
+    prefetch: bool = False
 
     def cfg(self):
         from .attention_sm90_device import AttnCfg   # imports CuTe DSL

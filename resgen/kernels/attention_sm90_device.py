@@ -52,6 +52,7 @@ class AttnCfg:
     packing: str
     pv: str
     reduction: str
+    prefetch: bool = False
 
     @property
     def nt(self) -> int:            # QK n8 tiles
@@ -325,6 +326,12 @@ def imin(a, b):
     return cutlass.min(a, b)
 
 
+def imax(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b)
+    return cutlass.max(a, b)
+
+
 def sel_f32(p, a, b) -> Float32:
     return Float32(select_(p, _f32(a), _f32(b)))
 
@@ -426,6 +433,49 @@ def load_chunk(cfg: AttnCfg, kc_ptr, ksf_ptr, vc_ptr, vsf_ptr, row0, g, t):
         r = row0 + Int64(key)
         vw.append(ld_nc_bytes(vc_ptr + r * (d // 2) + Int64(g * (d // 16)), d // 16))
         vsc.append(ld_nc_bytes(vsf_ptr + r * (d // 16) + Int64(voff), vsb)[0])
+    return kw, ksc, vw, vsc
+
+
+def chunk_loc(cfg: AttnCfg, bt_row, q0, warp, c, count):
+    """(physical page, key offset in the page) of the warp's chunk c, clamped to
+    [0, count - 1]; (0, 0) when the warp has no chunk (a safe address that is never used)."""
+    ok = count > 0
+    cc = imax(imin(c, count - 1), 0)
+    key0 = sel_i32(ok, (q0 + warp + cfg.num_warps * cc) * cfg.kc, 0)
+    phys = sel_i32(ok, ld_s32(bt_row + Int64(key0 // cfg.page_size) * 4), 0)
+    return phys, key0 % cfg.page_size
+
+
+def chunk_row(cfg: AttnCfg, loc, hkv, h) -> Int64:
+    """Cache row (page * Hkv + h) * page_size + offset of a chunk location."""
+    phys, koff = loc
+    return (Int64(phys) * Int64(hkv) + Int64(h)) * cfg.page_size + Int64(koff)
+
+
+def flatten_chunk(chunk) -> list:
+    """load_chunk's nested lists -> one flat list (loop-carried prefetch buffer)."""
+    kw, ksc, vw, vsc = chunk
+    return ([w for z in kw for row in z for w in row] + [x for z in ksc for x in z]
+            + [w for key in vw for w in key] + list(vsc))
+
+
+def unflatten_chunk(cfg: AttnCfg, flat) -> tuple:
+    d = cfg.head_dim
+    nk, nv = d // 32, max(1, d // 64)
+    i = 0
+    kw = []
+    for _ in range(cfg.zt):
+        kw.append([flat[i + r * nk: i + (r + 1) * nk] for r in range(2)])
+        i += 2 * nk
+    ksc = []
+    for _ in range(cfg.zt):
+        ksc.append([flat[i], flat[i + 1]])
+        i += 2
+    vw = []
+    for _ in range(cfg.kc // 4):
+        vw.append(flat[i:i + nv])
+        i += nv
+    vsc = flat[i:i + cfg.kc // 4]
     return kw, ksc, vw, vsc
 
 
@@ -587,17 +637,7 @@ def pv_update(cfg: AttnCfg, vw, vsc, p_lo, p_hi, key0, g, t, seq_len, o) -> list
 
 
 def smem_bytes(cfg: AttnCfg) -> dict[str, int]:
-    """Shared memory regions (bytes, 16-byte multiples)."""
-    def r16(n):
-        return (n + 15) // 16 * 16
-    return {
-        "qs": r16(cfg.ncol * cfg.head_dim * 2),
-        "alpha": r16(4 * 8 * cfg.nt + 32),
-        "wm": r16(4 * cfg.num_warps * cfg.group),
-        "wl": r16(4 * cfg.num_warps * cfg.group),
-        "wo": r16(4 * cfg.num_warps * cfg.group * cfg.head_dim),
-        "flag": 16,
-    }
+    return M.smem_bytes(cfg.head_dim, cfg.group, cfg.num_warps, cfg.packing)
 
 
 def store_warp_partials(cfg: AttnCfg, warp, g, t, m, l, o, wm, wl, wo) -> None:

@@ -45,8 +45,10 @@ __all__ = [
     "lane_g", "lane_t", "k_slot_dim", "k_lane_dims", "k_lane_keys", "v_lane_keys",
     "v_row_dim", "pv_slot_key", "pv_slot_key_fp8", "score_head", "pv_col_head",
     "p_source_lanes", "qk_col_head", "n_qk_tiles", "n_score_regs", "split_range",
-    "chunk_range", "warp_chunks",
+    "chunk_range", "warp_chunks", "smem_bytes", "SMEM_LIMIT",
 ]
+
+SMEM_LIMIT = 48 * 1024       # static shared memory per CTA without an opt-in attribute
 
 
 def lane_g(lane):
@@ -204,3 +206,22 @@ K_WORD_REGS = ((0, 0, 1), (0, 2, 3), (1, 0, 1), (1, 2, 3))      # (odd?, lo byte
 # 2,3). From x: f16x2 (a, b) of word dims (0, 1, 2, 3) + 4 * (selector == 0x7632):
 V_PAIR_REGS = ((0, 0, 2), (1, 0, 2), (0, 1, 3), (1, 1, 3))      # dims +0, +1, +2, +3
 V_INTERLEAVE = (0x5410, 0x7632)
+
+
+# ----------------------------------------------------------------------------- shared memory
+
+
+def smem_bytes(head_dim: int, group: int, num_warps: int, packing: str) -> dict[str, int]:
+    """Shared memory regions of the decode kernel (bytes, 16-byte multiples): query operand
+    columns (f16), per-head alpha, the warps' (m, l, O) partials, the last-CTA flag."""
+    def r16(n):
+        return (n + 15) // 16 * 16
+    nt = n_qk_tiles(group, packing)
+    return {
+        "qs": r16(8 * nt * head_dim * 2),
+        "alpha": r16(4 * 8 * nt + 32),
+        "wm": r16(4 * num_warps * group),
+        "wl": r16(4 * num_warps * group),
+        "wo": r16(4 * num_warps * group * head_dim),
+        "flag": 16,
+    }

@@ -12,6 +12,9 @@ Variant axes (AttentionSm90Variant) and what they change:
     packing     query columns of the QK tile: "pair" (base j, residue j adjacent: fold in a
                 lane) or "dense" (one column per head; plain only: halves the QK MMAs at G = 8)
     splits      KV splits per (batch, KV head) (a run-time argument: one compile serves all)
+    prefetch    register double buffer: the next chunk's K/V bytes load while this one is
+                computed, the block-table entry one chunk further ahead, and the first chunk's
+                loads are issued before the in-kernel query split
     reduction   how the splits meet: "none" (one split), "workspace" (partials + a second
                 reduce kernel) or "lastcta" (partials, the last CTA of a head reduces; one
                 launch, deterministic). Chosen per (batch, KV-length bucket, heads) by the
@@ -31,7 +34,8 @@ from .family import CheckResult, register
 from .variant import AttentionProblem, Choice, IntRange, VariantBase
 
 __all__ = ["Packing", "Reduction", "AttentionSm90Variant", "AttentionSm90Family", "FAMILY",
-           "preset", "TOLERANCE", "SMS_H200", "compare", "random_cache", "shape_of"]
+           "preset", "TOLERANCE", "SMS_H200", "compare", "random_cache", "shape_of",
+           "reg_estimate", "MAX_REGS_EST"]
 
 SMS_H200 = 132
 TOLERANCE = {"f16": 3e-3, "fp8": 2e-2}   # BF16 output rounding; E4M3 P/V rounding (fp8)
@@ -60,6 +64,24 @@ class AttentionSm90Variant(VariantBase):
     packing: Packing = field(default=Packing.PAIR, metadata={"short": "pk"})
     splits: int = field(default=1, metadata={"range": IntRange(1, 64), "short": "s"})
     reduction: Reduction = field(default=Reduction.NONE, metadata={"short": "red"})
+    prefetch: bool = field(default=True, metadata={"short": "pf"})
+
+
+MAX_REGS_EST = 250       # ptxas reached 250-255 registers without spills at estimates 244
+
+
+def reg_estimate(variant: AttentionSm90Variant, problem: AttentionProblem) -> int:
+    """Live registers per lane, fitted to ptxas on sm_90a (measured without prefetch: 123 / 155
+    / 250 / 96 for D128 G4 / D128 G8 / D256 G8 / D64 G2; with it: 167 / 222 for D128 G4 / G8,
+    211 / 255 for D256 G4 / G8 with kc 16): O^T fragments, query B fragments, one (two with
+    prefetch) chunk of raw K/V words, and a base."""
+    from ..kernels.attention_sm90_maps import n_qk_tiles
+
+    d, kc = problem.head_dim, variant.kc
+    zt = kc // 16
+    raw = zt * 2 * (d // 32) + zt * 2 + (kc // 4) * max(1, d // 64) + kc // 4
+    nt = n_qk_tiles(problem.q_heads // problem.kv_heads, variant.packing.value)
+    return 40 + 4 * (d // 16) + 2 * nt * (d // 16) + raw * (2 if variant.prefetch else 1)
 
 
 def shape_of(variant: AttentionSm90Variant, problem: AttentionProblem):
@@ -69,7 +91,8 @@ def shape_of(variant: AttentionSm90Variant, problem: AttentionProblem):
     return AttnShape(head_dim=problem.head_dim, group=problem.q_heads // problem.kv_heads,
                      page_size=problem.page_size, num_warps=variant.num_warps, kc=variant.kc,
                      compensation=problem.compensation, packing=variant.packing.value,
-                     pv=problem.pv, reduction=variant.reduction.value)
+                     pv=problem.pv, reduction=variant.reduction.value,
+                     prefetch=variant.prefetch)
 
 
 def _pages(problem: AttentionProblem) -> int:
@@ -81,7 +104,7 @@ def preset(problem: AttentionProblem, sms: int = SMS_H200) -> AttentionSm90Varia
     packing for plain groups > 4, and enough splits for about 3 CTAs per SM (the kernel keeps
     4 resident at ~128 registers), but at least MIN_PAGES_PER_SPLIT pages per split so the
     in-kernel query split and the partial write stay small next to the KV stream; more than
-    one split reduces in the last CTA (one launch)."""
+    one split reduces in the last CTA (one launch); prefetch where the registers allow."""
     kc = 32 if problem.page_size % 32 == 0 else 16
     group = problem.q_heads // max(1, problem.kv_heads)
     packing = Packing.DENSE if (not problem.compensation and group > 4) else Packing.PAIR
@@ -90,8 +113,11 @@ def preset(problem: AttentionProblem, sms: int = SMS_H200) -> AttentionSm90Varia
     cap = max(1, _pages(problem) // MIN_PAGES_PER_SPLIT)
     splits = max(1, min(want, cap, 64))
     red = Reduction.NONE if splits == 1 else Reduction.LASTCTA
-    return AttentionSm90Variant(num_warps=4, kc=kc, packing=packing, splits=splits,
-                                reduction=red)
+    v = AttentionSm90Variant(num_warps=4, kc=kc, packing=packing, splits=splits,
+                             reduction=red, prefetch=True)
+    if reg_estimate(v, problem) > MAX_REGS_EST:
+        v = replace(v, prefetch=False)
+    return v
 
 
 class AttentionSm90Family:
@@ -141,12 +167,21 @@ class AttentionSm90Family:
                     else f"reduction={v.reduction.value} with a single split")
         if v.splits > 1 and v.splits > _pages(p):
             return f"{v.splits} splits > {_pages(p)} pages (empty splits)"
+        est = reg_estimate(v, p)
+        if est > MAX_REGS_EST:
+            return f"register estimate {est} > {MAX_REGS_EST} (would spill)"
+        from ..kernels.attention_sm90_maps import SMEM_LIMIT, smem_bytes
+
+        smem = sum(smem_bytes(p.head_dim, p.q_heads // p.kv_heads, v.num_warps,
+                              v.packing.value).values())
+        if smem > SMEM_LIMIT:
+            return f"{smem} bytes of shared memory > {SMEM_LIMIT} (static limit)"
         return None
 
     # ------------------------------------------------------------------ space
     def space(self, problem: AttentionProblem, arch: str) -> Sequence[AttentionSm90Variant]:
-        """Every valid candidate, fixed order: packing, warps, chunk, then split count and
-        reduction; split counts above 8 pages per split are left out."""
+        """Every valid candidate, fixed order: packing, warps, chunk, split count, reduction,
+        prefetch; split counts leaving fewer than MIN_PAGES_PER_SPLIT pages are left out."""
         if self.problem_invalid(problem):
             return []
         packs = [Packing.PAIR] + ([Packing.DENSE] if not problem.compensation else [])
@@ -161,9 +196,10 @@ class AttentionSm90Family:
                         reds = (Reduction.NONE,) if s == 1 else (Reduction.LASTCTA,
                                                                  Reduction.WORKSPACE)
                         for red in reds:
-                            v = AttentionSm90Variant(w, kc, pk, s, red)
-                            if self.why_invalid(v, problem, arch) is None:
-                                out.append(v)
+                            for pf in (True, False):
+                                v = AttentionSm90Variant(w, kc, pk, s, red, pf)
+                                if self.why_invalid(v, problem, arch) is None:
+                                    out.append(v)
         pre = preset(problem)
         if self.why_invalid(pre, problem, arch) is None and pre not in out:
             out.append(pre)
@@ -228,7 +264,7 @@ def random_cache(batch: int, kv_heads: int, head_dim: int, kv_len: int, page_siz
     cache = PagedKVCache.empty(pages, kv_heads, head_dim, page_size, device=device)
     for codes, sf in ((cache.k_codes, cache.k_sf), (cache.v_codes, cache.v_sf)):
         codes.copy_(torch.randint(0, 256, codes.shape, generator=gen, device=device,
-                                  dtype=torch.int32).to(torch.uint8))
+                                  dtype=torch.uint8))
         e = torch.rand(sf.shape, generator=gen, device=device) * 3 - 3
         sf.copy_(torch.exp2(e).to(torch.float8_e4m3fn))
     order = torch.randperm(pages, generator=gen, device=device).to(torch.int32)
