@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", type=Path, default=None, help="write the run summary here")
     t.add_argument("--import", dest="imports", action="append", default=[],
                    help="import this module first (registers out-of-tree families)")
+    t.add_argument("--timer", default=None, metavar="MODULE:FUNCTION",
+                   help="replace resgen.search.timing.measure (alternative measurement tools; "
+                        "the tests' fake timings)")
 
     s = sub.add_parser("show", help="winners per workload as a table")
     s.add_argument("--db", type=Path, default=None)
@@ -298,7 +301,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     left = None if budget is None else max(1.0, budget - (time.monotonic() - started))
     config = TuneConfig(arch=arch, policy=DEFAULT_POLICY, max_variants=args.max_variants,
                         time_budget_s=left, resume=args.resume, compile_only=compile_only,
-                        seed=args.seed, gpu_lock=lock)
+                        seed=args.seed, gpu_lock=lock, timer=args.timer)
     label = "compile-only pre-flight" if compile_only else f"tuning on {env.gpu_name}"
     print(f"resgen tune: {label}, arch {arch}, {len(jobs)} workloads "
           f"({', '.join(f'{k}: {v}' for k, v in per_family.items())}), {workers} process(es), "

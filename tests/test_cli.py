@@ -54,6 +54,35 @@ def test_tune_without_gpu_runs_the_compile_only_preflight(tmp_path, capsys, jobs
     assert fakefam.COMPILES == []
 
 
+def test_tune_gpu_path_with_fake_timings(tmp_path, capsys, monkeypatch):
+    """The GPU code path of `tune` (worker processes, GPU lock, timing, winners), with the
+    device facts and the timer faked so it runs on a CPU."""
+    import resgen.cli as cli
+    import resgen.search.record as record
+    from resgen.runtime import Device, Dispatcher
+
+    monkeypatch.setattr(cli, "_has_gpu", lambda: True)
+    monkeypatch.setattr(record, "current_environment", lambda device=0: make_env())
+    db = tmp_path / "gpu.sqlite"
+    rc = main(TUNE + ["--db", str(db), "--jobs", "2", "--timer", "fakefam:fake_timer",
+                      "--max-variants", "5", "--time-budget", "120", "--json",
+                      str(tmp_path / "s.json")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "TUNING SUMMARY" in out and "COMPILE-ONLY" not in out + err
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["mode"] == "tune" and len(summary["workloads"]) == 16
+    assert all(w["winner"] and w["evaluated"] <= 5 for w in summary["workloads"])
+    with TuningDB(db, readonly=True) as d:
+        ok = d.rows(status=Status.OK)
+        assert ok and {r["gpu_name"] for r in ok} == {"Fake GPU"}
+        assert all(r["timing_mode"] == "fake" for r in ok)
+    disp = Dispatcher(paths=[db], device=Device("Fake GPU", "sm_90a"))
+    for w in summary["workloads"]:
+        p = fakefam.FakeProblem.from_key(w["problem_key"])
+        assert disp.lookup(p.OP, p).name() == w["winner"]
+
+
 @no_gpu
 def test_show_verify_merge_export(tmp_path, capsys):
     a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
