@@ -499,6 +499,7 @@ def test_variant_keys_space_and_validity():
     assert F_.why_invalid(F_.default(p2, "sm_90a"), p2, "sm_90a") is None
     with pytest.raises(ValueError):
         F_.default(dataclasses.replace(p, k=2000), "sm_90a")
+    assert "2^31" in F_.why_invalid(base, dataclasses.replace(p, m=1 << 20), "sm_90a")
     # the compile key drops M only
     ck = F_.compile_key(base, p)
     assert ck.m == 1 and dataclasses.replace(ck, m=64) == p

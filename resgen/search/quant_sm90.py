@@ -125,10 +125,12 @@ class QuantSm90Family:
             return (f"K={problem.k} is not a multiple of {_WARP_TILE_MIN} "
                     f"(32 lanes x 8 channels)")
         try:
-            Q.operand_shape(problem.fmt, problem.compensation, problem.k, problem.m,
-                            problem.layout, 1, problem.kp_align)
+            s = Q.operand_shape(problem.fmt, problem.compensation, problem.k, problem.m,
+                                problem.layout, 16, problem.kp_align)
         except ValueError as e:
             return str(e)
+        if problem.m * problem.k >= 1 << 31 or s.t_pad * s.kp >= 1 << 31:
+            return "more than 2^31 elements: the kernel indexes with 32-bit integers"
         return None
 
     def why_invalid(self, variant: QuantSm90Variant, problem: QuantProblem,
