@@ -529,10 +529,24 @@ def _run_groups(groups_next: Callable[[], list[Job] | None], store_factory: Call
             close()
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies, so a killed `resgen tune` leaves no
+    worker holding the GPU (daemon processes are only reaped on a clean parent exit)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))          # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def _child(queue_in: Any, queue_out: Any, counter: Any, pending: Any,
            store_factory: Callable[[], Any], env: Environment, config: TuneConfig,
            deadline: float | None, workers: int, modules: Sequence[str],
            log_level: int) -> None:
+    _die_with_parent()
     logging.basicConfig(level=log_level)
     try:
         _import_modules(modules)
