@@ -658,7 +658,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
     handler = {"tune": cmd_tune, "show": cmd_show, "bench": cmd_bench, "db": cmd_db}
-    return handler[args.cmd](args)
+    try:
+        return handler[args.cmd](args)
+    except BrokenPipeError:             # `resgen show | head`: the reader left, not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":
