@@ -204,7 +204,11 @@ def to_markdown(doc: dict) -> str:
     lines += [f"Paper (Qwen3.8-27B / Swift-27B, ResAttn vs TRT-LLM FP8-query attention): "
               f"{100 * p['vs_same_kv'][0]:.0f}% to {100 * p['vs_same_kv'][1]:.0f}% vs the same "
               f"KV, {100 * p['vs_bf16_kv'][0]:.1f}% to {100 * p['vs_bf16_kv'][1]:.1f}% vs BF16 "
-              f"KV. The comparable rows here are resattn_fp8 vs fp8q_fp8 (both FP8 PV).", ""]
+              f"KV. The comparable rows here are resattn_fp8 vs fp8q_fp8 (both FP8 PV).", "",
+              "With calibrated global scales (amax / 2688) the V unit values E2M1 x sf reach "
+              "2688, beyond E4M3's 448: FP8 PV saturates (the *_fp8 rows of that section), "
+              "while FP16 PV stays exact. FP8 PV is meant for global scale 1.0 (the paper's "
+              "runs).", ""]
     if doc["emulator_vs_reference"]:
         worst = max(c["rel_diff"] for c in doc["emulator_vs_reference"])
         lines.append(f"Kernel emulator vs reference (resattn_f16) on "

@@ -404,3 +404,16 @@ def test_append_kernel_compiles_with_exact_division():
         assert res.spill_bytes == 0
         assert "div.rn.f32" in res.ptx and "div.approx" not in res.ptx
         assert "cvt.rn.satfinite.e4m3x2.f32" in res.ptx
+
+
+def test_random_timing_cache_is_valid_and_attends_without_nan():
+    from resgen.search.attention_sm90 import random_cache
+    g = torch.Generator().manual_seed(0)
+    cache, bt, sl = random_cache(3, 2, 64, 100, 32, "cpu", g)
+    assert bt.shape == (3, 4) and sorted(bt.flatten().tolist()) == list(range(12))
+    assert sl.tolist() == [100] * 3 and bt.dtype == torch.int32
+    assert bool(torch.isfinite(cache.k_sf.float()).all()) and float(cache.v_sf.float().min()) > 0
+    q = torch.randn(3, 4, 64).bfloat16().float()
+    out = emulate_decode_attention(q, cache, bt, sl, EmuConfig(num_splits=2))
+    ref = R.decode_attention(q, cache, bt, sl, pv="fp32")
+    assert bool(torch.isfinite(out).all()) and float((out - ref).norm() / ref.norm()) < 2e-4
