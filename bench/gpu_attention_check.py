@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import sys
 import time

@@ -417,3 +417,35 @@ def test_random_timing_cache_is_valid_and_attends_without_nan():
     out = emulate_decode_attention(q, cache, bt, sl, EmuConfig(num_splits=2))
     ref = R.decode_attention(q, cache, bt, sl, pv="fp32")
     assert bool(torch.isfinite(out).all()) and float((out - ref).norm() / ref.norm()) < 2e-4
+
+
+def test_launch_wrappers_reject_bad_inputs_before_launching():
+    from resgen.kernels.attention_sm90 import AttnShape, DecodeAttentionSm90, KVAppendSm90
+    sh = AttnShape(head_dim=64, group=4, page_size=32, num_warps=4, kc=32, compensation=True,
+                   packing="pair", pv="f16", reduction="none")
+    with pytest.raises(ValueError, match="num_splits"):
+        DecodeAttentionSm90(None, sh, 2)
+    op = DecodeAttentionSm90(None, sh, 1)
+    q, cache, bt, sl = _problem([40], 8, 2, 64, 32, seed=1)
+    qb = q.bfloat16()
+    with pytest.raises(TypeError, match="bfloat16"):
+        op(q, cache, bt, sl)
+    with pytest.raises(ValueError, match="query heads per KV head"):
+        op(qb[:, :6].contiguous(), cache, bt, sl)
+    with pytest.raises(TypeError, match="int32"):
+        op(qb, cache, bt.long(), sl)
+    with pytest.raises(ValueError, match="contiguous"):
+        op(qb.repeat(1, 1, 2)[..., :64], cache, bt, sl)
+    with pytest.raises(ValueError, match="page size"):
+        op(qb, PagedKVCache.empty(4, 2, 64, page_size=16), bt, sl)
+    with pytest.raises(ValueError, match="CUDA"):
+        op(qb, cache, bt, sl)
+    app = KVAppendSm90(None, 64, 2, 32)
+    kv = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\[T, 2, 64\]"):
+        app(cache, kv[:, :1].contiguous(), kv[:, :1].contiguous(), bt,
+            torch.zeros(3, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="positions"):
+        app(cache, kv, kv, bt, torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="CUDA"):
+        app(cache, kv, kv, bt, torch.zeros(3, 2, dtype=torch.int32))

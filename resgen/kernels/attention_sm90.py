@@ -17,7 +17,6 @@ nothing here synchronizes or allocates once the workspace exists).
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,9 +211,9 @@ class DecodeAttentionSm90:
                  sm_scale: float | None = None) -> torch.Tensor:
         import cutlass
 
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
         dev = q.device
-        if dev.type != "cuda":
-            raise ValueError("DecodeAttentionSm90 runs on CUDA tensors")
         _check(q, "q", torch.bfloat16, dev)
         _check_cache(cache, dev)
         _check(block_tables, "block_tables", torch.int32, dev)
@@ -239,6 +238,8 @@ class DecodeAttentionSm90:
             _check(out, "out", torch.bfloat16, dev)
             if out.shape != q.shape:
                 raise ValueError(f"out must have shape {tuple(q.shape)}")
+        if dev.type != "cuda":
+            raise ValueError("DecodeAttentionSm90 runs on CUDA tensors")
         scale = sm_scale if sm_scale is not None else d ** -0.5
         ws_o, ws_ml, cnt = self.workspace(bsz, hkv, dev)
         self.fn(_ptr(q, cutlass.BFloat16), _ptr(cache.k_codes, cutlass.Uint8),
@@ -268,9 +269,9 @@ class KVAppendSm90:
                  block_tables: torch.Tensor, positions: torch.Tensor) -> None:
         import cutlass
 
+        if not isinstance(k, torch.Tensor):
+            raise TypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
         dev = k.device
-        if dev.type != "cuda":
-            raise ValueError("KVAppendSm90 runs on CUDA tensors")
         _check(k, "k", torch.bfloat16, dev)
         _check(v, "v", torch.bfloat16, dev)
         _check_cache(cache, dev)
@@ -283,6 +284,8 @@ class KVAppendSm90:
             raise ValueError("cache geometry differs from the compiled append kernel")
         if positions.shape != (k.shape[0], 2):
             raise ValueError(f"positions must be [{k.shape[0]}, 2]")
+        if dev.type != "cuda":
+            raise ValueError("KVAppendSm90 runs on CUDA tensors")
         if k.shape[0] == 0:
             return
         self.fn(_ptr(k, cutlass.BFloat16), _ptr(v, cutlass.BFloat16),

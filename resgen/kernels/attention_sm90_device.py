@@ -497,7 +497,6 @@ def _decode_k_word(w, scale) -> list:
 
 def qk_scores(cfg: AttnCfg, kw, ksc, bq) -> tuple[list, list]:
     """Raw (unscaled) folded scores: s_lo[r][z] (key 16z+g), s_hi[r][z] (key 16z+g+8)."""
-    d = cfg.head_dim
     s_lo = [[None] * cfg.zt for _ in range(cfg.nr)]
     s_hi = [[None] * cfg.zt for _ in range(cfg.nr)]
     for z in range(cfg.zt):
