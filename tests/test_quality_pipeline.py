@@ -185,3 +185,50 @@ def test_checkpoint_metadata_round_trip(tmp_path):
     assert set(load_layers(path)) == set(layers)
     with pytest.raises(ValueError):
         save_layers(path, layers, metadata={"resgen_format": "mxfp4"})     # reserved key
+
+
+def test_cli_rejects_bad_arguments():
+    from resgen.quality.cli import plan_main, report_main
+
+    with pytest.raises(SystemExit):
+        plan_main(["--budget", "3.0"])                    # below plain FP4's 4 bits
+    with pytest.raises(SystemExit):
+        plan_main(["--budget", "5.0", "--fmt", "int4"])
+    with pytest.raises(SystemExit):
+        report_main(["--suite", "all"])
+    with pytest.raises(SystemExit):
+        report_main(["--eval-seqs", "0"])
+
+
+def test_study_plan_export_on_a_tiny_model(tiny, tmp_path):
+    import json
+
+    from resgen.plan import effective_bits
+    from resgen.quality.plan_export import export_plan
+    from resgen.quality.study import Study, StudyConfig
+
+    model, _ = tiny
+    cfg = StudyConfig(seq_len=16, n_calib=3, n_eval=2, n_nmse=1, n_grad=2, batch=2)
+    tokens = torch.randint(0, 96, (400,), generator=torch.Generator().manual_seed(1))
+    study = Study(cfg, need_hessian=True, model=model, tokens=tokens, log=lambda s: None)
+    m = Method("nvfp4", "plan", score="error", budget=5.0)
+    scores = study.plan_scores(m)
+    for name, sc in scores.items():
+        # More compensation never hurts much: full residue beats plain on every layer.
+        assert sc[1.0] < sc[0.0], name
+    out = tmp_path / "plan.safetensors"
+    table = export_plan(cfg, out, budget=5.0, study=study)
+    assert "effective bits" in table
+    meta = json.loads(read_metadata(out)["resgen_plan"])
+    layers = load_layers(out)
+    assert set(layers) == set(meta["ratios"]) == {f"model.{n}" for n in study.weight}
+    assert meta["effective_bits"] <= 5.0 + 1e-12
+    ratios = {n[len("model."):]: r for n, r in meta["ratios"].items()}
+    assert effective_bits(study.shapes(), ratios) == pytest.approx(meta["effective_bits"])
+    for name, r in meta["ratios"].items():
+        # K-Ext layers carry their selection; plain and full layers store the base weight.
+        assert layers[name].ratio == (r if r not in (0.0, 1.0) else None)
+    res = study.evaluate(m)
+    assert res["effective_bits"] == pytest.approx(meta["effective_bits"])
+    with pytest.raises(ValueError):
+        Study(cfg, model=model, log=lambda s: None)          # no tokens for a preloaded model

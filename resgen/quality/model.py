@@ -52,6 +52,7 @@ def load_model(model_dir: str | Path | None = None, gguf_file: str | None = GGUF
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     folder = smollm2_dir() if model_dir is None else Path(model_dir)
     if model_dir is not None and gguf_file == GGUF_FILE and not (folder / GGUF_FILE).exists():
         gguf_file = None

@@ -24,10 +24,16 @@ PLAN_METADATA_KEY = "resgen_plan"
 
 
 def export_plan(config: StudyConfig, out: str | Path, *, budget: float, fmt: str = "nvfp4",
-                score: str = "error", weights: str = "amax") -> str:
-    """Calibrate, score, solve and write the checkpoint; returns the printed table."""
+                score: str = "error", weights: str = "amax", study: Study | None = None) -> str:
+    """Calibrate, score, solve and write the checkpoint; returns the printed table.
+
+    study: an already calibrated Study to reuse (its config wins); None builds one.
+    """
     m = Method(fmt, "plan", score=score, weights=weights, budget=budget)
-    study = Study(config, need_hessian=weights == "gptq", log=lambda s: None)
+    if study is None:
+        study = Study(config, need_hessian=weights == "gptq", log=lambda s: None)
+    elif weights == "gptq" and not study.need_hessian:
+        raise ValueError("weights='gptq' needs a Study calibrated with need_hessian=True")
     plan = study.plan(m)
     scores = study.plan_scores(m)
     shapes = study.shapes()

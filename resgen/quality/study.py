@@ -95,7 +95,8 @@ class Study:
     config: StudyConfig
     need_hessian: bool = False
     log: callable = print
-    model: object = field(init=False)
+    model: object = None      # a preloaded causal LM (tests); None loads config.model_dir
+    tokens: torch.Tensor | None = None   # int64 [T] token stream; None tokenizes config.text
     split: TokenSplit = field(init=False)
     stats: dict[str, SiteStats] = field(init=False)
     nmse_inputs: dict[str, torch.Tensor] = field(init=False)
@@ -104,8 +105,14 @@ class Study:
     def __post_init__(self):
         t0 = time.time()
         cfg = self.config
-        self.model, tok = load_model(cfg.model_dir)
-        ids = load_tokens(tok) if cfg.text is None else load_tokens(tok, cfg.text)
+        tok = None
+        if self.model is None:
+            self.model, tok = load_model(cfg.model_dir)
+        if self.tokens is None:
+            if tok is None:
+                raise ValueError("a preloaded model needs its token stream (tokens=...)")
+            self.tokens = load_tokens(tok) if cfg.text is None else load_tokens(tok, cfg.text)
+        ids = self.tokens
         self.split = split_tokens(ids, seq_len=cfg.seq_len, n_calib=cfg.n_calib,
                                   n_eval=cfg.n_eval)
         self.total_tokens = int(ids.numel())
