@@ -41,7 +41,6 @@ SMS_H200 = 132
 TOLERANCE = {"f16": 3e-3, "fp8": 2e-2}   # BF16 output rounding; E4M3 P/V rounding (fp8)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 8
-SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MIN_PAGES_PER_SPLIT = 8
 
 
@@ -181,18 +180,21 @@ class AttentionSm90Family:
     # ------------------------------------------------------------------ space
     def space(self, problem: AttentionProblem, arch: str) -> Sequence[AttentionSm90Variant]:
         """Every valid candidate, fixed order: packing, warps, chunk, split count, reduction,
-        prefetch; split counts leaving fewer than MIN_PAGES_PER_SPLIT pages are left out."""
+        prefetch. Split counts: 1, the preset's count x 1/4, 1/2, 1, 2, 4 and the largest
+        allowed (at least MIN_PAGES_PER_SPLIT pages per split, at most 64)."""
         if self.problem_invalid(problem):
             return []
         packs = [Packing.PAIR] + ([Packing.DENSE] if not problem.compensation else [])
         cap = max(1, _pages(problem) // MIN_PAGES_PER_SPLIT)
+        s0 = preset(problem).splits
+        top = min(cap, 64)
+        splits = sorted({s for s in (1, s0 // 4, s0 // 2, s0, 2 * s0, 4 * s0, top)
+                         if 1 <= s <= top})
         out = []
         for pk in packs:
             for w in (4, 8):
                 for kc in (32, 16):
-                    for s in SPLITS:
-                        if s > 1 and s > cap:
-                            continue
+                    for s in splits:
                         reds = (Reduction.NONE,) if s == 1 else (Reduction.LASTCTA,
                                                                  Reduction.WORKSPACE)
                         for red in reds:
