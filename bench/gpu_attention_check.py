@@ -145,7 +145,7 @@ def candidates(p: AttentionProblem) -> list[AttentionSm90Variant]:
     workspace reduction (or 2 last-CTA splits when the preset has one)."""
     base = preset(p)
     s = base.splits
-    out = [base, dataclasses.replace(base, splits=min(64, 2 * s), reduction=Reduction.LASTCTA)]
+    out = [base, dataclasses.replace(base, splits=min(128, 2 * s), reduction=Reduction.LASTCTA)]
     if s > 1:
         out.append(dataclasses.replace(base, reduction=Reduction.WORKSPACE))
     return [v for v in dict.fromkeys(out) if FAMILY.why_invalid(v, p, ARCH) is None]

@@ -262,8 +262,9 @@ def test_variant_keys_separate_field_by_field():
         keys.add(other.key())
         assert AttentionSm90Variant.from_key(other.key()) == other
     assert len(keys) == 1 + len(dataclasses.fields(v))
-    with pytest.raises(ValueError):
-        AttentionSm90Variant.from_dict({**v.as_dict(), "splits": 0})
+    for bad in (0, 129):
+        with pytest.raises(ValueError):
+            AttentionSm90Variant.from_dict({**v.as_dict(), "splits": bad})
     p = _prob()
     assert p.key() != _prob(pv="fp8").key()
 
@@ -308,8 +309,13 @@ def test_space_is_deterministic_valid_and_contains_the_preset():
 
 
 @pytest.mark.parametrize("batch,kv_len,splits", [(1, 8192, 32), (1, 131072, 50), (8, 32768, 7),
+                                                 (2, 131072, 99),
                                                  (32, 8192, 2), (64, 8192, 1), (1, 100, 1)])
 def test_preset_split_rule(batch, kv_len, splits):
+    if batch == 2:      # Hkv = 2 (a head-dim-256 layer): 3 * 132 / 4 CTAs
+        p = _prob(batch=batch, kv_len=kv_len, q_heads=16, kv_heads=2, head_dim=256)
+        assert preset(p).splits == splits and not preset(p).prefetch
+        return
     v = preset(_prob(batch=batch, kv_len=kv_len))
     assert v.prefetch and not preset(_prob(q_heads=16, kv_heads=2, head_dim=256)).prefetch
     assert v.splits == splits

@@ -42,6 +42,7 @@ TOLERANCE = {"f16": 3e-3, "fp8": 2e-2}   # BF16 output rounding; E4M3 P/V roundi
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 8
 MIN_PAGES_PER_SPLIT = 8
+MAX_SPLITS = 128
 
 
 class Packing(Choice):
@@ -61,7 +62,7 @@ class AttentionSm90Variant(VariantBase):
     num_warps: int = field(default=4, metadata={"range": IntRange(1, 8, pow2=True), "short": "w"})
     kc: int = field(default=32, metadata={"range": IntRange(16, 32, pow2=True), "short": "kc"})
     packing: Packing = field(default=Packing.PAIR, metadata={"short": "pk"})
-    splits: int = field(default=1, metadata={"range": IntRange(1, 64), "short": "s"})
+    splits: int = field(default=1, metadata={"range": IntRange(1, MAX_SPLITS), "short": "s"})
     reduction: Reduction = field(default=Reduction.NONE, metadata={"short": "red"})
     prefetch: bool = field(default=True, metadata={"short": "pf"})
 
@@ -110,7 +111,7 @@ def preset(problem: AttentionProblem, sms: int = SMS_H200) -> AttentionSm90Varia
     ctas = problem.batch * problem.kv_heads
     want = math.ceil(3 * sms / max(1, ctas))
     cap = max(1, _pages(problem) // MIN_PAGES_PER_SPLIT)
-    splits = max(1, min(want, cap, 64))
+    splits = max(1, min(want, cap, MAX_SPLITS))
     red = Reduction.NONE if splits == 1 else Reduction.LASTCTA
     v = AttentionSm90Variant(num_warps=4, kc=kc, packing=packing, splits=splits,
                              reduction=red, prefetch=True)
@@ -181,13 +182,13 @@ class AttentionSm90Family:
     def space(self, problem: AttentionProblem, arch: str) -> Sequence[AttentionSm90Variant]:
         """Every valid candidate, fixed order: packing, warps, chunk, split count, reduction,
         prefetch. Split counts: 1, the preset's count x 1/4, 1/2, 1, 2, 4 and the largest
-        allowed (at least MIN_PAGES_PER_SPLIT pages per split, at most 64)."""
+        allowed (at least MIN_PAGES_PER_SPLIT pages per split, at most MAX_SPLITS)."""
         if self.problem_invalid(problem):
             return []
         packs = [Packing.PAIR] + ([Packing.DENSE] if not problem.compensation else [])
         cap = max(1, _pages(problem) // MIN_PAGES_PER_SPLIT)
         s0 = preset(problem).splits
-        top = min(cap, 64)
+        top = min(cap, MAX_SPLITS)
         splits = sorted({s for s in (1, s0 // 4, s0 // 2, s0, 2 * s0, 4 * s0, top)
                          if 1 <= s <= top})
         out = []

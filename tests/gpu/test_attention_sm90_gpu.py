@@ -226,7 +226,7 @@ def test_batch_1_to_64_and_global_scales():
 
 
 def test_long_sequence_many_splits():
-    v = AttentionSm90Variant(splits=64, reduction=Reduction.LASTCTA)
+    v = AttentionSm90Variant(splits=128, reduction=Reduction.LASTCTA)
     _run_check(v, _p(kv_len=40000), [40000, 3], seed=7)
     v = AttentionSm90Variant(splits=16, reduction=Reduction.WORKSPACE)
     _run_check(v, _p(kv_len=40000), [40000, 12345], seed=8)
