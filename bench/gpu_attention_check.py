@@ -20,7 +20,8 @@
 A failing variant / configuration is recorded and skipped. A time budget
 (RESGEN_BENCH_BUDGET_S, default 330 s) stops starting new configurations. FlashInfer is not
 measured (its wheel is 101 MB, above the 64 MiB that can travel to the GPU machine).
-Prints a short table last; writes $OUT/attention_sm90_check.json.
+Prints a short table last; writes $OUT/attention_sm90_check.json and a plot
+($OUT/attention_sm90_check.svg, see bench/plot_attention.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
@@ -286,6 +288,11 @@ def main() -> None:
     REPORT["table"] = table
     with open(OUT / "attention_sm90_check.json", "w") as f:
         json.dump(REPORT, f, indent=1, default=str)
+    try:
+        from plot_attention import render
+        (OUT / "attention_sm90_check.svg").write_text(render(REPORT))
+    except Exception as e:
+        err("plot", e)
     n_bad = sum(1 for c in REPORT["checks"] if not c.get("ok"))
     print()
     print(f"checks: {len(REPORT['checks']) - n_bad} ok, {n_bad} failed; errors: "

@@ -455,3 +455,18 @@ def test_launch_wrappers_reject_bad_inputs_before_launching():
         app(cache, kv, kv, bt, torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="CUDA"):
         app(cache, kv, kv, bt, torch.zeros(3, 2, dtype=torch.int32))
+
+
+def test_benchmark_plot_renders_one_line_per_batch():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "bench" / "plot_attention.py"
+    spec = importlib.util.spec_from_file_location("plot_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    configs = [{"geom": "qwen3-8b", "batch": b, "kv_len": n, "floor_us": n * b / 4000,
+                "resattn": {"best": {"us": n * b / 3000}}, "sdpa": {"us": n * b / 1000}}
+               for b in (1, 8) for n in (8192, 32768, 131072)]
+    svg = mod.render({"configs": configs, "env": {"gpu": "test"}})
+    assert svg.startswith("<svg") and svg.count('class="series"') == 4   # 2 batches x 2 rows
+    assert mod.render({"configs": []}).startswith("<svg")
