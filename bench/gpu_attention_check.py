@@ -143,13 +143,15 @@ def time_sdpa(b, hq, hkv, d, n) -> dict:
 
 
 def candidates(p: AttentionProblem) -> list[AttentionSm90Variant]:
-    """The preset, twice its split count (last CTA), and the preset's split with the
-    workspace reduction (or 2 last-CTA splits when the preset has one)."""
+    """The preset, twice its split count (last CTA), the preset's split with the workspace
+    reduction, the preset with prefetch toggled, and the preset with 8 warps."""
     base = preset(p)
     s = base.splits
     out = [base, dataclasses.replace(base, splits=min(128, 2 * s), reduction=Reduction.LASTCTA)]
     if s > 1:
         out.append(dataclasses.replace(base, reduction=Reduction.WORKSPACE))
+    out.append(dataclasses.replace(base, prefetch=not base.prefetch))
+    out.append(dataclasses.replace(base, num_warps=8))
     return [v for v in dict.fromkeys(out) if FAMILY.why_invalid(v, p, ARCH) is None]
 
 
