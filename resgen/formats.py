@@ -20,6 +20,12 @@ their input (IEEE): a negative value that rounds to zero is stored as -0 (0x8).
 
 A block whose effective scale is zero (all-zero block, or an NVFP4 block whose scale underflows
 E4M3 relative to alpha) has all-zero codes and dequantizes to exact zeros.
+
+Device independence: every FP32 division above is an IEEE division on every device. torch on
+CUDA computes `tensor / python_scalar` as tensor * RN(1 / scalar) (one ulp off for some
+inputs), so this module only ever divides by tensors on the dividend's device; powers of two
+(MXFP4) are built from their bits, not with torch.ldexp / pow (whose implementation varies by
+torch version and device).
 """
 
 from __future__ import annotations
@@ -111,8 +117,7 @@ class QuantizedTensor:
         """Block scales as float32 [..., K // block] WITHOUT the NVFP4 global scale."""
         if self.fmt == "nvfp4":
             return self.scales.to(torch.float32)
-        return torch.ldexp(torch.ones_like(self.scales, dtype=torch.float32),
-                           self.scales.to(torch.int32) - 127)
+        return _pow2(self.scales.to(torch.int32) - 127)
 
 
 # ----------------------------------------------------------------------------- element codecs
@@ -194,6 +199,19 @@ def _as_float32(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return xf
 
 
+def _ieee_div(a: torch.Tensor, divisor: float) -> torch.Tensor:
+    """a / divisor as an IEEE FP32 division on every device (see the module docstring: a Python
+    scalar divisor would make torch on CUDA multiply by its rounded reciprocal instead)."""
+    return a / torch.full_like(a, divisor)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """float32 2^e, exactly, for int32 e in [-149, 127] (subnormal below -126), built from bits."""
+    normal = torch.bitwise_left_shift(torch.clamp(e + 127, min=1), 23)
+    sub = torch.bitwise_left_shift(torch.ones_like(e), torch.clamp(e + 149, min=0, max=22))
+    return torch.where(e >= -126, normal, sub).to(torch.int32).view(torch.float32)
+
+
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """Dynamic NVFP4 tensor scale alpha = amax(x) / (6 * 448) as a float32 0-dim tensor.
 
@@ -202,7 +220,7 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     s / alpha <= 448 and never divides by zero.
     """
     amax = x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros(())
-    alpha = amax / (E2M1_MAX * E4M3_MAX)
+    alpha = _ieee_div(amax, E2M1_MAX * E4M3_MAX)
     tiny = torch.finfo(torch.float32).tiny
     alpha = torch.where(amax == 0, torch.ones_like(alpha), torch.clamp(alpha, min=tiny))
     return alpha.reshape(())
@@ -224,7 +242,9 @@ def _quantize_blocks(xf: torch.Tensor, fmt: str, alpha: torch.Tensor | None):
     blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // bs, bs)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     if fmt == "nvfp4":
-        sf = e4m3_round((amax / E2M1_MAX) / alpha)
+        if isinstance(alpha, torch.Tensor) and alpha.device != xf.device:
+            alpha = alpha.to(xf.device)     # a CPU scalar divisor is not an IEEE division on CUDA
+        sf = e4m3_round(_ieee_div(amax, E2M1_MAX) / alpha)
         d = alpha * sf.to(torch.float32)
         # A zero effective scale divides by +inf instead: finite / inf = +-0, exact zeros.
         v = blocks / torch.where(d > 0, d, torch.full_like(d, float("inf")))
@@ -233,8 +253,8 @@ def _quantize_blocks(xf: torch.Tensor, fmt: str, alpha: torch.Tensor | None):
         # floor(log2(amax)) exactly: amax = m * 2^E with m in [0.5, 1) -> E - 1.
         exp = torch.frexp(amax).exponent.to(torch.int32) - 1
         e = torch.where(amax > 0, exp - 2, torch.full_like(exp, -127)).clamp(-127, 127)
-        v = torch.ldexp(blocks, -e)
-        d = torch.ldexp(torch.ones_like(amax), e)
+        v = blocks * _pow2(-e)          # exact unless it underflows (then RNE)
+        d = _pow2(e)
         scales = (e + 127).to(torch.uint8).squeeze(-1)
     codes = e2m1_encode(v).reshape(xf.shape)
     return codes, scales, d

@@ -91,8 +91,10 @@ def test_device_e4m3_e2m1_and_scales_match_torch(probe):
     e = torch.where(a > 0, torch.frexp(a).exponent.to(torch.int32) - 3,
                     torch.full_like(a, -127, dtype=torch.int32)).clamp(-127, 127)
     assert torch.equal(out[5], e + 127)
+    # IEEE division by a tensor (a Python-scalar divisor is a reciprocal product on CUDA)
     alpha = torch.where(a == 0, torch.ones_like(a),
-                        torch.clamp(a / 2688.0, min=torch.finfo(torch.float32).tiny))
+                        torch.clamp(a / torch.full_like(a, 2688.0),
+                                    min=torch.finfo(torch.float32).tiny))
     assert torch.equal(out[6], alpha.view(torch.int32))
     b = torch.arange(v.numel()) & 0xFF
     dec = (b & 0x7F).to(torch.uint8).view(torch.float8_e4m3fn).float()
