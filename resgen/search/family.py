@@ -81,7 +81,7 @@ def register(family: KernelFamily) -> KernelFamily:
 
 
 _BUILTIN = ("resgen.search.linear_sm90", "resgen.search.quant_sm90",
-            "resgen.search.attention_sm90")
+            "resgen.search.attention_sm90", "resgen.search.linear_sm90_wgmma")
 
 
 def _load_builtin() -> None:

@@ -1,0 +1,117 @@
+"""Host side of the Hopper prefill FP4 linear kernels (family linear_sm90_wgmma).
+
+- WgmmaLauncher: binds a compiled variant to torch CUDA tensors and launches it on the current
+  stream (no synchronization: graph capturable). The activation operand comes from
+  resgen.kernels.linear_sm90.make_xop (torch) or the fused quantizer quant_sm90 (kp_align=256):
+  the same xop both families read.
+- SimulatedWgmma: a stand-in for a compiled kernel that runs the thread-level CPU simulation
+  (tests exercise the launcher and the family runner on the CPU with it).
+
+Layouts: resgen.kernels.linear_sm90_wgmma_layout; geometry: linear_sm90_wgmma_geom.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .linear_sm90_wgmma_geom import WgGeometry
+from .linear_sm90_wgmma_layout import WgWeight
+
+__all__ = ["WgmmaLauncher", "SimulatedWgmma", "check_launch"]
+
+_GRID_Y_MAX = 65535
+
+
+def check_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows: int,
+                 alpha_x: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Raise ValueError/TypeError unless these tensors fit the compiled variant."""
+    if wt.fmt != geom.fmt or wt.packing != geom.packing:
+        raise ValueError(f"weight is {wt.fmt}/{wt.packing}, the kernel {geom.fmt}/{geom.packing}")
+    n = wt.out_features
+    if n % geom.bm:
+        raise ValueError(f"N={n} is not a multiple of the CTA's {geom.bm} channels")
+    if wt.kp % 128:
+        raise ValueError(f"Kp={wt.kp} is not a multiple of 128 (chunk pairs)")
+    if xop.dtype != torch.bfloat16 or xop.dim() != 2 or xop.shape[1] != wt.kp:
+        raise TypeError(f"xop must be bf16 [rows, {wt.kp}], got {xop.dtype} {tuple(xop.shape)}")
+    if not xop.is_contiguous() or not out.is_contiguous():
+        raise ValueError("xop and out must be contiguous")
+    if not 1 <= rows <= xop.shape[0]:
+        raise ValueError(f"rows={rows} outside [1, {xop.shape[0]}] (xop rows)")
+    if geom.mext and rows != 2 * m:
+        raise ValueError(f"M-Ext reads 2 m = {2 * m} xop rows, got rows={rows}")
+    if not geom.mext and rows != m:
+        raise ValueError(f"rows={rows} must equal m={m} without M-Ext")
+    if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != n or out.shape[0] < m:
+        raise TypeError(f"out must be bf16 [>= {m}, {n}], got {out.dtype} {tuple(out.shape)}")
+    if geom.nv and (alpha_x is None or alpha_x.dtype != torch.float32 or alpha_x.numel() != 1):
+        raise ValueError("NVFP4 needs alpha_x: a float32 tensor of one element")
+    gx, gy = geom.grid(rows, n)
+    if gy > _GRID_Y_MAX:
+        raise ValueError(f"grid y {gy} exceeds {_GRID_Y_MAX}: use raster 'tok' or fewer rows")
+    devs = {wt.records.device, xop.device, out.device}
+    if alpha_x is not None:
+        devs.add(alpha_x.device)
+    if len(devs) != 1:
+        raise ValueError(f"tensors on several devices: {sorted(map(str, devs))}")
+
+
+class WgmmaLauncher:
+    """A compiled linear_sm90_wgmma variant launched on torch CUDA tensors (current stream).
+
+    The compiled entry takes (records, xop, out, alpha_x, alpha_w, m, rows, N, nk, stream) as
+    raw device pointers and ints."""
+
+    def __init__(self, compiled: Any, geom: WgGeometry, device: torch.device | str):
+        self.compiled = compiled
+        self.geom = geom
+        self.one = torch.ones(1, dtype=torch.float32, device=device)
+        self._ptrs: dict[tuple[int, str, int], Any] = {}
+
+    def _ptr(self, t: torch.Tensor, align: int) -> Any:
+        key = (t.data_ptr(), str(t.dtype), align)
+        p = self._ptrs.get(key)
+        if p is None:
+            import cutlass
+            import cutlass.cute as cute
+            from cutlass.cute.runtime import make_ptr
+
+            dt = {torch.int32: cutlass.Int32, torch.bfloat16: cutlass.BFloat16,
+                  torch.float32: cutlass.Float32}[t.dtype]
+            if t.data_ptr() % align:
+                raise ValueError(f"a {t.dtype} buffer is not {align}-byte aligned")
+            p = make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+            self._ptrs[key] = p
+        return p
+
+    def __call__(self, wt: WgWeight, xop: torch.Tensor, m: int, rows: int,
+                 alpha_x: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """out: bf16 [>= m, N], rows 0..m-1 written; xop: bf16 [>= rows, Kp] contiguous."""
+        check_launch(self.geom, wt, xop, m, rows, alpha_x, out)
+        ax = alpha_x if alpha_x is not None else self.one
+        if getattr(self.compiled, "SIMULATED", False):
+            return self.compiled.run(self.geom, wt, xop, m, rows, ax, out)
+        import cuda.bindings.driver as cuda
+
+        stream = cuda.CUstream(torch.cuda.current_stream(xop.device).cuda_stream)
+        self.compiled(self._ptr(wt.records, 16), self._ptr(xop, 16), self._ptr(out, 16),
+                      self._ptr(ax, 4), self._ptr(wt.alpha, 4), int(m), int(rows),
+                      int(wt.out_features), int(wt.nk), stream)
+        return out
+
+
+class SimulatedWgmma:
+    """Stands in for a compiled kernel on the CPU: runs simulate_launch and writes rows
+    0..m-1 of `out` (tests of the launcher and the runner)."""
+
+    SIMULATED = True
+
+    def run(self, geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows: int,
+            alpha_x: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        from .linear_sm90_wgmma_sim import simulate_launch
+
+        out[:m] = simulate_launch(geom, wt, xop, m, rows, alpha_x if geom.nv else None
+                                  ).to(out.device)
+        return out

@@ -1,0 +1,338 @@
+"""Kernel family linear_sm90_wgmma: Hopper prefill FP4 linear layers (NVFP4 / MXFP4 weights
+decoded exactly into the register A operand of wgmma.m64nNk16, activations through TMA,
+plain / M-Ext fold / K-Ext). Design: docs/linear_sm90_wgmma.md.
+
+The variant axes (LinearSm90WgmmaVariant) and what they change in the kernel
+(resgen/templates/linear_sm90_wgmma.py.j2, geometry in resgen.kernels.linear_sm90_wgmma_geom):
+    consumers   consumer warpgroups per CTA (1 or 2; with 2, setmaxnreg moves registers from
+                the producer warpgroup to them)
+    m_wg        m64 blocks (64 output channels) per consumer warpgroup: the CTA covers
+                64 * consumers * m_wg channels
+    bn          xop rows per CTA = the wgmma N (M-Ext: bn / 2 tokens)
+    stages      shared-memory pipeline depth (TMA box of the activations + bulk copy of the
+                weight records per stage)
+    raster      grid order: "tok" (consecutive CTAs walk token tiles: a wave shares weight
+                blocks) or "ch" (they walk channel blocks: a wave shares activation tiles)
+    packing     weight nibble layout and decode ("split" / "nib", resgen.kernels.layouts)
+The epilogue stores 32-bit BF16 channel pairs straight from registers after a lane exchange
+(no field: an smem + TMA store path is not implemented, so no key pretends otherwise).
+N, K(+ext) and M are run-time arguments: one compile per (format, M-Ext or not, variant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from .family import CheckResult, register
+from .linear_sm90 import Packing, compare, random_layer
+from .variant import Choice, IntRange, LinearProblem, VariantBase
+
+__all__ = ["Raster", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily", "FAMILY",
+           "TOLERANCE", "geometry_of", "kp_of", "LinearSm90WgmmaRunner"]
+
+TOLERANCE = 3e-3
+_SMEM_MAX = 227 * 1024
+# consumer registers: accumulators + two A register sets + about 40 for addresses, scales,
+# loop state and the epilogue; budget = what setmaxnreg gives (2 consumers) or 255
+_REG_OVERHEAD = 40
+
+
+class Raster(Choice):
+    TOK = "tok"
+    CH = "ch"
+
+
+@dataclass(frozen=True, slots=True)
+class LinearSm90WgmmaVariant(VariantBase):
+    FAMILY: ClassVar[str] = "linear_sm90_wgmma"
+    consumers: int = field(default=2, metadata={"range": IntRange(1, 2), "short": "c"})
+    m_wg: int = field(default=1, metadata={"range": IntRange(1, 2), "short": "mw"})
+    bn: int = field(default=128, metadata={"range": IntRange(16, 256), "short": "bn"})
+    stages: int = field(default=4, metadata={"range": IntRange(2, 8), "short": "st"})
+    raster: Raster = field(default=Raster.TOK, metadata={"short": "r"})
+    packing: Packing = field(default=Packing.SPLIT, metadata={"short": "pk"})
+
+    @property
+    def deterministic(self) -> bool:
+        return True         # no split-K: every output is one FP32 reduction in fixed order
+
+
+def kp_of(problem: LinearProblem) -> int:
+    """Kp: the padded reduction length (K, or K + ext, rounded up to 256)."""
+    from ..kernels.layouts import K_ALIGN, pad_to
+
+    block = 16 if problem.fmt == "nvfp4" else 32
+    return pad_to(problem.k_ext(block), K_ALIGN)
+
+
+def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
+    from ..kernels.linear_sm90_wgmma_geom import WgGeometry
+
+    return WgGeometry(fmt=problem.fmt, mext=problem.compensation == "full",
+                      packing=variant.packing.value, consumers=variant.consumers,
+                      m_wg=variant.m_wg, bn=variant.bn, stages=variant.stages,
+                      raster=variant.raster.value)
+
+
+def _reg_estimate(v: LinearSm90WgmmaVariant) -> int:
+    return v.m_wg * v.bn // 2 + 2 * 16 * v.m_wg + _REG_OVERHEAD
+
+
+def _reg_budget(v: LinearSm90WgmmaVariant) -> int:
+    from ..kernels.linear_sm90_wgmma_geom import CONSUMER_REGS
+
+    return CONSUMER_REGS if v.consumers == 2 else 255
+
+
+class LinearSm90WgmmaFamily:
+    NAME: ClassVar[str] = "linear_sm90_wgmma"
+    VARIANT: ClassVar[type] = LinearSm90WgmmaVariant
+    PROBLEM: ClassVar[type] = LinearProblem
+    TEMPLATE: ClassVar[str] = "linear_sm90_wgmma.py.j2"
+    ARCHS: ClassVar[tuple[str, ...]] = ("sm_90a",)
+    ENTRY: ClassVar[str] = "entry"
+
+    # ------------------------------------------------------------------ validity
+    def why_invalid(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem,
+                    arch: str) -> str | None:
+        v, p = variant, problem
+        if arch not in self.ARCHS:
+            return f"linear_sm90_wgmma runs on {self.ARCHS}, not {arch}"
+        if not isinstance(v, LinearSm90WgmmaVariant) or not isinstance(p, LinearProblem):
+            return "not a LinearSm90WgmmaVariant / LinearProblem"
+        bm = 64 * v.consumers * v.m_wg
+        if p.n % bm:
+            return f"N={p.n} is not a multiple of the CTA's 64 * consumers * m_wg = {bm} channels"
+        if v.bn % 16:
+            return f"bn={v.bn} is not a multiple of 16 (wgmma N step 8, M-Ext row pairs)"
+        acc = v.m_wg * v.bn // 2
+        if acc > 128:
+            return f"{acc} FP32 accumulators per thread (m_wg * bn / 2 > 128)"
+        est, budget = _reg_estimate(v), _reg_budget(v)
+        if est > budget:
+            return f"register estimate {est} > {budget} (would spill)"
+        g = geometry_of(v, p)
+        if g.smem_bytes > _SMEM_MAX:
+            return f"{g.smem_bytes} bytes of shared memory per CTA (at most {_SMEM_MAX})"
+        nk = kp_of(p) // 64
+        if v.stages > nk:
+            return f"{v.stages} stages for {nk} K chunks"
+        rows = p.rows
+        if v.raster == Raster.CH and -(-rows // v.bn) > 65535:
+            return "raster 'ch' puts the token tiles on grid y (at most 65535)"
+        if p.n // bm > 65535 and v.raster == Raster.TOK:
+            return "raster 'tok' puts the channel tiles on grid y (at most 65535)"
+        return None
+
+    # ------------------------------------------------------------------ space
+    _TILES = ((2, 1, 256), (2, 1, 128), (2, 2, 128), (2, 1, 192), (1, 2, 128), (1, 1, 256),
+              (2, 1, 64), (1, 1, 128), (1, 1, 64), (2, 2, 64))
+
+    def space(self, problem: LinearProblem, arch: str) -> Sequence[LinearSm90WgmmaVariant]:
+        """Every valid candidate in a fixed order: tiles (consumers, m_wg, bn) whose token tile
+        does not exceed the rows by more than 2x, 3 to 6 stages (the deepest that fits first),
+        both rasters and packings."""
+        rows = problem.rows
+        out = []
+        for packing in (Packing.SPLIT, Packing.NIB):
+            for c, mw, bn in self._TILES:
+                if bn > 64 and bn > 2 * rows:
+                    continue
+                for st in (4, 6, 3, 5):
+                    for raster in (Raster.TOK, Raster.CH):
+                        v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing)
+                        if self.why_invalid(v, problem, arch) is None:
+                            out.append(v)
+        if not out:
+            out.append(self.default(problem, arch))
+        return out
+
+    def default(self, problem: LinearProblem, arch: str) -> LinearSm90WgmmaVariant:
+        """Valid for any N % 64 == 0: two consumer warpgroups of 64 channels where N allows,
+        a token tile of 128 rows, 4 stages (fewer for very short K)."""
+        c = 2 if problem.n % 128 == 0 else 1
+        nk = kp_of(problem) // 64
+        v = LinearSm90WgmmaVariant(consumers=c, m_wg=1, bn=128, stages=max(2, min(4, nk)),
+                                   raster=Raster.TOK, packing=Packing.SPLIT)
+        why = self.why_invalid(v, problem, arch)
+        if why is not None:
+            raise ValueError(f"linear_sm90_wgmma cannot run {problem.key()}: {why}")
+        return v
+
+    # ------------------------------------------------------------------ codegen
+    def template_params(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> dict:
+        g = geometry_of(variant, problem)
+        return {"fmt": g.fmt, "mext": bool(g.mext), "packing": g.packing,
+                "consumers": int(g.consumers), "m_wg": int(g.m_wg), "bn": int(g.bn),
+                "stages": int(g.stages), "raster": g.raster, "store": g.store}
+
+    def compile_key(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem
+                    ) -> LinearProblem:
+        """N, K(+ext) and M are run-time: the kernel depends only on the format and on M-Ext
+        or not (K-Ext is the plain kernel over K + ext). Canonical m/n/k keep keys valid."""
+        comp = "full" if problem.compensation == "full" else "none"
+        return LinearProblem(problem.fmt, comp, 1, 4096, 4096, True)
+
+    def compile_args(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem
+                     ) -> list[Any]:
+        import cuda.bindings.driver as cuda
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_ptr
+
+        gm = cute.AddressSpace.gmem
+        return [make_ptr(cutlass.Int32, 0, gm, 16), make_ptr(cutlass.BFloat16, 0, gm, 16),
+                make_ptr(cutlass.BFloat16, 0, gm, 16), make_ptr(cutlass.Float32, 0, gm, 4),
+                make_ptr(cutlass.Float32, 0, gm, 4), cutlass.Int32(1), cutlass.Int32(1),
+                cutlass.Int32(64 * variant.consumers * variant.m_wg), cutlass.Int32(2),
+                cuda.CUstream(0)]
+
+    # ------------------------------------------------------------------ running
+    def working_set_bytes(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
+        """Bytes of one input set (weight records + activation operand + output)."""
+        from ..kernels.linear_sm90_wgmma_geom import record_bytes
+
+        kp = kp_of(problem)
+        return int(problem.n // 64 * kp // 64 * record_bytes(problem.fmt)
+                   + problem.rows * kp * 2 + problem.m * problem.n * 2)
+
+    def runner(self, compiled: Any, variant: LinearSm90WgmmaVariant, problem: LinearProblem,
+               device: Any, n_sets: int = 1, seed: int = 0) -> "LinearSm90WgmmaRunner":
+        return LinearSm90WgmmaRunner(compiled, variant, problem, device, n_sets, seed)
+
+
+FAMILY = register(LinearSm90WgmmaFamily())
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def _compensation(problem: LinearProblem):
+    return problem.ratio if problem.ratio is not None else problem.compensation
+
+
+_SETS: dict[tuple, list] = {}
+_SETS_KEEP = 2          # input-set lists kept for reuse by the next variants of a problem
+
+
+def _input_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
+    """[(qweight, WgWeight, x, xop, alpha_x)] * n_sets, cached for the most recent problems."""
+    from ..kernels.linear_sm90 import make_xop
+    from ..kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
+
+    key = (problem.key(), packing, str(device), n_sets, seed)
+    if key in _SETS:
+        return _SETS[key]
+    while len(_SETS) >= _SETS_KEEP:
+        _SETS.pop(next(iter(_SETS)))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sets = []
+    for _ in range(max(1, n_sets)):
+        qw = random_layer(problem, device, gen)
+        wt = prepare_wgmma_weight(qw, packing)
+        x = torch.randn(problem.m, problem.k, generator=gen, device=device)
+        xop, ax = make_xop(x, qw, _compensation(problem), t_multiple=8)
+        sets.append((qw, wt, x, xop, ax))
+    _SETS[key] = sets
+    return sets
+
+
+class LinearSm90WgmmaRunner:
+    """n_sets complete input sets (weights + activation operand), one compiled variant.
+
+    The timed call is the GEMM (+ fold + epilogue) on a prepared activation operand, or, after
+    attach_quantizer, quant_sm90 + the GEMM (the whole layer, BENCH.md's protocol)."""
+
+    def __init__(self, compiled, variant, problem, device, n_sets, seed):
+        from ..kernels.linear_sm90_wgmma import WgmmaLauncher
+
+        self.variant, self.problem = variant, problem
+        self.geom = geometry_of(variant, problem)
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.comp = _compensation(problem)
+        self.m, self.rows = problem.m, problem.rows
+        self.sets = _input_sets(problem, variant.packing.value, self.device, n_sets, seed)
+        self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
+        self.quantizer = None
+        self.qsets: list = []
+        self.launcher = WgmmaLauncher(compiled, self.geom, self.device)
+        self.cur = 0
+
+    def bytes_per_set(self) -> int:
+        _, wt, _, xop, _ = self.sets[0]
+        return wt.nbytes() + xop.numel() * 2
+
+    def rotate(self, i: int) -> None:
+        self.cur = i % len(self.sets)
+
+    def attach_quantizer(self, qkernel: Any) -> None:
+        """Time the whole layer: the fused quantizer (a compiled quant_sm90 QuantKernel writing
+        the xop with kp_align 256) on bf16 activations, then the GEMM on its operand."""
+        self.quantizer = qkernel
+        self.qsets = []
+        for qw, _, x, _, _ in self.sets:
+            outs = qkernel.outputs(self.m, row_multiple=8, device=self.device)
+            alpha = None
+            if qkernel.config.alpha == "static":
+                alpha = torch.as_tensor(qw.input_scale, dtype=torch.float32,
+                                        device=self.device).reshape(1)
+            masks = None
+            if qw.selection is not None and self.problem.ratio is not None:
+                masks = qw.selection.masks.to(self.device)
+            self.qsets.append((x.to(torch.bfloat16).contiguous(), outs, alpha, masks))
+
+    def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
+        op = self.quantizer(xb, outs, alpha=alpha, masks=masks)
+        return self.launcher(wt, op.xop, xb.shape[0], self.rows, op.alpha, out)
+
+    def __call__(self) -> torch.Tensor:
+        _, wt, _, xop, ax = self.sets[self.cur]
+        if self.quantizer is not None:
+            xb, outs, alpha, masks = self.qsets[self.cur]
+            return self._quantized_call(xb, outs, alpha, masks, wt, self.out)
+        return self.launcher(wt, xop, self.m, self.rows, ax, self.out)
+
+    def check_quantized(self) -> CheckResult:
+        """Fresh bf16 activations through the attached quantizer and the GEMM vs
+        resgen.reference.linear on the same bf16 values."""
+        from .. import reference
+
+        if self.quantizer is None:
+            raise ValueError("no quantizer attached")
+        qw, wt, _, _, _ = self.sets[0]
+        _, outs, alpha, masks = self.qsets[0]
+        xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
+              * 3).to(torch.bfloat16)
+        out = torch.full((self.m, self.problem.n), float("nan"), dtype=torch.bfloat16,
+                         device=self.device)
+        self._quantized_call(xb, outs, alpha, masks, wt, out)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return compare(out, reference.linear(xb.float(), qw, self.comp))
+
+    def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
+        """Quantize x in torch, run the kernel on set `set_index`'s weight; poisoned output."""
+        from ..kernels.linear_sm90 import make_xop
+
+        qw, wt, _, _, _ = self.sets[set_index]
+        xop, ax = make_xop(x, qw, self.comp, t_multiple=8)
+        out = torch.full((x.shape[0], self.problem.n), float("nan"), dtype=torch.bfloat16,
+                         device=self.device)
+        rows = 2 * x.shape[0] if self.comp == "full" else x.shape[0]
+        self.launcher(wt, xop, x.shape[0], rows, ax, out)
+        return out
+
+    def check(self) -> CheckResult:
+        """Fresh random activations, NaN-poisoned output, vs resgen.reference.linear."""
+        from .. import reference
+
+        qw = self.sets[0][0]
+        x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
+        out = self.run_on(x)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return compare(out, reference.linear(x, qw, self.comp))

@@ -1,0 +1,399 @@
+"""linear_sm90_wgmma on the CPU: the wg64 layout and decode proved exact, the wgmma fragment
+coordinates checked against the CuTe DSL's own partitions, the kernel's data path simulated
+thread by thread against resgen.reference.linear, the mbarrier pipeline protocol stepped in
+random interleavings, the variant space and predicate, compile-only checks for sm_90a, and the
+launcher / runner plumbing with the simulation standing in for the GPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from resgen import calibrate as C
+from resgen import formats as F
+from resgen import reference as R
+from resgen.kernels import layouts as L
+from resgen.kernels import linear_sm90_wgmma_layout as W
+from resgen.kernels.linear_sm90 import make_xop
+from resgen.kernels.linear_sm90_wgmma import SimulatedWgmma, WgmmaLauncher
+from resgen.kernels.linear_sm90_wgmma_geom import WgGeometry, record_bytes
+from resgen.kernels.linear_sm90_wgmma_sim import (cvt_bf16x2, prmt, simulate_launch,
+                                                  simulate_pipeline)
+from resgen.search.linear_sm90 import Packing
+from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Raster,
+                                             geometry_of, kp_of)
+from resgen.search.variant import LinearProblem
+
+ARCH = "sm_90a"
+
+
+def _qweight(fmt, n=128, k=512, seed=0, ratio=None, static=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    sel = None
+    if ratio is not None:
+        st = C.ChannelStats(k)
+        st.update(torch.randn(16, k, generator=g) * torch.exp(torch.randn(1, k, generator=g)))
+        sel = C.select_channels(st.mean_abs(), ratio)
+    isc = torch.tensor(4.0 / (6 * 448)) if (fmt == "nvfp4" and static) else None
+    return C.prepare_weight(w, fmt, sel, input_scale=isc)
+
+
+def _adversarial(fmt, n=64, k=256, seed=0) -> C.QLinearWeight:
+    """Every code (with -0 and the subnormal 0.5) against every usable scale."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)
+    if fmt == "nvfp4":
+        sbytes = torch.arange(0, 0x7F, dtype=torch.uint8)          # 0x7F is NaN
+        sb = sbytes[torch.randint(0, len(sbytes), (n * k // 16,), generator=g)]
+        sb[: len(sbytes)] = sbytes
+        scales = sb.view(torch.float8_e4m3fn).reshape(n, k // 16)
+        zero = (scales.to(torch.float32) == 0).repeat_interleave(16, dim=1)
+        codes = torch.where(zero, torch.zeros_like(codes), codes)
+        q = F.QuantizedTensor("nvfp4", F.pack_fp4(codes), scales, torch.tensor(0.37))
+    else:
+        e = torch.randint(9, 136, (n, k // 32), generator=g, dtype=torch.int32)
+        e[0, 0], e[0, 1] = 9, 135
+        e[1, 0] = 3                                                 # tiny but all-zero block
+        codes[1, :32] = torch.tensor([0, 8] * 16, dtype=torch.uint8)
+        q = F.QuantizedTensor("mxfp4", F.pack_fp4(codes), e.to(torch.uint8), None)
+    return C.QLinearWeight(q, k)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_chunk_permutation_is_a_bijection():
+    perm = W.chunk_permutation()
+    assert sorted(perm.tolist()) == list(range(64))
+
+
+@pytest.mark.parametrize("packing", L.PACKINGS)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fragments_decode_to_the_exact_weights(fmt, packing):
+    """Bit decode x expanded scale byte, multiplied in BF16, placed with the wgmma A fragment
+    coordinates, equals w_hat / alpha x 2^-7 bit for bit (signs of zero included)."""
+    qw = _adversarial(fmt)
+    wt = W.prepare_wgmma_weight(qw, packing)
+    assert wt.records.shape == (1, 256 // 64, record_bytes(fmt) // 4)
+    dense = W.dense_weight_values(wt)
+    ref = F.dequantize(qw.q, apply_global_scale=False)
+    assert torch.equal(dense * 128, ref)
+    assert torch.equal(torch.signbit(dense * 128), torch.signbit(ref))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_kext_weights_and_padding(fmt):
+    qw = _qweight(fmt, n=64, k=512, ratio=0.125)
+    wt = W.prepare_wgmma_weight(qw, "split")
+    kw = qw.q.shape[1]
+    assert wt.kw == kw and wt.kp == L.pad_to(kw, 256) and wt.kp > kw
+    dense = W.dense_weight_values(wt)
+    assert torch.equal(dense[:, :kw] * 128, F.dequantize(qw.q, apply_global_scale=False))
+    assert not bool(dense[:, kw:].any())                          # zero-code padding
+
+
+def test_prep_rejects_bad_weights():
+    with pytest.raises(ValueError, match="% 64"):
+        W.prepare_wgmma_weight(_qweight("nvfp4", n=96, k=256))
+    with pytest.raises(ValueError, match="packing"):
+        W.prepare_wgmma_weight(_qweight("nvfp4", n=64, k=256), "bogus")
+    q = _adversarial("mxfp4")
+    bad = q.q.scales.clone()
+    bad[5, 3] = 140                                                # |w| >= 2^13: not exact
+    with pytest.raises(ValueError, match="MXFP4"):
+        W.prepare_wgmma_weight(C.QLinearWeight(F.QuantizedTensor("mxfp4", q.q.codes, bad,
+                                                                  None), q.in_features))
+
+
+# ----------------------------------------------------------------------------- fragments
+
+
+_PROBE: dict = {}
+
+
+def _probe_fragments(bn: int) -> dict:
+    """Coordinates the CuTe DSL assigns to every thread's A (64 x 64, 4 k16 blocks) and
+    accumulator (64 x bn) register elements of the RS BF16 wgmma this family compiles."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    out: dict = {}
+
+    @cute.jit
+    def probe():
+        tm = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            (64, bn), warpgroup.OperandSource.RMEM)
+        for tid in cutlass.range_constexpr(128):
+            thr = tm.get_slice(tid)
+            a = thr.partition_A(cute.make_identity_tensor((64, 64)))
+            c = thr.partition_C(cute.make_identity_tensor((64, bn)))
+            out[("A", tid)] = [tuple(int(x) for x in a[i]) for i in range(cute.size(a))]
+            out[("C", tid)] = [tuple(int(x) for x in c[i]) for i in range(cute.size(c))]
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    return out
+
+
+@pytest.mark.parametrize("bn", [64, 256])
+def test_register_fragments_match_the_cute_wgmma_layout(bn):
+    """The A fragment element 8 j + 2 r + h of thread (q, g, t) sits at a_coord(q, g, t, j,
+    2 r + h) (so register r of k16 step j is the bf16x2 pair the decode writes), and the
+    accumulator element e at acc_coord(q, g, t, e): the ALayout_64x16 / CLayout_64xN of
+    CuTe's SM90 RS GMMA atoms, i.e. the PTX ISA wgmma m64nNk16 register fragments."""
+    got = _PROBE.setdefault(bn, _probe_fragments(bn))
+    for tid in range(128):
+        q, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        want_a = [WgGeometry.a_coord(q, g, t, j, s) for j in range(4) for s in range(8)]
+        assert got[("A", tid)] == want_a, tid
+        want_c = [WgGeometry.acc_coord(q, g, t, e) for e in range(bn // 2)]
+        assert got[("C", tid)] == want_c, tid
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+def test_prmt_and_cvt_follow_ptx():
+    a = torch.tensor([0x33221100], dtype=torch.int64)
+    b = torch.tensor([0x77665544], dtype=torch.int64)
+    assert int(prmt(a, b, 0x5410)) == 0x55441100
+    assert int(prmt(a, b, 0x3276)) == 0x33227766
+    assert int(prmt(a, b, 0x7654)) == 0x77665544
+    lo, hi = torch.tensor([1.0]), torch.tensor([-2.0])
+    assert int(cvt_bf16x2(lo, hi)) == 0xC0003F80
+
+
+_GEOMS = [(2, 1, 32, 3, "tok"), (1, 2, 16, 2, "ch"), (1, 1, 64, 4, "tok"), (2, 2, 16, 2, "tok")]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("comp", ["none", "full", 0.125, 1.0])
+def test_simulated_kernel_matches_the_reference(fmt, comp):
+    """Every output written (NaN-poisoned buffer), within 3e-3 of reference.linear, and equal
+    to the reference rounded to BF16 except for rare one-ulp FP32 summation-order ties."""
+    n, k = 256, 512
+    qw = _qweight(fmt, n=n, k=k, ratio=None if comp in ("none", "full") else comp)
+    mext = comp == "full"
+    for packing in ("split", "nib"):
+        wt = W.prepare_wgmma_weight(qw, packing)
+        for i, (c, mw, bn, st, ras) in enumerate(_GEOMS):
+            geom = WgGeometry(fmt, mext, packing, c, mw, bn, st, ras)
+            if n % geom.bm:
+                continue
+            m = (5, 17, 40, 1)[i]
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(i)) * 3
+            xop, ax = make_xop(x, qw, comp, t_multiple=8)
+            out = simulate_launch(geom, wt, xop, m, 2 * m if mext else m, ax)
+            ref = R.linear(x, qw, comp)
+            assert not bool(out.isnan().any())
+            rel = float((out.double() - ref.double()).norm() / ref.double().norm())
+            assert rel <= 3e-3, (packing, geom, rel)
+            diff = (out.view(torch.int16).int() - ref.to(torch.bfloat16).view(torch.int16).int())
+            assert int(diff.abs().max()) <= 1 and float((diff != 0).float().mean()) < 0.02
+
+
+def test_simulation_ignores_xop_rows_past_rows():
+    """TMA zero-fills rows >= rows: garbage in the xop's padding rows must not leak."""
+    qw = _qweight("nvfp4", n=128, k=256)
+    wt = W.prepare_wgmma_weight(qw)
+    x = torch.randn(3, 256)
+    xop, ax = make_xop(x, qw, "none", t_multiple=8)
+    geom = WgGeometry("nvfp4", False, "split", 2, 1, 16, 2, "tok")
+    clean = simulate_launch(geom, wt, xop, 3, 3, ax)
+    xop[3:] = 1e4
+    assert torch.equal(simulate_launch(geom, wt, xop, 3, 3, ax).view(torch.int16),
+                       clean.view(torch.int16))
+
+
+@pytest.mark.parametrize("consumers", [1, 2])
+@pytest.mark.parametrize("stages", [2, 3, 4, 6])
+def test_pipeline_protocol_never_deadlocks_or_races(consumers, stages):
+    geom = WgGeometry("nvfp4", False, "split", consumers, 1, 128, stages, "tok")
+    for nk in (2, 4, 6, 22):
+        for seed in range(6):
+            tr = simulate_pipeline(geom, nk, seed)
+            assert sorted((w, c) for w, c, _ in tr.reads) == \
+                [(w, c) for w in range(consumers) for c in range(nk)]
+
+
+def test_pipeline_model_catches_a_wrong_parity():
+    """The model is not vacuous: a producer that skips the empty wait overwrites live stages."""
+
+    class Eager(WgGeometry):
+        def stage_of(self, c):
+            s, ph = super().stage_of(c)
+            return s, ph if c % 2 else (ph ^ 1 if c >= self.stages else ph)
+
+    geom = Eager("nvfp4", False, "split", 2, 1, 128, 2, "tok")
+    with pytest.raises(AssertionError):
+        for seed in range(20):
+            simulate_pipeline(geom, 8, seed)
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def test_variant_keys_round_trip():
+    v = LinearSm90WgmmaVariant(2, 1, 192, 5, Raster.CH, Packing.NIB)
+    assert LinearSm90WgmmaVariant.from_key(v.key()) == v
+    assert "linear_sm90_wgmma" in v.name() and v.deterministic
+
+
+@pytest.mark.parametrize("v, p, reason", [
+    (LinearSm90WgmmaVariant(2, 1), LinearProblem(n=4096 + 64), "multiple of the CTA"),
+    (LinearSm90WgmmaVariant(2, 2, 256), LinearProblem(), "accumulators"),
+    (LinearSm90WgmmaVariant(1, 1, 72), LinearProblem(), "multiple of 16"),
+    (LinearSm90WgmmaVariant(2, 1, 256, 8), LinearProblem(), "shared memory"),
+    (LinearSm90WgmmaVariant(2, 1, 128, 6), LinearProblem(k=256), "K chunks"),
+])
+def test_why_invalid_reasons(v, p, reason):
+    why = FAMILY.why_invalid(v, p, ARCH)
+    assert why is not None and reason in why, why
+
+
+def test_why_invalid_arch_and_types():
+    assert "sm_90a" in FAMILY.why_invalid(LinearSm90WgmmaVariant(), LinearProblem(), "sm_100a")
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])
+@pytest.mark.parametrize("comp", ["none", "full", "0.125", "1.0"])
+def test_space_is_valid_and_nonempty(n, k, comp):
+    for m in (128, 2048):
+        p = LinearProblem("nvfp4", comp, m, n, k)
+        space = FAMILY.space(p, ARCH)
+        assert space and len(space) == len(set(space))
+        assert all(FAMILY.why_invalid(v, p, ARCH) is None for v in space)
+        assert FAMILY.why_invalid(FAMILY.default(p, ARCH), p, ARCH) is None
+
+
+def test_small_problems_have_a_default():
+    p = LinearProblem("mxfp4", "none", 1, 64, 128)
+    v = FAMILY.default(p, ARCH)
+    assert v.consumers == 1 and FAMILY.why_invalid(v, p, ARCH) is None
+    assert FAMILY.space(p, ARCH)
+
+
+def test_compile_key_drops_m_n_k_and_kext():
+    v = LinearSm90WgmmaVariant()
+    a = FAMILY.compile_key(v, LinearProblem("nvfp4", "none", 1, 4096, 4096))
+    b = FAMILY.compile_key(v, LinearProblem("nvfp4", "0.25", 2048, 24576, 12288, False))
+    c = FAMILY.compile_key(v, LinearProblem("nvfp4", "full", 7, 4096, 4096))
+    assert a == b and a != c
+    assert FAMILY.template_params(v, a) == FAMILY.template_params(
+        v, LinearProblem("nvfp4", "0.5", 9, 128, 256))
+
+
+def test_kp_matches_the_quantizer_operand():
+    from resgen.kernels.quant_sm90 import operand_shape
+
+    for fmt in ("nvfp4", "mxfp4"):
+        for comp in ("none", "full", "0.125", "0.25", "0.5", "1.0"):
+            p = LinearProblem(fmt, comp, 4, 4096, 4096)
+            layout = "row_pair" if comp == "full" else "plain"
+            assert kp_of(p) == operand_shape(fmt, comp, 4096, 4, layout, 1, 256).kp
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+COMPILE_CASES = [
+    (LinearProblem("nvfp4", "none", 2048, 4096, 4096), LinearSm90WgmmaVariant(2, 1, 256, 4)),
+    (LinearProblem("nvfp4", "full", 1024, 24576, 4096),
+     LinearSm90WgmmaVariant(2, 2, 128, 4, Raster.CH, Packing.NIB)),
+    (LinearProblem("mxfp4", "none", 2048, 6144, 4096), LinearSm90WgmmaVariant(1, 2, 128, 6)),
+    (LinearProblem("mxfp4", "full", 256, 4096, 12288), LinearSm90WgmmaVariant(1, 1, 64, 3)),
+    (LinearProblem("nvfp4", "0.125", 512, 4096, 4096), LinearSm90WgmmaVariant(2, 1, 192, 5)),
+]
+
+
+def _compile(v, p, tmp_path):
+    from resgen.kernels import codegen
+
+    ck = FAMILY.compile_key(v, p)
+    path, _ = codegen.render_to_file(FAMILY.TEMPLATE, FAMILY.template_params(v, ck),
+                                     FAMILY.NAME, root=tmp_path)
+    mod = codegen.load_module(path)
+    return codegen.compile_entry(getattr(mod, FAMILY.ENTRY), FAMILY.compile_args(v, ck), ARCH)
+
+
+@pytest.mark.parametrize("p, v", COMPILE_CASES, ids=lambda x: x.name() if hasattr(x, "name")
+                         else f"{x.fmt}-{x.compensation}")
+def test_compiles_for_sm90a(p, v, tmp_path):
+    assert FAMILY.why_invalid(v, p, ARCH) is None
+    res = _compile(v, p, tmp_path)
+    ptx = res.ptx
+    assert ptx and ".target sm_90a" in ptx
+    shape = f"wgmma.mma_async.sync.aligned.m64n{v.bn}k16.f32.bf16.bf16"
+    # the main loop body: two chunks x 4 k16 steps x m_wg blocks, A from registers ({...} a)
+    assert ptx.count(shape) == 8 * v.m_wg
+    assert re.search(re.escape(shape) + r" \{[^}]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+",
+                     ptx)
+    # the accumulate flag of every wgmma is the constant 1 (not the atom's default 0)
+    for reg in set(re.findall(r"setp\.ne\.b32 p, (%r\d+), 0;\s*\n\s*wgmma\.mma_async", ptx)):
+        assert re.search(rf"mov\.b32\s+{re.escape(reg)}, 1;", ptx), reg
+    assert "wgmma.fence.sync.aligned" in ptx and "wgmma.wait_group.sync.aligned" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert ("setmaxnreg" in ptx) == (v.consumers == 2)
+    assert "mul.rn.bf16x2" in ptx and "ftz" not in ptx
+    assert "shfl.sync.bfly.b32" in ptx and "trap;" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert res.spill_bytes == 0, f"{res.spill_bytes} bytes of local memory"
+    assert res.registers is not None and res.registers <= 255
+
+
+def test_compile_through_the_build_helper():
+    from resgen.search import build
+
+    p = LinearProblem("nvfp4", "full", 1024, 4096, 4096)
+    out = build.compile_variant(FAMILY, FAMILY.default(p, ARCH), p, ARCH)
+    assert out.ok, out.error
+    assert out.spill_bytes == 0 and len(out.fingerprint) == 64
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+@pytest.mark.parametrize("comp", ["none", "full", "0.25"])
+def test_runner_with_the_simulation(comp):
+    p = LinearProblem("nvfp4", comp, 5, 128, 256)
+    v = LinearSm90WgmmaVariant(2, 1, 16, 2)
+    assert FAMILY.why_invalid(v, p, ARCH) is None
+    r = FAMILY.runner(SimulatedWgmma(), v, p, "cpu", n_sets=2, seed=3)
+    res = r.check()
+    assert res.ok, res.detail
+    r.rotate(1)
+    out = r()
+    assert out.shape == (5, 128) and not bool(out.isnan().any())
+
+
+def test_launcher_rejects_mismatches():
+    qw = _qweight("nvfp4", n=128, k=256)
+    wt = W.prepare_wgmma_weight(qw)
+    x = torch.randn(4, 256)
+    xop, ax = make_xop(x, qw, "none")
+    geom = WgGeometry("nvfp4", False, "split", 2, 1, 16, 2, "tok")
+    launch = WgmmaLauncher(SimulatedWgmma(), geom, "cpu")
+    out = torch.empty(4, 128, dtype=torch.bfloat16)
+    launch(wt, xop, 4, 4, ax, out)
+    with pytest.raises(ValueError, match="rows"):
+        launch(wt, xop, 4, 8, ax, out)
+    with pytest.raises(ValueError, match="alpha_x"):
+        launch(wt, xop, 4, 4, None, out)
+    with pytest.raises(TypeError, match="xop"):
+        launch(wt, xop.float(), 4, 4, ax, out)
+    with pytest.raises(ValueError, match="packing|nib"):
+        WgmmaLauncher(SimulatedWgmma(), WgGeometry("nvfp4", False, "nib", 2, 1, 16, 2, "tok"),
+                      "cpu")(wt, xop, 4, 4, ax, out)
+    with pytest.raises(ValueError, match="multiple"):
+        WgmmaLauncher(SimulatedWgmma(), WgGeometry("nvfp4", False, "split", 1, 2, 16, 2, "tok"),
+                      "cpu")(W.prepare_wgmma_weight(_qweight("nvfp4", n=64, k=256)),
+                             xop, 4, 4, ax, torch.empty(4, 64, dtype=torch.bfloat16))
