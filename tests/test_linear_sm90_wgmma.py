@@ -17,10 +17,10 @@ from resgen import reference as R
 from resgen.kernels import layouts as L
 from resgen.kernels import linear_sm90_wgmma_layout as W
 from resgen.kernels.linear_sm90 import make_xop
-from resgen.kernels.linear_sm90_wgmma import SimulatedWgmma, WgmmaLauncher
+from resgen.kernels.linear_sm90_wgmma import WgmmaLauncher
 from resgen.kernels.linear_sm90_wgmma_geom import WgGeometry, record_bytes
-from resgen.kernels.linear_sm90_wgmma_sim import (cvt_bf16x2, prmt, simulate_launch,
-                                                  simulate_pipeline)
+from resgen.kernels.linear_sm90_wgmma_sim import (SimulatedKernel, cvt_bf16x2, prmt,
+                                                  simulate_launch, simulate_pipeline)
 from resgen.search.linear_sm90 import Packing
 from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Raster,
                                              geometry_of, kp_of)
@@ -364,15 +364,65 @@ def test_compile_through_the_build_helper():
 
 @pytest.mark.parametrize("comp", ["none", "full", "0.25"])
 def test_runner_with_the_simulation(comp):
+    """The family runner and the launcher end to end on the CPU: the simulated kernel reads the
+    raw addresses and ints the launcher passes (order, sizes, alignment) and writes there."""
     p = LinearProblem("nvfp4", comp, 5, 128, 256)
     v = LinearSm90WgmmaVariant(2, 1, 16, 2)
     assert FAMILY.why_invalid(v, p, ARCH) is None
-    r = FAMILY.runner(SimulatedWgmma(), v, p, "cpu", n_sets=2, seed=3)
+    fake = SimulatedKernel(geometry_of(v, p))
+    r = FAMILY.runner(fake, v, p, "cpu", n_sets=2, seed=3)
     res = r.check()
     assert res.ok, res.detail
     r.rotate(1)
     out = r()
     assert out.shape == (5, 128) and not bool(out.isnan().any())
+    kp = kp_of(p)
+    assert fake.calls == [(5, 10 if comp == "full" else 5, 128, kp // 64)] * 2
+    assert FAMILY.working_set_bytes(v, p) >= r.bytes_per_set()
+
+
+class _ReferenceQuantizer:
+    """Duck-typed compiled quant_sm90 QuantKernel: the quantizer's operand (kp_align 256) from
+    its torch definition, resgen.kernels.quant_sm90.operand_reference."""
+
+    class _Op:
+        def __init__(self, xop, alpha):
+            self.xop, self.alpha = xop, alpha
+
+    def __init__(self, fmt, comp, alpha_mode):
+        self.fmt, self.comp = fmt, comp
+        self.config = type("Cfg", (), {"alpha": alpha_mode})()
+        self.calls = 0
+
+    def outputs(self, m, row_multiple=1, device="cpu"):
+        return {"row_multiple": row_multiple}
+
+    def __call__(self, x, outs, alpha=None, masks=None):
+        from resgen.kernels.quant_sm90 import mode_of, operand_reference
+
+        assert x.dtype == torch.bfloat16
+        assert (masks is not None) == (mode_of(self.comp) == "kext")
+        layout = "row_pair" if self.comp == "full" else "plain"
+        op = operand_reference(x, self.fmt, self.comp, layout, outs["row_multiple"],
+                               None if alpha is None else alpha.reshape(()), masks, 256)
+        self.calls += 1
+        return self._Op(op.xop, op.alpha)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("comp", ["none", "full", "0.5"])
+def test_runner_behind_the_quantizer_operand(fmt, comp):
+    """The quantizer's xop (its column order and K-Ext extension order, its row pairs) is the
+    operand this family reads: whole-layer check with the quantizer's torch definition."""
+    p = LinearProblem(fmt, comp, 6, 128, 512)
+    v = LinearSm90WgmmaVariant(1, 2, 16, 3, Raster.CH, Packing.NIB)
+    r = FAMILY.runner(SimulatedKernel(geometry_of(v, p)), v, p, "cpu", n_sets=1)
+    q = _ReferenceQuantizer(fmt, comp, "static" if fmt == "nvfp4" else "none")
+    r.attach_quantizer(q)
+    res = r.check_quantized()
+    assert res.ok, res.detail
+    r()
+    assert q.calls == 2
 
 
 def test_launcher_rejects_mismatches():
@@ -381,7 +431,7 @@ def test_launcher_rejects_mismatches():
     x = torch.randn(4, 256)
     xop, ax = make_xop(x, qw, "none")
     geom = WgGeometry("nvfp4", False, "split", 2, 1, 16, 2, "tok")
-    launch = WgmmaLauncher(SimulatedWgmma(), geom, "cpu")
+    launch = WgmmaLauncher(SimulatedKernel(geom), geom, "cpu")
     out = torch.empty(4, 128, dtype=torch.bfloat16)
     launch(wt, xop, 4, 4, ax, out)
     with pytest.raises(ValueError, match="rows"):
@@ -390,10 +440,14 @@ def test_launcher_rejects_mismatches():
         launch(wt, xop, 4, 4, None, out)
     with pytest.raises(TypeError, match="xop"):
         launch(wt, xop.float(), 4, 4, ax, out)
-    with pytest.raises(ValueError, match="packing|nib"):
-        WgmmaLauncher(SimulatedWgmma(), WgGeometry("nvfp4", False, "nib", 2, 1, 16, 2, "tok"),
-                      "cpu")(wt, xop, 4, 4, ax, out)
+    with pytest.raises(ValueError, match="aligned"):
+        launch(wt, xop, 3, 3, ax, torch.empty(4 * 128 + 1, dtype=torch.bfloat16)[1:]
+               .view(4, 128)[:3])
+    nib = WgGeometry("nvfp4", False, "nib", 2, 1, 16, 2, "tok")
+    with pytest.raises(ValueError, match="nib"):
+        WgmmaLauncher(SimulatedKernel(nib), nib, "cpu")(wt, xop, 4, 4, ax, out)
+    g64 = WgGeometry("nvfp4", False, "split", 1, 2, 16, 2, "tok")
     with pytest.raises(ValueError, match="multiple"):
-        WgmmaLauncher(SimulatedWgmma(), WgGeometry("nvfp4", False, "split", 1, 2, 16, 2, "tok"),
-                      "cpu")(W.prepare_wgmma_weight(_qweight("nvfp4", n=64, k=256)),
-                             xop, 4, 4, ax, torch.empty(4, 64, dtype=torch.bfloat16))
+        WgmmaLauncher(SimulatedKernel(g64), g64, "cpu")(
+            W.prepare_wgmma_weight(_qweight("nvfp4", n=64, k=256)), xop, 4, 4, ax,
+            torch.empty(4, 64, dtype=torch.bfloat16))

@@ -4,8 +4,8 @@
   stream (no synchronization: graph capturable). The activation operand comes from
   resgen.kernels.linear_sm90.make_xop (torch) or the fused quantizer quant_sm90 (kp_align=256):
   the same xop both families read.
-- SimulatedWgmma: a stand-in for a compiled kernel that runs the thread-level CPU simulation
-  (tests exercise the launcher and the family runner on the CPU with it).
+The CPU tests stand resgen.kernels.linear_sm90_wgmma_sim.SimulatedKernel in for the compiled
+kernel: it reads and writes the raw addresses the launcher passes.
 
 Layouts: resgen.kernels.linear_sm90_wgmma_layout; geometry: linear_sm90_wgmma_geom.
 """
@@ -19,7 +19,7 @@ import torch
 from .linear_sm90_wgmma_geom import WgGeometry
 from .linear_sm90_wgmma_layout import WgWeight
 
-__all__ = ["WgmmaLauncher", "SimulatedWgmma", "check_launch"]
+__all__ = ["WgmmaLauncher", "check_launch"]
 
 _GRID_Y_MAX = 65535
 
@@ -91,27 +91,12 @@ class WgmmaLauncher:
         """out: bf16 [>= m, N], rows 0..m-1 written; xop: bf16 [>= rows, Kp] contiguous."""
         check_launch(self.geom, wt, xop, m, rows, alpha_x, out)
         ax = alpha_x if alpha_x is not None else self.one
-        if getattr(self.compiled, "SIMULATED", False):
-            return self.compiled.run(self.geom, wt, xop, m, rows, ax, out)
         import cuda.bindings.driver as cuda
 
-        stream = cuda.CUstream(torch.cuda.current_stream(xop.device).cuda_stream)
+        # CPU tensors only reach here in tests that stand a simulation in for the kernel
+        stream = cuda.CUstream(torch.cuda.current_stream(xop.device).cuda_stream
+                               if xop.is_cuda else 0)
         self.compiled(self._ptr(wt.records, 16), self._ptr(xop, 16), self._ptr(out, 16),
                       self._ptr(ax, 4), self._ptr(wt.alpha, 4), int(m), int(rows),
                       int(wt.out_features), int(wt.nk), stream)
-        return out
-
-
-class SimulatedWgmma:
-    """Stands in for a compiled kernel on the CPU: runs simulate_launch and writes rows
-    0..m-1 of `out` (tests of the launcher and the runner)."""
-
-    SIMULATED = True
-
-    def run(self, geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows: int,
-            alpha_x: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        from .linear_sm90_wgmma_sim import simulate_launch
-
-        out[:m] = simulate_launch(geom, wt, xop, m, rows, alpha_x if geom.nv else None
-                                  ).to(out.device)
         return out

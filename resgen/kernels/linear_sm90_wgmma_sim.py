@@ -9,6 +9,9 @@ simulate_launch: one launch, CTA by CTA: the weight records are read at the kern
     accumulators are read back per lane with the accumulator coordinates, and the epilogue runs
     lane by lane: BF16 packing, the byte permutes, the xor-4 shuffle and the 32-bit stores at
     the addresses of WgGeometry.store_lane, predicated on token < m.
+SimulatedKernel: stands in for a compiled kernel: takes the launcher's raw pointers and ints,
+    reads the tensors at those host addresses (CPU tensors) and writes simulate_launch's output
+    there, so the launcher's argument order, sizes and alignments are checked end to end.
 simulate_pipeline: the mbarrier protocol between the producer thread and the consumer
     warpgroups (stages, parities, releases), stepped in random interleavings: it checks that
     every consumer reads the chunk it expects, that no stage is overwritten while a consumer
@@ -26,7 +29,8 @@ from .layouts import epilogue_factor
 from .linear_sm90_wgmma_geom import MEXT_SEL, PLAIN_SEL, WgGeometry
 from .linear_sm90_wgmma_layout import WgWeight, fragment_values
 
-__all__ = ["prmt", "cvt_bf16x2", "simulate_launch", "simulate_pipeline", "PipelineTrace"]
+__all__ = ["prmt", "cvt_bf16x2", "simulate_launch", "simulate_pipeline", "PipelineTrace",
+           "SimulatedKernel"]
 
 _M32 = 0xFFFFFFFF
 
@@ -128,6 +132,41 @@ def simulate_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, r
                         out[idx + 1] = (val[ok] >> 16) & 0xFFFF
     bits = torch.where(out >= 2 ** 15, out - 2 ** 16, out).to(torch.int16)
     return bits.view(torch.bfloat16).reshape(m, n)
+
+
+class SimulatedKernel:
+    """A compiled linear_sm90_wgmma entry's stand-in on the CPU (see the module docstring)."""
+
+    def __init__(self, geom: WgGeometry):
+        self.geom = geom
+        self.calls: list[tuple[int, int, int, int]] = []
+
+    @staticmethod
+    def _view(ptr, nbytes: int, dtype, align: int) -> torch.Tensor:
+        import ctypes
+
+        addr = ptr._pointer
+        if addr % align or ptr._assumed_align != align:
+            raise AssertionError(f"pointer {addr:#x} promised {ptr._assumed_align}-byte "
+                                 f"alignment, the kernel assumes {align}")
+        buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(addr)
+        return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype)
+
+    def __call__(self, wp, xp, yp, axp, awp, m, rows, n, nk, stream) -> None:
+        from .linear_sm90_wgmma_geom import record_bytes
+
+        g = self.geom
+        m, rows, n, nk = (int(getattr(v, "value", v)) for v in (m, rows, n, nk))
+        self.calls.append((m, rows, n, nk))
+        rec = record_bytes(g.fmt)
+        records = self._view(wp, n // 64 * nk * rec, torch.int32, 16).reshape(n // 64, nk,
+                                                                               rec // 4)
+        xop = self._view(xp, rows * nk * 128, torch.bfloat16, 16).reshape(rows, nk * 64)
+        out = self._view(yp, m * n * 2, torch.bfloat16, 16).reshape(m, n)
+        ax = self._view(axp, 4, torch.float32, 4).clone()
+        aw = self._view(awp, 4, torch.float32, 4).clone()
+        wt = WgWeight(g.fmt, g.packing, n, 0, nk * 64, records.clone(), aw)
+        out.copy_(simulate_launch(g, wt, xop.clone(), m, rows, ax if g.nv else None))
 
 
 # ----------------------------------------------------------------------------- pipeline

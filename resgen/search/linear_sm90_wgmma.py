@@ -196,8 +196,9 @@ class LinearSm90WgmmaFamily:
         from ..kernels.linear_sm90_wgmma_geom import record_bytes
 
         kp = kp_of(problem)
-        return int(problem.n // 64 * kp // 64 * record_bytes(problem.fmt)
-                   + problem.rows * kp * 2 + problem.m * problem.n * 2)
+        rows = -(-problem.rows // 8) * 8                     # make_xop pads to 8 rows
+        return int(problem.n // 64 * kp // 64 * record_bytes(problem.fmt) + 4
+                   + rows * kp * 2 + problem.m * problem.n * 2)
 
     def runner(self, compiled: Any, variant: LinearSm90WgmmaVariant, problem: LinearProblem,
                device: Any, n_sets: int = 1, seed: int = 0) -> "LinearSm90WgmmaRunner":
