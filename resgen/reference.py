@@ -103,7 +103,11 @@ def quantize_query(q: torch.Tensor, *, scale: Literal["row", "tensor"] = "row"):
         base, res = formats.quantize_with_residue(q, "nvfp4")
         return base, res, base.global_scale.expand(b, h, 1)
     qf = q.float()
-    alpha = qf.abs().amax(-1, keepdim=True) / (formats.E2M1_MAX * formats.E4M3_MAX)
+    amax = qf.abs().amax(-1, keepdim=True)
+    # IEEE division by a tensor on every device (as resgen.formats does): torch on CUDA divides
+    # by a Python scalar as amax * RN(1 / 2688), one ulp off for some rows, and an alpha one ulp
+    # off flips FP4 codes that sit on a rounding midpoint (the kernels divide with div.rn.f32).
+    alpha = amax / torch.full_like(amax, formats.E2M1_MAX * formats.E4M3_MAX)
     tiny = torch.finfo(torch.float32).tiny
     alpha = torch.where(alpha == 0, torch.ones_like(alpha), alpha.clamp(min=tiny))
     (c, sc), (rc, rsc) = formats.residue_pair(qf, "nvfp4", alpha.unsqueeze(-1))
