@@ -262,8 +262,8 @@ def test_make_xop_rejects_mismatched_inputs():
 from resgen.kernels.linear_sm90_geom import Geometry  # noqa: E402
 from resgen.kernels.linear_sm90_sim import simulate_kernel  # noqa: E402
 from resgen.search import family as family_registry  # noqa: E402
-from resgen.search.linear_sm90 import (FAMILY, LinearSm90Variant, Packing,  # noqa: E402
-                                       Pipeline, Reduction, compare, geometry_of)
+from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant,  # noqa: E402
+                                       Packing, Pipeline, Reduction, compare, geometry_of)
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 ARCH = "sm_90a"
@@ -278,7 +278,8 @@ def test_variant_key_changes_with_every_field():
     base = LinearSm90Variant()
     other = {"warps_m": 2, "warps_k": 4, "m_tiles": 2, "n_tiles": 2, "groups": 2,
              "pipeline": Pipeline.REGS, "stages": 2, "l2_prefetch": 2, "split_k": 2,
-             "reduce": Reduction.WORKSPACE, "packing": Packing.NIB}
+             "reduce": Reduction.WORKSPACE, "packing": Packing.NIB, "act": Act.FUSED,
+             "pdl": True}
     assert set(other) == {f.name for f in dataclasses.fields(LinearSm90Variant)}
     keys = {base.key()}
     for name, value in other.items():
@@ -314,8 +315,8 @@ def test_variant_from_dict_rejects_bad_values():
     (LinearSm90Variant(warps_m=2, warps_k=4, m_tiles=4, groups=2, stages=8),
      LinearProblem(n=4096, k=16384), "shared memory"),
     (LinearSm90Variant(warps_m=1, warps_k=8, stages=8), LinearProblem(k=4096), "stages for"),
-    (LinearSm90Variant(warps_m=4, warps_k=2, l2_prefetch=8), LinearProblem(k=4096),
-     "prefetch 8 iterations ahead"),
+    (LinearSm90Variant(warps_m=2, warps_k=4, l2_prefetch=8), LinearProblem(k=4096),
+     "prefetch 8 iterations ahead of 4"),
     (LinearSm90Variant(warps_m=4, warps_k=1, stages=4, l2_prefetch=2), LinearProblem(),
      "does nothing"),
 ])
@@ -420,6 +421,93 @@ def test_kernel_simulation_matches_emulator_bit_for_bit(fmt, comp, m, fields):
 
 
 
+# ----------------------------------------------------------------------------- fused quantization
+
+_FUSED = dict(act=Act.FUSED)
+# (fmt, comp, K, m the kernel is compiled for, m it runs, variant fields)
+FUSED_SIM_CASES = [
+    ("nvfp4", "none", 1024, 3, 3, dict(warps_m=2, warps_k=2, stages=3, **_FUSED)),
+    ("nvfp4", "full", 1024, 5, 5, dict(warps_m=2, warps_k=1, n_tiles=2, stages=2, pdl=True,
+                                       **_FUSED)),
+    # compiled for one token (2-row tiles), run with five: partial n8 tiles over 5 CTAs in z
+    ("nvfp4", "full", 1024, 1, 5, dict(warps_m=1, warps_k=2, split_k=2,
+                                       reduce=Reduction.WORKSPACE, **_DIRECT, **_FUSED)),
+    ("mxfp4", "full", 1024, 3, 4, dict(warps_m=4, warps_k=1, m_tiles=1, packing=Packing.NIB,
+                                       **_REGS, **_FUSED)),
+    ("mxfp4", "none", 320, 2, 7, dict(warps_m=2, warps_k=2, stages=2, **_FUSED)),  # K padding
+    # K-Ext: split_k=2 puts base, extension and padding columns in the second CTA's range
+    ("nvfp4", "0.125", 1024, 2, 2, dict(warps_m=2, warps_k=1, split_k=5,
+                                        reduce=Reduction.ATOMIC, **_DIRECT, **_FUSED)),
+    ("nvfp4", "0.5", 1024, 4, 3, dict(warps_m=1, warps_k=2, stages=2, pdl=True, **_FUSED)),
+    ("mxfp4", "1.0", 1024, 1, 2, dict(warps_m=2, warps_k=2, groups=2, **_REGS, **_FUSED)),
+    ("mxfp4", "0.25", 2048, 9, 9, dict(warps_m=2, warps_k=1, n_tiles=2, split_k=2,
+                                       reduce=Reduction.WORKSPACE, stages=2, **_FUSED)),
+]
+
+
+@pytest.mark.parametrize("fmt, comp, k, m_compiled, m, fields", FUSED_SIM_CASES)
+def test_fused_simulation_matches_emulator_bit_for_bit(fmt, comp, k, m_compiled, m, fields):
+    """The fused prologue's work items, K-Ext source/mask mapping, operand-tile addresses and
+    partial-tile predicates reproduce, bit for bit, the xop path's emulator on the operand
+    make_xop builds from the same bf16 activations (static alpha)."""
+    import random
+
+    n = 64
+    p = LinearProblem(fmt=fmt, compensation=comp, m=m_compiled, n=n, k=k)
+    v = LinearSm90Variant(**fields)
+    assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
+    ratio = p.ratio
+    isc = 0.02 if fmt == "nvfp4" else None
+    _, qw = _qweight(fmt, n=n, k=k, seed=13, ratio=ratio, input_scale=isc)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(torch.bfloat16)
+    geom = geometry_of(v, p)
+    assert geom.fused and geom.tok <= 8 * geom.n_tiles
+    wt = L.prepare_sm90_weight(qw, v.packing.value)
+    c = ratio if ratio is not None else comp
+    xop, ax = make_xop(x.float(), qw, c, t_multiple=8)
+    rows = 2 * m if comp == "full" else m
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    gx, gy, gz = geom.grid(rows)
+    order = [(a, b, z) for a in range(gx) for b in range(gy) for z in range(gz)]
+    random.Random(3).shuffle(order)
+    masks = qw.selection.masks if ratio is not None else None
+    ws = torch.zeros(max(geom.ws_floats(rows, m), 1))
+    simulate_kernel(geom, wt, x, m, rows, ax, out, ws=ws, cta_order=order, masks=masks)
+    emu = L.emulate_linear_sm90(xop, wt, m, xop_layout_for(c), ax).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), emu.view(torch.int16))
+    assert compare(out, R.linear(x.float(), qw, c)).ok
+
+
+def test_fused_tile_rows_follow_the_compiled_rows():
+    f = dict(warps_m=2, warps_k=2, stages=2, act=Act.FUSED)
+    cases = [("none", 1, 1, 1), ("full", 1, 1, 2), ("none", 5, 1, 8), ("full", 5, 2, 16),
+             ("full", 16, 4, 32), ("none", 16, 1, 8), ("full", 64, 8, 64)]
+    for comp, m, nt, tok in cases:
+        p = LinearProblem("nvfp4", comp, m, 4096, 4096)
+        v = LinearSm90Variant(n_tiles=nt, **f)
+        assert geometry_of(v, p).tok == tok
+        ck = FAMILY.compile_key(v, p)
+        assert geometry_of(v, ck).tok == tok            # a compile serves its rows ...
+        assert FAMILY.compile_key(v, ck) == ck
+    # ... and M buckets with the same tile share it
+    v = LinearSm90Variant(n_tiles=2, **f)
+    assert FAMILY.compile_key(v, LinearProblem("nvfp4", "full", 5, 4096, 4096)) == \
+        FAMILY.compile_key(v, LinearProblem("nvfp4", "full", 8, 4096, 4096))
+
+
+@pytest.mark.parametrize("v, p, reason", [
+    (LinearSm90Variant(act=Act.FUSED), LinearProblem(static_scale=False), "static NVFP4"),
+    (LinearSm90Variant(act=Act.FUSED, n_tiles=2), LinearProblem(m=4), "n8 tiles past"),
+    (LinearSm90Variant(act=Act.FUSED, warps_m=1, warps_k=8, stages=3),
+     LinearProblem(compensation="full", m=8, k=12288), "shared memory"),
+    (LinearSm90Variant(act=Act.FUSED, warps_m=4, warps_k=1, stages=2),
+     LinearProblem(fmt="mxfp4", compensation="0.125", k=4096 + 128), "whole blocks"),
+])
+def test_why_invalid_fused(v, p, reason):
+    why = FAMILY.why_invalid(v, p, ARCH)
+    assert why is not None and reason in why, why
+
+
 # ----------------------------------------------------------------------------- compile (sm_90a)
 
 _CP, _DI, _RG = Pipeline.CP_ASYNC, Pipeline.DIRECT, Pipeline.REGS
@@ -435,6 +523,16 @@ COMPILE_CASES = [
     (LinearProblem("nvfp4", "0.125", 2, 4096, 4096),
      LinearSm90Variant(8, 1, 1, 1, 1, _CP, 2, split_k=2, reduce=Reduction.WORKSPACE)),
     (LinearProblem("nvfp4", "full", 64, 4096, 4096), LinearSm90Variant(2, 4, 1, 8, 1, _CP, 2)),
+    # fused quantization, PDL
+    (LinearProblem("nvfp4", "full", 1, 4096, 4096),
+     LinearSm90Variant(1, 8, 1, 1, 1, _CP, 3, act=Act.FUSED, pdl=True)),
+    (LinearProblem("nvfp4", "none", 16, 24576, 4096),
+     LinearSm90Variant(4, 2, 1, 2, 1, _RG, 1, l2_prefetch=8, act=Act.FUSED, pdl=True)),
+    (LinearProblem("mxfp4", "0.125", 3, 6144, 4096),
+     LinearSm90Variant(2, 2, 1, 1, 1, _DI, 1, l2_prefetch=1, split_k=3,
+                       reduce=Reduction.WORKSPACE, act=Act.FUSED)),
+    (LinearProblem("nvfp4", "none", 1, 4096, 4096),
+     LinearSm90Variant(1, 4, 1, 1, 1, _DI, 1, l2_prefetch=4, pdl=True)),
 ]
 
 
@@ -472,6 +570,19 @@ def test_compiles_for_sm90a_without_spills(p, v, tmp_path):
         assert "atom.global.acq_rel.gpu.add.u32" in ptx and "fence.acq_rel.gpu" in ptx
     if v.reduce == Reduction.ATOMIC:
         assert "red.global.add.f32" in ptx and ptx.count(".entry") == 2
+    if v.fused:
+        assert "st.shared.v4.u32" in ptx and "bar.sync" in ptx
+        assert "ld.global.nc.v4.u32" not in ptx or not v.pdl
+    else:
+        assert "st.shared.v4.u32" not in ptx
+    assert ("griddepcontrol.launch_dependents" in ptx) == v.pdl
+    assert ("griddepcontrol.wait" in ptx) == v.pdl
+    if v.pdl:
+        # activations are read (coherently, never through the .nc path that ptxas may hoist)
+        # only after the wait; only weight-side data may be requested before it
+        head = ptx[:ptx.index("griddepcontrol.wait")]
+        assert "ld.global.v4.u32" not in head and "ld.global.f32" not in head
+        assert "ld.global.nc.v4.u32" not in ptx
 
 
 def test_compile_through_the_build_helper(tmp_path, monkeypatch):
@@ -496,16 +607,17 @@ class _SimulatedKernel:
         self.geom, self.registry = geom, registry
         self.calls = 0
 
-    def __call__(self, wp, sp, xp, yp, axp, awp, wsp, semp, m, rows, stream):
+    def __call__(self, wp, sp, xp, yp, axp, awp, wsp, semp, mp, m, rows, stream):
         t = {name: self.registry[p._pointer] for name, p in
              (("w", wp), ("s", sp), ("x", xp), ("y", yp), ("ax", axp), ("aw", awp),
-              ("ws", wsp), ("sem", semp))}
+              ("ws", wsp), ("sem", semp), ("mk", mp))}
         g = self.geom
         wt = L.Sm90Weight(g.fmt, g.packing, g.n, 0, g.kp, t["w"].view(g.n // 16, g.kq, 32, 4),
                           t["s"].view(g.n // 16, g.ng, g.sl, 8), t["aw"])
-        xop = t["x"].view(-1, g.kp)
+        xop = t["x"].view(-1, g.k if g.fused else g.kp)
         out = t["y"].view(-1, g.n)
-        simulate_kernel(g, wt, xop, m, rows, t["ax"], out, ws=t["ws"], sem=t["sem"])
+        simulate_kernel(g, wt, xop, m, rows, t["ax"], out, ws=t["ws"], sem=t["sem"],
+                        masks=t["mk"] if g.ksel else None)
         self.calls += 1
 
 

@@ -9,6 +9,13 @@ Data path per 64-column chunk kq and m16 tile (layouts: resgen.kernels.layouts):
     4 words     -> pair decode (bit ops)  -> 16 x mul.rn.bf16x2 = A fragments of 4 k16 steps
     activation  -> two 16-byte loads per n8 tile                = B fragments of 4 k16 steps
     4 x (MT x NT) mma.sync.m16n8k16 into FP32 accumulators
+
+Fused activation quantization (act = "fused"): one BS-element block of x per thread, quantized
+with resgen.kernels.fp4_device (the bit-exact GPU twin of resgen.formats; no second copy of
+the math here) into the exact-BF16 operand words the MMA B fragments read:
+    base_operand(xs, ...)       base block (+ its residue block for M-Ext)
+    selected_residues(xs, ...)  K-Ext: residues of one base block, compacted by the masks
+    operand_words(block)        value x block scale, packed bf16x2 (exact)
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ from typing import Sequence
 
 from cutlass import Float32, Uint32
 
+from . import fp4_device as fd
 from . import sm90_ptx as P
 
-__all__ = ["scale_pair", "decode_nib", "decode_split", "DECODERS", "chunk_mma", "SCALE_CONSTS"]
+__all__ = ["scale_pair", "decode_nib", "decode_split", "DECODERS", "chunk_mma", "SCALE_CONSTS",
+           "x_values", "operand_words", "base_operand", "selected_residues"]
 
 # (multiplier applied to b | b << 16, bf16x2 offset): see layouts.expand_scale_bits
 SCALE_CONSTS = {"nvfp4": (16, 0x76807680), "mxfp4": (128, 0x3B803B80)}
@@ -77,3 +86,45 @@ def chunk_mma(words: Sequence[Sequence[Uint32]], scales: Sequence[tuple[Uint32, 
                  P.mul_bf16x2(r[2], s0), P.mul_bf16x2(r[3], s1))
             for nt, x in enumerate(xw):
                 acc[mt][nt] = list(P.mma_bf16_16816(a, (x[2 * j], x[2 * j + 1]), acc[mt][nt]))
+
+
+# ----------------------------------------------------------------------------- fused quantizer
+
+
+def x_values(words: Sequence[Uint32]) -> list[Float32]:
+    """Packed bf16 pairs (element 0 low) -> exact Float32 values, in channel order."""
+    xs = []
+    for w in words:
+        lo, hi = fd.bf16x2_to_f32(w)
+        xs += [lo, hi]
+    return xs
+
+
+def operand_words(block: fd.Block) -> list[Uint32]:
+    """The block's exact BF16 operand values (code value x block scale), packed in pairs."""
+    v = fd.operand_values(block)
+    return [fd.pack_bf16x2_exact(v[2 * i], v[2 * i + 1]) for i in range(len(v) // 2)]
+
+
+def base_operand(xs: Sequence[Float32], fmt: str, alpha, mext: bool):
+    """One block of x (len(xs) = the format's block, one thread): (base operand words,
+    residue operand words or None). alpha: the NVFP4 tensor scale (Float32) / None (MXFP4)."""
+    blk = fd.quantize_block(list(xs), fmt, alpha, 1)
+    base = operand_words(blk)
+    if not mext:
+        return base, None
+    rblk = fd.quantize_block(fd.residues(list(xs), blk), fmt, alpha, 1)
+    return base, operand_words(rblk)
+
+
+def selected_residues(xs: Sequence[Float32], fmt: str, alpha, mask, ksel: int) -> list:
+    """K-Ext: quantize one base block, take its residues and keep, per 8-channel group, the
+    ksel channels whose bits are set in that group's mask byte (mask: Uint32 holding the
+    block's len(xs) / 8 mask bytes, first group in the low byte), lowest channel first."""
+    blk = fd.quantize_block(list(xs), fmt, alpha, 1)
+    rs = fd.residues(list(xs), blk)
+    out = []
+    for g8 in range(len(xs) // 8):
+        out += fd.select_by_mask(rs[8 * g8:8 * g8 + 8], (mask >> Uint32(8 * g8)) & Uint32(0xFF),
+                                 ksel)
+    return out

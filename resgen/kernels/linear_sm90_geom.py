@@ -10,7 +10,20 @@ Work decomposition (grid x = channel blocks, y = K splits, z = token tiles):
     m16 tiles   (bx WM + wm) MT .. + MT
     K groups    slice s = by WK + wk of SPLIT WK equal slices, GS = NG / (SPLIT WK) groups each
                 (a group = 4 chunks of 64 columns = one scale vector); an iteration eats U groups
-    xop rows    bz TOK .. + TOK, TOK = 8 NT (n8 tile nt: rows bz TOK + 8 nt + 0..7)
+    xop rows    bz TOK .. + TOK; n8 tile nt holds rows bz TOK + 8 nt + 0..7 (those past TOK,
+                when TOK < 8 NT, belong to no tile of this CTA: their B values are zero and
+                nothing is stored for them)
+
+Activation source ("act"):
+    xop     the exact-BF16 operand prepared by a quantizer, bf16 [T_pad, Kp] in global memory;
+            TOK = 8 NT
+    fused   the CTA quantizes its own operand tile from the BF16 activations x [m, K] into
+            shared memory before the main loop: TOK rows (TOK <= 8 NT, a power of two) x KCTA =
+            Kp / SPLIT columns (the CTA's K range), row stride KCTA * 2 + 16 bytes (the 16-byte
+            skew makes the 8 rows of an n8 tile hit different banks). Work items are
+            (token, BS-column block) pairs of the CTA's real tokens, handed to threads
+            round-robin; an item writes base (+ residue row for M-Ext) or a K-Ext extension
+            block (recomputing the 8 / KSEL base blocks it selects residues from) or zeros.
 """
 
 from __future__ import annotations
@@ -18,7 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Geometry"]
+__all__ = ["Geometry", "pow2_ceil"]
+
+
+def pow2_ceil(v: int) -> int:
+    """The smallest power of two >= v (v >= 1)."""
+    return 1 << max(0, int(v) - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -40,11 +58,20 @@ class Geometry:
     l2_prefetch: int   # iterations ahead that lane 0 bulk-prefetches into L2 (0: none)
     split_k: int
     reduce: str        # "none" | "atomic" | "workspace"
+    act: str = "xop"   # "xop" | "fused"
+    pdl: bool = False  # programmatic dependent launch (griddepcontrol)
+    k: int = 0         # real input channels K (fused; 0: unused)
+    ksel: int = 0      # K-Ext channels selected per 8-channel group (0: no extension)
+    tok_rows: int = 0  # fused: xop rows per CTA (TOK); 0 for xop (TOK = 8 NT)
 
     # ------------------------------------------------------------------ derived constants
     @property
     def nv(self) -> bool:
         return self.fmt == "nvfp4"
+
+    @property
+    def fused(self) -> bool:
+        return self.act == "fused"
 
     @property
     def ng(self) -> int:
@@ -72,7 +99,13 @@ class Geometry:
 
     @property
     def tok(self) -> int:
-        return 8 * self.n_tiles
+        """xop rows per CTA."""
+        return self.tok_rows if self.fused else 8 * self.n_tiles
+
+    @property
+    def rpt(self) -> int:
+        """xop rows per token (M-Ext: base + residue)."""
+        return 2 if self.mext else 1
 
     @property
     def sl(self) -> int:
@@ -87,19 +120,56 @@ class Geometry:
         """FP32 accumulator values per CTA after the in-CTA K reduction."""
         return self.warps_m * self.acc * 32
 
+    # fused operand tile
+    @property
+    def bs(self) -> int:
+        """Quantization block (16 NVFP4, 32 MXFP4)."""
+        return 16 if self.nv else 32
+
+    @property
+    def kcta(self) -> int:
+        """xop columns of one CTA's K range."""
+        return self.kp // self.split_k
+
+    @property
+    def nb(self) -> int:
+        """Quantization blocks per row of the CTA's K range."""
+        return self.kcta // self.bs
+
+    @property
+    def kqe(self) -> int:
+        """Operand columns before padding: K, or K + extension (K-Ext)."""
+        return self.k + self.k * self.ksel // 8
+
+    @property
+    def xs_stride(self) -> int:
+        return self.kcta * 2 + 16
+
+    @property
+    def xs_bytes(self) -> int:
+        return self.tok * self.xs_stride if self.fused else 0
+
+    @property
+    def nsrc(self) -> int:
+        """K-Ext: base blocks one extension block selects its residues from."""
+        return 8 // self.ksel if self.ksel else 0
+
     @property
     def smem_bytes(self) -> int:
-        """Shared memory of one CTA: cp.async rings + in-CTA reduction + flag."""
+        """Shared memory of one CTA: cp.async rings + in-CTA reduction + fused operand tile +
+        flag."""
         ring = 0
         if self.pipeline == "cp_async":
             ring = self.warps_m * self.warps_k * self.stages * self.groups * self.m_tiles * 2304
         red = (self.warps_k - 1) * self.warps_m * self.acc * 32 * 4
-        return ring + red + (16 if self.reduce == "workspace" else 0)
+        return ring + red + self.xs_bytes + (16 if self.reduce == "workspace" else 0)
 
     def check(self) -> None:
         """Raise ValueError if the constants do not describe a runnable kernel."""
         if self.pipeline not in ("direct", "regs", "cp_async"):
             raise ValueError(f"unknown pipeline {self.pipeline!r}")
+        if self.act not in ("xop", "fused"):
+            raise ValueError(f"unknown activation source {self.act!r}")
         if (self.pipeline == "cp_async") != (self.stages > 1):
             raise ValueError("stages > 1 exactly for the cp_async pipeline")
         if self.smem_bytes > 227 * 1024:
@@ -110,6 +180,19 @@ class Geometry:
             raise ValueError("K groups must split evenly over split_k * warps_k * groups")
         if (self.split_k > 1) != (self.reduce != "none"):
             raise ValueError("split_k > 1 needs a reduction, split_k == 1 none")
+        if self.fused:
+            t = self.tok
+            if t < self.rpt or t > 8 * self.n_tiles or t & (t - 1):
+                raise ValueError("fused: TOK must be a power of two in [rows per token, 8 NT]")
+            if self.k <= 0 or self.k % self.bs or self.k % 8 or self.kqe > self.kp:
+                raise ValueError("fused: K must be a positive multiple of the block and of 8, "
+                                 "K (+ extension) <= Kp")
+            if self.ksel not in (0, 1, 2, 4, 8) or (self.ksel and self.mext):
+                raise ValueError("fused: KSEL must be 0, 1, 2, 4 or 8 (K-Ext only)")
+            if self.ksel and (self.k * self.ksel // 8) % self.bs:
+                raise ValueError("fused K-Ext: the extension must fill whole blocks")
+        elif self.tok_rows or self.ksel:
+            raise ValueError("tok_rows / ksel only apply to the fused activation source")
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         return self.grid_x, self.split_k, -(-rows // self.tok)
@@ -191,3 +274,31 @@ class Geometry:
     def ws_off(self, tile: Any, split: Any, wm: Any, q: int, lane: Any) -> Any:
         """FP32 element of the workspace reduction: CTA tile, split index, accumulator q."""
         return ((tile * self.split_k + split) * self.tile + (wm * self.acc + q) * 32 + lane) * 4
+
+    # ------------------------------------------------------------------ fused operand tile
+    def xs_row(self, rloc: Any) -> Any:
+        """Shared-memory byte offset of local xop row rloc (0 .. TOK - 1) of the tile."""
+        return rloc * self.xs_stride
+
+    def xs_col(self, wk: Any, it: Any, u: int, i: int, t: Any) -> Any:
+        """Byte offset inside a tile row of the lane's first 16-byte B vector: chunk i of group
+        u of iteration it of warp slice wk, columns 16 t .. 16 t + 15 of that chunk."""
+        return ((((wk * self.gs + it * self.groups + u) * 4 + i) * 64) + 16 * t) * 2
+
+    def item(self, it: Any) -> tuple[Any, Any]:
+        """Work item -> (token of the tile, block of the CTA's K range)."""
+        tk = it // self.nb
+        return tk, it - tk * self.nb
+
+    def item_col(self, by: Any, b: Any) -> Any:
+        """xop column of block b of K split by."""
+        return by * self.kcta + b * self.bs
+
+    def ext_src(self, col: Any) -> Any:
+        """K-Ext: the first input channel whose residue extension column col (>= K) selects
+        from; the extension block reads 8 / KSEL base blocks from there."""
+        return (col - self.k) * 8 // self.ksel
+
+    def x_elem(self, tok: Any, ch: Any) -> Any:
+        """Byte offset of x[tok, ch] (bf16 [m, K]); tok may be Int64."""
+        return (tok * self.k + ch) * 2

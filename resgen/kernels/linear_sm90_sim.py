@@ -11,12 +11,19 @@ byte images of the buffers the kernel receives, and models the PTX it emits:
   C: c0c1 = (g, n 2t..2t+1), c2c3 = (g+8, n 2t..)), cvt.rn.bf16x2.f32 and predicated stores.
 A wrong stride, fragment slot or fold in the index math shows up as a mismatch against
 resgen.reference.linear, without a GPU.
+
+Fused variants (act "fused"): each CTA's operand tile is built in a NaN-poisoned byte image of
+its shared memory by walking the kernel's work items with the same Geometry functions; the
+per-block quantization itself is resgen.formats (the device code calls resgen.kernels.fp4_device,
+its bit-exact GPU twin, which the quant_sm90 GPU tests check), so what this proves is the item
+decomposition, the K-Ext source/mask mapping and every tile address.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import formats
 from .layouts import Sm90Weight, _bf16_halves, decode_pairs
 from .linear_sm90_dev import SCALE_CONSTS
 from .linear_sm90_geom import Geometry
@@ -93,12 +100,69 @@ def _cvt_bf16(v: torch.Tensor) -> torch.Tensor:
     return v.float().to(torch.bfloat16)
 
 
+def _operand_bits(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """int64 bf16 bit patterns of code value x block scale (exact in bf16)."""
+    from .linear_sm90 import operand_values
+
+    v = operand_values(codes, scales, fmt).to(torch.bfloat16)
+    return v.view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _put_bits(tile: torch.Tensor, off: int, bits: torch.Tensor) -> None:
+    """Little-endian bf16 values at byte offset off of a byte image (16-byte aligned stores)."""
+    if off % 16 or off < 0 or off + 2 * bits.numel() > tile.numel():
+        raise AssertionError("misaligned or out-of-bounds shared store")
+    b = torch.stack([bits & 0xFF, bits >> 8], dim=-1).reshape(-1)
+    tile[off:off + b.numel()] = b
+
+
+def _fused_tile(G: Geometry, x: torch.Tensor, alpha_x, masks, m: int, by: int,
+                bz: int) -> "_Mem":
+    """The operand tile CTA (*, by, bz) builds in shared memory (byte image, 0xFF elsewhere)."""
+    tile = torch.full((G.xs_bytes,), 0xFF, dtype=torch.int64)
+    alpha = None if not G.nv else alpha_x.float().reshape(())
+    tok0 = bz * (G.tok // G.rpt)
+    ntok = min(G.tok // G.rpt, m - tok0)
+    xf = x.float()
+    for item in range(ntok * G.nb):
+        tk, b = G.item(item)
+        col = G.item_col(by, b)
+        tok = tok0 + tk
+        if col < G.k:
+            (c, sc), (rc, rsc) = formats.residue_pair(xf[tok:tok + 1, col:col + G.bs], G.fmt,
+                                                      alpha)
+            off = G.xs_row(G.rpt * tk) + b * G.bs * 2
+            _put_bits(tile, off, _operand_bits(c, sc, G.fmt).reshape(-1))
+            if G.mext:
+                _put_bits(tile, off + G.xs_stride, _operand_bits(rc, rsc, G.fmt).reshape(-1))
+        elif col < G.kqe:
+            src = G.ext_src(col)
+            span = xf[tok:tok + 1, src:src + G.nsrc * G.bs]
+            mk = masks[src // 8:src // 8 + G.nsrc * G.bs // 8].to(torch.int64)
+            bits = (mk[:, None] >> torch.arange(8)) & 1
+            idx = torch.nonzero(bits.reshape(-1)).reshape(-1)
+            if idx.numel() != G.bs:
+                raise AssertionError("an extension block must select exactly one block")
+            _, (rc, rsc) = formats.residue_pair(span, G.fmt, alpha, idx)
+            _put_bits(tile, G.xs_row(tk) + b * G.bs * 2, _operand_bits(rc, rsc, G.fmt).reshape(-1))
+        else:
+            for r in range(G.rpt):
+                _put_bits(tile, G.xs_row(G.rpt * tk + r) + b * G.bs * 2,
+                          torch.zeros(G.bs, dtype=torch.int64))
+    mem = _Mem.__new__(_Mem)
+    mem.b = tile
+    return mem
+
+
 def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, rows: int,
                     alpha_x: torch.Tensor | None, out: torch.Tensor,
                     ws: torch.Tensor | None = None, sem: torch.Tensor | None = None,
-                    cta_order: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+                    cta_order: list[tuple[int, int, int]] | None = None,
+                    masks: torch.Tensor | None = None) -> torch.Tensor:
     """Run the kernel's logic on CPU tensors; writes out (bf16 [>= m, N]) like the kernel.
 
+    xop: the operand (xop variants) or x: bf16 [m, K] (fused variants; alpha_x is then the
+    static NVFP4 scale and masks the K-Ext selection, uint8 [K / 8]).
     cta_order: the order CTAs run in (default: grid order); the workspace reduction must give
     the same bits for any order. ws/sem: the persistent workspace and semaphores (zeroed if
     None), checked to be back at zero afterwards like the kernel leaves them.
@@ -119,6 +183,8 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
     lane = torch.arange(32)
     for bx, by, bz in order:
         accs = {}
+        if G.fused:
+            tmem = _fused_tile(G, xop, alpha_x, masks, m, by, bz)
         for warp in range(G.warps_m * G.warps_k):
             tid = warp * 32 + lane
             ln, wm, wk, g, t, mt0, grp0, row0, sl = G.warp_coords(tid, bx, by, bz)
@@ -178,9 +244,16 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
                         xw = []
                         for nt in range(G.n_tiles):
                             r = row0 + 8 * nt + g
-                            a = G.x_off(r, grp * 4 + i, t)
-                            ok = r < rows
-                            words = xmem.words(torch.where(ok, a, torch.zeros_like(a)), 8)
+                            if G.fused:
+                                rloc = 8 * nt + g
+                                a = G.xs_row(rloc) + G.xs_col(wk, it, u, i, t)
+                                ok = (rloc < G.tok) & (r < rows)
+                                mem = tmem
+                            else:
+                                a = G.x_off(r, grp * 4 + i, t)
+                                ok = r < rows
+                                mem = xmem
+                            words = mem.words(torch.where(ok, a, torch.zeros_like(a)), 8)
                             xw.append([torch.where(ok, w, torch.zeros_like(w)) for w in words])
                         for mt in range(G.m_tiles):
                             s0, s1 = _scale(sv[mt][i // 2], i, G.fmt)
@@ -273,16 +346,17 @@ def _store(G: Geometry, acc, y16, fac, mt0, row0, g, t, m) -> None:
         for nt in range(G.n_tiles):
             c = acc[mt][nt]
             ch, row = G.acc_coords(mt, nt, 0, mt0, row0, g, t)
+            rloc = 8 * nt + 2 * t
             if G.mext:
                 tok = row // 2
-                ok = tok < m
+                ok = (tok < m) & (rloc < G.tok)
                 a = G.y_off(tok, ch)
                 _put(y16, a, (c[0] + c[1]) * fac, ok)
                 _put(y16, a + 16, (c[2] + c[3]) * fac, ok)
             else:
                 for e in range(2):
                     a = G.y_off(row + e, ch)
-                    ok = row + e < m
+                    ok = (row + e < m) & (rloc + e < G.tok)
                     _put(y16, a, c[e] * fac, ok)
                     _put(y16, a + 16, c[2 + e] * fac, ok)
 
@@ -293,12 +367,14 @@ def _atomic(G: Geometry, acc, ws, fac, mt0, row0, g, t, m) -> None:
         for nt in range(G.n_tiles):
             c = acc[mt][nt]
             ch, row = G.acc_coords(mt, nt, 0, mt0, row0, g, t)
+            rloc = 8 * nt + 2 * t
             if G.mext:
-                items = [(row // 2, (c[0] + c[1]) * fac, (c[2] + c[3]) * fac)]
+                items = [(row // 2, rloc, (c[0] + c[1]) * fac, (c[2] + c[3]) * fac)]
             else:
-                items = [(row, c[0] * fac, c[2] * fac), (row + 1, c[1] * fac, c[3] * fac)]
-            for tok, v0, v1 in items:
-                ok = tok < m
+                items = [(row, rloc, c[0] * fac, c[2] * fac),
+                         (row + 1, rloc + 1, c[1] * fac, c[3] * fac)]
+            for tok, rl, v0, v1 in items:
+                ok = (tok < m) & (rl < G.tok)
                 a = G.y_off(tok, ch) * 2
                 idx = (a // 4)[ok]
                 flat.index_add_(0, idx, v0[ok])

@@ -10,10 +10,23 @@ atomics and fences are not.
     ld_stream_v2(addr)            the same, 8 bytes (scale vectors)
     ld_cached_v4(addr, pred)      ld.global.nc.v4.u32 under a predicate, zeros when off
                                   (activations: re-read by every warp, keep them in L1)
+    ld_dep_v4(addr, pred)         ld.global.v4.u32 (weak, L1-cached) under a predicate: data the
+                                  PREVIOUS kernel writes, read after griddepcontrol.wait. Never
+                                  .nc there: ptxas treats .nc data as constant for the kernel's
+                                  lifetime and hoists such loads above the wait (seen in SASS)
+    ld_dep_f32(addr), ld_dep_u16(addr), ld_dep_u32(addr)   the same, scalars
     ld_cg_f32(addr)               ld.global.cg.f32 (L2 only: partial sums other CTAs wrote)
     ld_f32(addr)                  ld.global.nc.f32 (kernel-constant scalars)
     cp_async_16(saddr, gaddr)     cp.async.cg.shared.global 16 bytes (L2 only), cp_async_8 (.ca, 8)
     ld_shared_v4(saddr), ld_shared_v2(saddr)   ordered after cp.async.wait_group (side effects)
+    ld_shared_v4_pred(saddr, pred)  the same under a predicate, zeros when off
+    st_shared_v4(saddr, w0, w1, w2, w3)        st.shared.v4.u32 (ordered before a barrier)
+    grid_dep_launch()             griddepcontrol.launch_dependents (PDL: the next kernel in the
+                                  stream may start its prologue)
+    grid_dep_wait(*addrs) -> addrs  griddepcontrol.wait, then the addresses passed through: every
+                                  access derived from the returned values depends on the wait,
+                                  so no compiler can hoist it above (PDL: inputs the previous
+                                  kernel writes)
     prefetch_l2_bulk(gaddr, nbytes, pred)     cp.async.bulk.prefetch.L2.global when pred != 0
     prmt(a, b, sel)               byte permute
     mul_bf16x2(a, b)              mul.rn.bf16x2 (no .ftz exists for bf16: subnormals kept)
@@ -34,7 +47,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 __all__ = ["ld_stream_v4", "ld_stream_v2", "ld_cached_v4", "ld_cg_f32", "ld_f32",
-           "cp_async_16", "cp_async_8", "ld_shared_v4", "ld_shared_v2", "prefetch_l2_bulk", "prmt", "mul_bf16x2",
+           "ld_dep_v4", "ld_dep_f32", "ld_dep_u16", "ld_dep_u32",
+           "cp_async_16", "cp_async_8", "ld_shared_v4", "ld_shared_v2", "ld_shared_v4_pred",
+           "st_shared_v4", "grid_dep_launch", "grid_dep_wait", "prefetch_l2_bulk", "prmt", "mul_bf16x2",
            "mma_bf16_16816", "cvt_bf16x2", "st_u16", "st_u32", "st_f32", "red_add_f32", "red_add_f32_pred",
            "atom_add_u32", "fence_gpu"]
 
@@ -92,6 +107,34 @@ def ld_cached_v4(addr, pred, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
+def ld_dep_v4(addr, pred, *, loc=None, ip=None) -> tuple:
+    st = _asm(_struct(4, "i32"), [_i64(addr, loc, ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+              "{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n"
+              " mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;\n"
+              " @p ld.global.v4.u32 {$0,$1,$2,$3}, [$4];\n}",
+              "=&r,=&r,=&r,=&r,l,r", loc=loc, ip=ip)
+    return _unpack(st, 4, Uint32, T.i32(), loc, ip)
+
+
+@dsl_user_op
+def ld_dep_f32(addr, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), [_i64(addr, loc, ip)], "ld.global.f32 $0, [$1];", "=f,l",
+                        loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_dep_u16(addr, *, loc=None, ip=None) -> Uint32:
+    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.u16 $0, [$1];", "=r,l",
+                       loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_dep_u32(addr, *, loc=None, ip=None) -> Uint32:
+    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.u32 $0, [$1];", "=r,l",
+                       loc=loc, ip=ip))
+
+
+@dsl_user_op
 def ld_cg_f32(addr, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [_i64(addr, loc, ip)], "ld.global.cg.f32 $0, [$1];", "=f,l",
                         effects=True, loc=loc, ip=ip))
@@ -132,6 +175,40 @@ def ld_shared_v2(saddr, *, loc=None, ip=None) -> tuple:
               "ld.shared.v2.u32 {$0,$1}, [$2];", "=r,=r,r,~{memory}", effects=True,
               loc=loc, ip=ip)
     return _unpack(st, 2, Uint32, T.i32(), loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v4_pred(saddr, pred, *, loc=None, ip=None) -> tuple:
+    st = _asm(_struct(4, "i32"), [Int32(saddr).ir_value(loc=loc, ip=ip),
+                                  Int32(pred).ir_value(loc=loc, ip=ip)],
+              "{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n"
+              " mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;\n"
+              " @p ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];\n}",
+              "=&r,=&r,=&r,=&r,r,r,~{memory}", effects=True, loc=loc, ip=ip)
+    return _unpack(st, 4, Uint32, T.i32(), loc, ip)
+
+
+@dsl_user_op
+def st_shared_v4(saddr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(saddr).ir_value(loc=loc, ip=ip)] + [_u32(w, loc, ip) for w in (w0, w1, w2, w3)],
+         "st.shared.v4.u32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r,~{memory}", effects=True,
+         loc=loc, ip=ip)
+
+
+@dsl_user_op
+def grid_dep_launch(*, loc=None, ip=None) -> None:
+    _asm(None, [], "griddepcontrol.launch_dependents;", "~{memory}", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def grid_dep_wait(*addrs, loc=None, ip=None) -> tuple:
+    """griddepcontrol.wait; returns the 64-bit addresses unchanged but data-dependent on it."""
+    n = len(addrs)
+    body = "griddepcontrol.wait;" + "".join(f"\n mov.b64 ${i}, ${n + i};" for i in range(n))
+    cons = ",".join(["=l"] * n + ["l"] * n + ["~{memory}"])
+    st = _asm(_struct(n, "i64"), [_i64(a, loc, ip) for a in addrs], "{\n" + body + "\n}",
+              cons, effects=True, loc=loc, ip=ip)
+    return _unpack(st, n, Int64, T.i64(), loc, ip)
 
 
 @dsl_user_op

@@ -22,8 +22,18 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
                        launch, deterministic)
     packing            weight nibble layout and its decode ("nib" as in the design brief,
                        "split": sign apart from magnitude, 30% fewer integer ops)
+    act                activation source: "xop" (the exact-BF16 operand a quantizer wrote to
+                       global memory) or "fused" (each CTA quantizes its K range of the BF16
+                       activations into shared memory with resgen.kernels.fp4_device: the
+                       variant IS the whole layer; static NVFP4 alpha or MXFP4)
+    pdl                programmatic dependent launch: the kernel lets the next one launch at
+                       once, issues its weight prologue (cp.async ring / register buffer / L2
+                       bulk prefetch of the first l2_prefetch iterations), then waits for the
+                       previous kernel before reading activations or writing anything
+Fused variants also depend on the problem's row count: a CTA's operand tile holds
+TOK = min(8 n_tiles, next power of two >= rows) xop rows (compile_key keeps that much of M).
 Not implemented yet (no field, so no key pretends otherwise): activations staged through shared
-memory (ldmatrix), output through shared memory, the quantizer fused into the prologue.
+memory by ldmatrix, output through shared memory, wgmma.
 """
 
 from __future__ import annotations
@@ -36,13 +46,14 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from .family import CheckResult, register
+from ..kernels.linear_sm90_geom import pow2_ceil
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
-__all__ = ["Packing", "Pipeline", "Reduction", "LinearSm90Variant", "LinearSm90Family", "FAMILY",
-           "TOLERANCE", "geometry_of", "kp_of", "rows_of"]
+__all__ = ["Packing", "Pipeline", "Reduction", "Act", "LinearSm90Variant", "LinearSm90Family",
+           "FAMILY", "TOLERANCE", "geometry_of", "kp_of", "rows_of", "tok_rows_of"]
 
 TOLERANCE = 3e-3
-_MAX_REGS_EST = 232        # estimated live registers above which a variant would spill
+_MAX_REGS_EST = 240        # estimated live registers above which a variant would spill
 
 
 class Packing(Choice):
@@ -62,6 +73,11 @@ class Reduction(Choice):
     WORKSPACE = "workspace"
 
 
+class Act(Choice):
+    XOP = "xop"
+    FUSED = "fused"
+
+
 @dataclass(frozen=True, slots=True)
 class LinearSm90Variant(VariantBase):
     FAMILY: ClassVar[str] = "linear_sm90_mma"
@@ -76,10 +92,16 @@ class LinearSm90Variant(VariantBase):
     split_k: int = field(default=1, metadata={"range": IntRange(1, 16), "short": "sk"})
     reduce: Reduction = field(default=Reduction.NONE, metadata={"short": "red"})
     packing: Packing = field(default=Packing.SPLIT, metadata={"short": "pk"})
+    act: Act = field(default=Act.XOP, metadata={"short": "act"})
+    pdl: bool = field(default=False, metadata={"short": "pdl"})
 
     @property
     def deterministic(self) -> bool:
         return self.reduce != Reduction.ATOMIC
+
+    @property
+    def fused(self) -> bool:
+        return self.act == Act.FUSED
 
 
 def kp_of(problem: LinearProblem) -> int:
@@ -94,25 +116,67 @@ def rows_of(problem: LinearProblem) -> int:
     return problem.rows
 
 
+def tok_rows_of(variant: LinearSm90Variant, problem: LinearProblem) -> int:
+    """Fused: xop rows of a CTA's operand tile (a power of two, at most 8 n_tiles); 0 for xop."""
+    if not variant.fused:
+        return 0
+    from ..kernels.linear_sm90_geom import pow2_ceil
+
+    return min(8 * variant.n_tiles, pow2_ceil(problem.rows))
+
+
+def _ksel(problem: LinearProblem) -> int:
+    return 0 if problem.ratio is None else int(round(8 * problem.ratio))
+
+
 def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
     from ..kernels.linear_sm90_geom import Geometry
 
+    fused = variant.fused
     return Geometry(fmt=problem.fmt, mext=problem.compensation == "full",
                     packing=variant.packing.value, n=problem.n, kq=kp_of(problem) // 64,
                     warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
                     n_tiles=variant.n_tiles, groups=variant.groups,
                     pipeline=variant.pipeline.value, stages=variant.stages,
                     l2_prefetch=variant.l2_prefetch,
-                    split_k=variant.split_k, reduce=variant.reduce.value)
+                    split_k=variant.split_k, reduce=variant.reduce.value,
+                    act=variant.act.value, pdl=bool(variant.pdl),
+                    k=problem.k if fused else 0, ksel=_ksel(problem) if fused else 0,
+                    tok_rows=tok_rows_of(variant, problem))
 
 
-def _reg_estimate(v: LinearSm90Variant) -> int:
-    # weight + scale words live in registers: one iteration (two with the register double
-    # buffer; cp_async reads them from shared memory one chunk at a time)
-    per_iter = v.groups * v.m_tiles * 18
-    held = {Pipeline.DIRECT: per_iter, Pipeline.REGS: 2 * per_iter,
-            Pipeline.CP_ASYNC: v.m_tiles * 6}[v.pipeline]
-    return 40 + held + 8 * v.n_tiles + 4 * v.m_tiles * v.n_tiles
+def _why_not_fused(v: LinearSm90Variant, p: LinearProblem) -> str | None:
+    """Why the fused activation source cannot run p (None: it can)."""
+    bs = 16 if p.fmt == "nvfp4" else 32
+    if p.fmt == "nvfp4" and not p.static_scale:
+        return ("fused quantization needs a static NVFP4 activation scale (a dynamic one is "
+                "an amax over all of x: a separate pass)")
+    if p.k % bs or p.k % 8:
+        return f"fused quantization needs K={p.k} to be a multiple of {max(bs, 8)}"
+    ks = _ksel(p)
+    if ks and (p.k * ks // 8) % bs:
+        return "fused K-Ext needs an extension of whole blocks (K * ratio % block == 0)"
+    tok = tok_rows_of(v, p)
+    if 8 * (v.n_tiles - 1) >= tok:
+        return f"n8 tiles past the {tok} operand rows of a CTA"
+    return None
+
+
+def _reg_estimate(v: LinearSm90Variant, p: LinearProblem | None = None) -> int:
+    """Registers per thread a variant needs, fitted to ptxas's counts for sm_90a (see
+    docs/linear_sm90.md): accumulators 4 MT NT; B words 8 NT per chunk, twice when MT > 1
+    (ptxas loads the next chunk's while the current one multiplies); weight/scale words per
+    iteration held by the pipeline (direct ~8 per group and tile in flight, the register
+    double buffer two full iterations of 18, cp_async 6 per tile read back per chunk).
+    Variants above _MAX_REGS_EST spilled in every compile tried; the fused prologue's
+    quantization needs about 72 (MXFP4 blocks of 32: more) on its own."""
+    held = {Pipeline.DIRECT: 8 * v.groups * v.m_tiles, Pipeline.REGS: 36 * v.groups * v.m_tiles,
+            Pipeline.CP_ASYNC: 6 * v.m_tiles}[v.pipeline]
+    b = 8 * v.n_tiles * (2 if v.m_tiles > 1 else 1)
+    est = 40 + 4 * v.m_tiles * v.n_tiles + b + held
+    if v.fused:
+        est = max(est, 72 if p is None or p.fmt == "nvfp4" else 96)
+    return est
 
 
 class LinearSm90Family:
@@ -150,58 +214,109 @@ class LinearSm90Family:
         if (v.split_k > 1) != (v.reduce != Reduction.NONE):
             return ("split_k > 1 needs reduce atomic/workspace" if v.split_k > 1
                     else f"reduce={v.reduce.value} without split_k > 1")
-        est = _reg_estimate(v)
+        if v.fused:
+            why = _why_not_fused(v, p)
+            if why is not None:
+                return why
+        est = _reg_estimate(v, p)
         if est > _MAX_REGS_EST:
             return f"register estimate {est} > {_MAX_REGS_EST} (would spill)"
-        smem = geometry_of(v, p).smem_bytes
+        geom = geometry_of(v, p)
+        smem = geom.smem_bytes
         if smem > 227 * 1024:
             return f"{smem} bytes of shared memory per CTA (at most 227 KB)"
-        nit = geometry_of(v, p).nit
+        nit = geom.nit
         if v.pipeline == Pipeline.CP_ASYNC and v.stages > nit + 1:
             return f"{v.stages} stages for {nit} iterations per warp"
-        if v.l2_prefetch >= nit:
+        # l2_prefetch == nit: the whole K slice is requested up front (with PDL: before the
+        # wait for the previous kernel)
+        if v.l2_prefetch > nit:
             return f"L2 prefetch {v.l2_prefetch} iterations ahead of {nit} per warp"
         if v.pipeline == Pipeline.CP_ASYNC and 0 < v.l2_prefetch < v.stages:
             return "an L2 prefetch closer than the cp.async ring's depth does nothing"
+        try:
+            geom.check()
+        except ValueError as e:       # every rule above should have caught it first
+            return str(e)
         return None
 
     # ------------------------------------------------------------------ space
-    def space(self, problem: LinearProblem, arch: str) -> Sequence[LinearSm90Variant]:
-        """Every valid candidate, in a fixed order. Token tiles are limited to the ones that
-        cover the rows without more than doubling them; split_k only where the CTAs along
-        channels alone leave the 132 SMs of an H200 under-filled."""
-        rows = problem.rows
-        nts = [nt for nt in (1, 2, 4, 8) if nt == 1 or 8 * nt <= 2 * max(rows, 8)]
-        out = []
-        for packing in (Packing.SPLIT, Packing.NIB):
-            for wm, wk in ((4, 1), (2, 2), (1, 4), (8, 1), (4, 2), (2, 4), (1, 8)):
-                for mt in (1, 2, 4):
-                    for nt in nts:
-                        for u in (1, 2):
-                            for pl, st, l2 in ((Pipeline.CP_ASYNC, 4, 0),
-                                               (Pipeline.CP_ASYNC, 2, 0),
-                                               (Pipeline.CP_ASYNC, 6, 0),
-                                               (Pipeline.DIRECT, 1, 0), (Pipeline.DIRECT, 1, 2),
-                                               (Pipeline.REGS, 1, 0), (Pipeline.REGS, 1, 2)):
-                                for sk, red in ((1, Reduction.NONE),
-                                                (2, Reduction.WORKSPACE),
-                                                (4, Reduction.WORKSPACE),
-                                                (2, Reduction.ATOMIC),
-                                                (4, Reduction.ATOMIC)):
-                                    v = LinearSm90Variant(wm, wk, mt, nt, u, pl, st, l2, sk,
-                                                          red, packing)
-                                    if sk > 1 and problem.n // (16 * mt * wm) >= 264:
-                                        continue
-                                    if self.why_invalid(v, problem, arch) is None:
-                                        out.append(v)
-        if not out:                     # tiny problems: fewer than 4 warps fit
-            out.append(self.default(problem, arch))
+    # (warps_m, warps_k, m_tiles): from many short K slices per CTA (small N, long K: the
+    # per-warp chain of dependent iterations is what bounds small layers) to many channels
+    _CONFIGS = ((1, 8, 1), (1, 4, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2), (1, 4, 2), (4, 1, 2),
+                (2, 2, 1), (8, 1, 1))
+
+    def _pipes(self, nit: int) -> list[tuple[Pipeline, int, int]]:
+        """(pipeline, stages, l2_prefetch) candidates for nit iterations per warp; "all"
+        prefetches (l2_prefetch = nit) request the warp's whole K slice up front (with PDL:
+        while the previous kernel still runs)."""
+        out = [(Pipeline.CP_ASYNC, 3, 0), (Pipeline.CP_ASYNC, 4, 0), (Pipeline.REGS, 1, 0),
+               (Pipeline.DIRECT, 1, 1), (Pipeline.DIRECT, 1, 2)]
+        if 2 < nit <= 8:
+            out += [(Pipeline.DIRECT, 1, nit), (Pipeline.REGS, 1, nit)]
         return out
 
-    def default(self, problem: LinearProblem, arch: str) -> LinearSm90Variant:
-        """Valid for any N % 16 == 0: the most K-split of (4, 2, 1) warps that divides the K
-        groups, the rest of 4 warps along channels where N allows."""
+    def space(self, problem: LinearProblem, arch: str) -> Sequence[LinearSm90Variant]:
+        """The candidates worth timing, in a fixed order (every one valid): the _CONFIGS
+        channel/K warp layouts x the pipelines x a token tile covering the rows in one or two
+        z tiles x cross-CTA split-K (only where channel blocks alone leave the 132 SMs of an
+        H200 short: fewer than 264 CTAs) x activation source (fused only where it can run)
+        x PDL (K + extension lengths with a factor 3 also split over 3 CTAs). The nib packing and 2-group iterations lost to split / 1 group everywhere on
+        the H200 and are valid variants outside the space."""
+        rows = problem.rows
+        nt_full = min(8, pow2_ceil(-(-rows // 8)))
+        nts = [nt_full] + ([nt_full // 2] if nt_full > 1 else [])
         ng = kp_of(problem) // 256
+        acts = [Act.XOP]
+        if _why_not_fused(LinearSm90Variant(act=Act.FUSED, n_tiles=1), problem) is None:
+            acts.append(Act.FUSED)
+        out = []
+        for wm, wk, mt in self._CONFIGS:
+            nit = ng // wk if ng % wk == 0 else 0
+            ctas = problem.n // (16 * mt * wm)
+            splits = [(1, Reduction.NONE)]
+            if ctas < 264:
+                splits += [(2, Reduction.WORKSPACE), (2, Reduction.ATOMIC),
+                           (4, Reduction.WORKSPACE)]
+            if ng % 3 == 0:
+                # K + extension of 18 groups (K-Ext 0.125 at K = 4096) splits by 3 only
+                splits += [(3, Reduction.WORKSPACE), (3, Reduction.ATOMIC)]
+            for pl, st, l2 in self._pipes(nit):
+                for nt in nts:
+                    for sk, red in splits:
+                        for act in acts:
+                            for pdl in (False, True):
+                                l2s = l2 // sk if l2 > 2 else l2   # "all" of a split slice
+                                v = LinearSm90Variant(wm, wk, mt, nt, 1, pl, st, l2s, sk, red,
+                                                      Packing.SPLIT, act, pdl)
+                                if self.why_invalid(v, problem, arch) is None:
+                                    out.append(v)
+        d = self.default(problem, arch)
+        if d not in out:
+            out.insert(0, d)
+        return list(dict.fromkeys(out))
+
+    def default(self, problem: LinearProblem, arch: str) -> LinearSm90Variant:
+        """The runtime's fallback (valid for any N % 16 == 0; activation operand from a
+        quantizer, no PDL), chosen by what won on the H200 (run of 2026-11-30): wide layers
+        (N >= 16384) 4 x 2 warps with the register double buffer; narrower ones the most K
+        slices per CTA (8, 4, 2 warps along K) with a 3-stage cp.async ring; a token tile
+        covering up to 32 xop rows."""
+        ng = kp_of(problem) // 256
+        nt = min(4, pow2_ceil(-(-problem.rows // 8)))
+        cands = []
+        if problem.n >= 16384:
+            cands.append(LinearSm90Variant(4, 2, 1, nt, 1, Pipeline.REGS, 1, 0, 1,
+                                           Reduction.NONE, Packing.SPLIT))
+        for wk in (8, 4, 2):
+            if ng % wk == 0 and ng // wk >= 2:
+                cands.append(LinearSm90Variant(1, wk, 1, nt, 1, Pipeline.CP_ASYNC,
+                                               min(3, ng // wk + 1), 0, 1, Reduction.NONE,
+                                               Packing.SPLIT))
+        for v in cands:
+            if self.why_invalid(v, problem, arch) is None:
+                return v
+        # anything else: the most K-split of (4, 2, 1) warps that divides the K groups
         wk = next(w for w in (4, 2, 1) if ng % w == 0)
         wm = 4 // wk
         while wm > 1 and problem.n % (16 * wm):
@@ -224,11 +339,17 @@ class LinearSm90Family:
                 "m_tiles": int(g.m_tiles), "n_tiles": int(g.n_tiles),
                 "groups": int(g.groups), "pipeline": g.pipeline, "stages": int(g.stages),
                 "l2_prefetch": int(g.l2_prefetch),
-                "split_k": int(g.split_k), "reduce": g.reduce}
+                "split_k": int(g.split_k), "reduce": g.reduce, "act": g.act,
+                "pdl": bool(g.pdl), "k": int(g.k), "ksel": int(g.ksel),
+                "tok_rows": int(g.tok_rows)}
 
     def compile_key(self, variant: LinearSm90Variant, problem: LinearProblem) -> LinearProblem:
         """M is a run-time argument (the grid's token tiles): one compile per (fmt, mode, N,
-        K(+ext))."""
+        K(+ext)); fused variants keep the rows of their operand tile (tok_rows_of), so M
+        buckets that share it share a compile."""
+        if variant.fused:
+            rpt = 2 if problem.compensation == "full" else 1
+            return replace(problem, m=max(1, tok_rows_of(variant, problem) // rpt))
         return replace(problem, m=1)
 
     def compile_args(self, variant: LinearSm90Variant, problem: LinearProblem) -> list[Any]:
@@ -242,7 +363,8 @@ class LinearSm90Family:
                 make_ptr(cutlass.BFloat16, 0, gm, 16), make_ptr(cutlass.BFloat16, 0, gm, 16),
                 make_ptr(cutlass.Float32, 0, gm, 4), make_ptr(cutlass.Float32, 0, gm, 4),
                 make_ptr(cutlass.Float32, 0, gm, 16), make_ptr(cutlass.Int32, 0, gm, 4),
-                cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)]
+                make_ptr(cutlass.Uint8, 0, gm, 4), cutlass.Int32(1), cutlass.Int32(1),
+                cuda.CUstream(0)]
 
     # ------------------------------------------------------------------ running
     def working_set_bytes(self, variant: LinearSm90Variant, problem: LinearProblem) -> int:
@@ -290,14 +412,24 @@ _SETS: dict[tuple, list] = {}
 _SETS_KEEP = 2          # input-set lists kept for reuse by the next variants of a problem
 
 
+def _static_alpha(qw, device) -> torch.Tensor | None:
+    """The static NVFP4 activation scale as the kernel takes it (float32 [1]); None for MXFP4."""
+    if qw.fmt != "nvfp4":
+        return None
+    if qw.input_scale is None:
+        raise ValueError("a fused NVFP4 variant needs a weight with a static input_scale")
+    return torch.as_tensor(qw.input_scale, dtype=torch.float32, device=device).reshape(1)
+
+
 def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n_sets: int,
-                seed: int) -> list:
-    """[(qweight, Sm90Weight, x, xop, alpha_x)] * n_sets, cached for the few most recent
-    problems: preparing big weights costs more than timing a variant."""
+                seed: int, fused: bool = False) -> list:
+    """[(qweight, Sm90Weight, x, operand, alpha_x)] * n_sets, cached for the few most recent
+    problems: preparing big weights costs more than timing a variant. operand: the xop
+    (bf16 [T_pad, Kp], from make_xop) or, for fused variants, x itself as bf16 [m, K]."""
     from ..kernels.layouts import prepare_sm90_weight
     from ..kernels.linear_sm90 import make_xop
 
-    key = (problem.key(), packing, t_multiple, str(device), n_sets, seed)
+    key = (problem.key(), packing, t_multiple, str(device), n_sets, seed, fused)
     if key in _SETS:
         return _SETS[key]
     while len(_SETS) >= _SETS_KEEP:
@@ -308,18 +440,23 @@ def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n
         qw = random_layer(problem, device, gen)
         wt = prepare_sm90_weight(qw, packing)
         x = torch.randn(problem.m, problem.k, generator=gen, device=device)
-        xop, ax = make_xop(x, qw, _compensation(problem), t_multiple=t_multiple)
-        sets.append((qw, wt, x, xop, ax))
+        if fused:
+            sets.append((qw, wt, x, x.to(torch.bfloat16).contiguous(),
+                         _static_alpha(qw, device)))
+        else:
+            xop, ax = make_xop(x, qw, _compensation(problem), t_multiple=t_multiple)
+            sets.append((qw, wt, x, xop, ax))
     _SETS[key] = sets
     return sets
 
 
 class LinearSm90Runner:
-    """n_sets complete input sets (weights + activation operand), one compiled variant.
+    """n_sets complete input sets (weights + activations), one compiled variant.
 
-    The timed call is the GEMM (+ fold + epilogue; + convert kernel for atomic split-K) on a
-    prepared activation operand: activation quantization is NOT included until the fused
-    quantizer (quant_sm90) is wired in front of it.
+    The timed call: for "xop" variants the GEMM (+ fold + epilogue; + convert kernel for
+    atomic split-K) on a prepared activation operand, unless a quantizer is attached
+    (attach_quantizer: quant_sm90 + GEMM, two launches); for "fused" variants the whole layer
+    (BF16 activations in, quantization in the GEMM's prologue), one launch.
     """
 
     def __init__(self, compiled, variant, problem, device, n_sets, seed):
@@ -331,8 +468,12 @@ class LinearSm90Runner:
         self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.comp = _compensation(problem)
         self.m, self.rows = problem.m, problem.rows
+        self.fused = variant.fused
         self.sets = _input_sets(problem, variant.packing.value, self.geom.tok, self.device,
-                                n_sets, seed)
+                                n_sets, seed, self.fused)
+        qw0 = self.sets[0][0]
+        self.masks = (qw0.selection.masks.to(self.device)
+                      if self.fused and qw0.selection is not None else None)
         self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
         self.quantizer = None
         self.qsets: list = []
@@ -349,10 +490,19 @@ class LinearSm90Runner:
     def rotate(self, i: int) -> None:
         self.cur = i % len(self.sets)
 
+    def _masks_for(self, qw) -> torch.Tensor | None:
+        if not (self.fused and qw.selection is not None):
+            return None
+        if self.masks is not None and qw is self.sets[0][0]:
+            return self.masks
+        return qw.selection.masks.to(self.device)
+
     def attach_quantizer(self, qkernel: Any) -> None:
         """Time the whole layer as BENCH.md asks: the fused quantizer (a compiled
         resgen.kernels.quant_sm90.QuantKernel writing the xop with kp_align 256) on bf16
         activations, then the GEMM on its operand; two launches per call."""
+        if self.fused:
+            raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
         self.quantizer = qkernel
         self.qsets = []
         for qw, _, x, _, _ in self.sets:
@@ -368,11 +518,11 @@ class LinearSm90Runner:
         return self.launcher(wt, op.xop, xb.shape[0], self.rows, op.alpha, out)
 
     def __call__(self) -> torch.Tensor:
-        _, wt, _, xop, ax = self.sets[self.cur]
+        qw, wt, _, xop, ax = self.sets[self.cur]
         if self.quantizer is not None:
             xb, outs, alpha = self.qsets[self.cur]
             return self._quantized_call(xb, outs, alpha, wt, self.out)
-        return self.launcher(wt, xop, self.m, self.rows, ax, self.out)
+        return self.launcher(wt, xop, self.m, self.rows, ax, self.out, self._masks_for(qw))
 
     def check_quantized(self) -> CheckResult:
         """Fresh bf16 activations through the attached quantizer and the GEMM vs
@@ -393,23 +543,32 @@ class LinearSm90Runner:
         return compare(out, reference.linear(xb.float(), qw, self.comp))
 
     def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
-        """Quantize x in torch, run the kernel on set `set_index`'s weight; poisoned output."""
+        """Run the kernel on x: [m', K] with set `set_index`'s weight; NaN-poisoned output.
+        xop variants quantize x in torch (make_xop); fused variants take x rounded to bf16."""
         from ..kernels.linear_sm90 import make_xop
 
         qw, wt, _, _, _ = self.sets[set_index]
-        xop, ax = make_xop(x, qw, self.comp, t_multiple=self.geom.tok)
         out = torch.full((x.shape[0], self.problem.n), float("nan"), dtype=torch.bfloat16,
                          device=self.device)
         rows = 2 * x.shape[0] if self.comp == "full" else x.shape[0]
+        if self.fused:
+            xb = x.to(torch.bfloat16).contiguous()
+            self.launcher(wt, xb, x.shape[0], rows, _static_alpha(qw, self.device), out,
+                          self._masks_for(qw))
+            return out
+        xop, ax = make_xop(x, qw, self.comp, t_multiple=self.geom.tok)
         self.launcher(wt, xop, x.shape[0], rows, ax, out)
         return out
 
     def check(self) -> CheckResult:
-        """Fresh random activations, NaN-poisoned output, vs resgen.reference.linear."""
+        """Fresh random activations, NaN-poisoned output, vs resgen.reference.linear (on the
+        bf16-rounded activations for fused variants: that is their input)."""
         from .. import reference
 
         qw = self.sets[0][0]
         x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
+        if self.fused:
+            x = x.to(torch.bfloat16).float()
         out = self.run_on(x)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
