@@ -45,12 +45,15 @@ def report_main(argv: list[str] | None = None) -> int:
         "Per-layer output NMSE and perplexity of SmolLM2-135M (FP32 reference, plain W4A4, "
         "full residue, K-Ext ratios; NVFP4 and MXFP4) on the Jargon File. CPU only."))
     _study_args(p)
-    p.add_argument("--suite", choices=("paper", "full"), default="paper",
-                   help="paper: the foundation grid (~10 min); full: + error-aware selection, "
-                        "weight-side methods and planner budgets (~30 min)")
+    p.add_argument("--suite", choices=("paper", "full", "extended"), default="paper",
+                   help="paper: the foundation grid (13 runs); full: + error-aware selection, "
+                        "weight-side methods and planner budgets (34 runs); extended: + more")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--resume", action="store_true", help="append each finished method to "
                    "<out>/<stem>.partial.jsonl and skip those already there")
+    p.add_argument("--assemble", action="store_true", help="write the report from "
+                   "<out>/<stem>.partial.jsonl without running anything (methods not there "
+                   "are listed as missing)")
     p.add_argument("--stem", default=None, help="file name stem (default smollm2_135m, with "
                    "_full for the full suite and _quick for --quick)")
     args = p.parse_args(argv)
@@ -60,17 +63,22 @@ def report_main(argv: list[str] | None = None) -> int:
         cfg = _config(args)
     except ValueError as e:
         p.error(str(e))
-    stem = args.stem or ("smollm2_135m" + ("_full" if args.suite == "full" else "")
+    stem = args.stem or ("smollm2_135m" + ("" if args.suite == "paper" else f"_{args.suite}")
                          + ("_quick" if args.quick else ""))
     args.out.mkdir(parents=True, exist_ok=True)
-    resume = args.out / f"{stem}.partial.jsonl" if args.resume else None
-    doc = report.run(cfg, args.suite, log=lambda s: print(s, flush=True), resume=resume)
+    resume = args.out / f"{stem}.partial.jsonl" if args.resume or args.assemble else None
+    if args.assemble:
+        if not resume.exists():
+            p.error(f"--assemble needs {resume} from an earlier --resume run")
+        doc = report.assemble(cfg, args.suite, resume)
+    else:
+        doc = report.run(cfg, args.suite, log=lambda s: print(s, flush=True), resume=resume)
     jp, mp = report.write(doc, args.out, stem)
     print(f"wrote {jp} and {mp}")
-    if args.suite == "full" and args.stem is None:
+    if args.suite != "paper" and args.stem is None:
         # The paper grid is a subset of the full one: write its report too, from the same run.
         paper = report.subset(doc, "paper")
-        pj, pm = report.write(paper, args.out, stem.replace("_full", ""))
+        pj, pm = report.write(paper, args.out, stem.replace(f"_{args.suite}", ""))
         print(f"wrote {pj} and {pm}")
     for tg in doc["summary"]["targets"]:
         print(f"[{'met' if tg['met'] else 'MISSED'}] {tg['target']}: "

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GGUF_FILE", "JARGON_PATH", "PROJECTIONS", "smollm2_dir", "load_model", "load_tokens",
+__all__ = ["GGUF_FILE", "JARGON_PATH", "PROJECTIONS", "smollm2_dir", "load_model", "load_tokenizer",
+           "load_tokens",
            "TokenSplit", "split_tokens", "quantizable_linears", "replace_linears"]
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,6 +63,19 @@ def load_model(model_dir: str | Path | None = None, gguf_file: str | None = GGUF
     model.eval()
     model.requires_grad_(False)
     return model, tok
+
+
+def load_tokenizer(model_dir: str | Path | None = None, gguf_file: str | None = GGUF_FILE):
+    """The tokenizer alone (as load_model finds it), offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+    from transformers import AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    folder = smollm2_dir() if model_dir is None else Path(model_dir)
+    if model_dir is not None and gguf_file == GGUF_FILE and not (folder / GGUF_FILE).exists():
+        gguf_file = None
+    return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
 
 
 def load_tokens(tokenizer, path: str | Path = JARGON_PATH) -> torch.Tensor:

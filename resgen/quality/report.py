@@ -4,8 +4,10 @@ Suites
   paper  the foundation report: FP32 reference; per format plain W4A4, full residue and K-Ext
          ratios 0.125 / 0.25 / 0.5 with the paper's mean |x| selection; NVFP4 W4A4 and full
          residue also with a calibrated static activation scale.
-  full   paper + issue 6: error-aware selection, weight-side methods (scale search, Four Over
-         Six, GPTQ) and planner budgets 4.5 / 5.0 / 5.5.
+  full   paper + issue 6: error-aware selection (ratios 0.25, 0.5), weight-side methods with
+         full residue (scale search, Four Over Six, GPTQ) and planner budgets 4.5 / 5.0 / 5.5.
+  extended  full + error-aware 0.125, weight-side methods without compensation, GPTQ with
+         K-Ext and with a plan (not part of the committed results: CPU time).
 """
 
 from __future__ import annotations
@@ -22,31 +24,40 @@ from .evaluate import gap_closed, nmse_reduction
 from .model import GGUF_FILE, JARGON_PATH, PROJECTIONS
 from .study import Method, Study, StudyConfig
 
-__all__ = ["PAPER_NMSE_REDUCTION", "methods_for", "run", "subset", "summarize", "to_markdown",
+__all__ = ["PAPER_NMSE_REDUCTION", "assemble", "methods_for", "run", "subset", "summarize", "to_markdown",
            "write"]
 
 # The paper's output-NMSE reduction of full residue vs plain FP4 (Qwen3-32B decode inputs).
 PAPER_NMSE_REDUCTION = {"nvfp4": 0.166, "mxfp4": 0.203}
 BUDGETS = (4.5, 5.0, 5.5)
+SUITES = ("paper", "full", "extended")
 
 
 def methods_for(suite: str) -> list[Method]:
-    if suite not in ("paper", "full"):
-        raise ValueError(f"suite must be 'paper' or 'full', got {suite!r}")
+    """The suite's methods, most important first (a resumed run fills them in order)."""
+    if suite not in SUITES:
+        raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
     ms = [Method("nvfp4", "ref")]
     for fmt in formats.FORMATS:
         ms += [Method(fmt, "none"), Method(fmt, "full")]
         ms += [Method(fmt, r) for r in (0.125, 0.25, 0.5)]
     ms += [Method("nvfp4", "none", input_scale="static"),
            Method("nvfp4", "full", input_scale="static")]
-    if suite == "full":
+    if suite in ("full", "extended"):
+        nv, mx = "nvfp4", "mxfp4"
+        ms += [Method(nv, 0.25, score="error"), Method(nv, "full", weights="gptq"),
+               Method(mx, "full", weights="gptq"), Method(mx, 0.25, score="error"),
+               Method(nv, "full", weights="search"), Method(mx, "full", weights="search"),
+               Method(nv, "full", weights="4over6")]
+        ms += [Method(fmt, "plan", score="error", budget=b) for fmt in formats.FORMATS
+               for b in BUDGETS]
+        ms += [Method(fmt, 0.5, score="error") for fmt in formats.FORMATS]
+    if suite == "extended":
         for fmt in formats.FORMATS:
-            ms += [Method(fmt, r, score="error") for r in (0.125, 0.25, 0.5)]
-            ms += [Method(fmt, c, weights=w) for w in ("search", "gptq") for c in ("none", "full")]
-            ms += [Method(fmt, 0.25, score="error", weights="gptq")]
-            ms += [Method(fmt, "plan", score="error", budget=b) for b in BUDGETS]
-            ms += [Method(fmt, "plan", score="error", weights="gptq", budget=5.0)]
-        ms += [Method("nvfp4", "full", weights="4over6")]
+            ms += [Method(fmt, 0.125, score="error")]
+            ms += [Method(fmt, "none", weights=w) for w in ("search", "gptq")]
+            ms += [Method(fmt, 0.25, score="error", weights="gptq"),
+                   Method(fmt, "plan", score="error", weights="gptq", budget=5.0)]
     return ms
 
 
@@ -81,6 +92,40 @@ def run(config: StudyConfig, suite: str = "paper", log=print,
             with open(resume, "a") as f:
                 f.write(json.dumps({"config": cfg_key, "result": r}, default=float) + "\n")
         log(f"{m.label():55s} ppl {r['ppl']:8.3f}  ({r['seconds']:.0f}s)")
+    timings = {**study.timings, "total_s": time.time() - t0}
+    return _document(config, suite, results, study.total_tokens, study.split.describe(),
+                     len(study.weight), timings)
+
+
+def assemble(config: StudyConfig, suite: str, partial: Path) -> dict:
+    """The document from a resumable run's JSON-lines file alone (no model run): the methods
+    of `suite` found there, in suite order; those missing are listed under "missing"."""
+    from .model import load_tokenizer, load_tokens, split_tokens
+
+    cfg_key = json.dumps(config.__dict__, sort_keys=True)
+    done = {}
+    for line in Path(partial).read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("config") == cfg_key:
+            done[json.dumps(rec["result"]["method"], sort_keys=True)] = rec["result"]
+    results, missing = [], []
+    for m in methods_for(suite):
+        r = done.get(json.dumps(m.to_json(), sort_keys=True))
+        (results.append(r) if r is not None else missing.append(m.label()))
+    tok = load_tokenizer(config.model_dir)
+    ids = load_tokens(tok) if config.text is None else load_tokens(tok, config.text)
+    split = split_tokens(ids, seq_len=config.seq_len, n_calib=config.n_calib,
+                         n_eval=config.n_eval)
+    n_layers = max((len(r.get("layer_nmse", {})) for r in results), default=0)
+    timings = {"methods_s": sum(r.get("seconds", 0.0) for r in results),
+               "note": "assembled from a resumed run; load/calibration time not included"}
+    doc = _document(config, suite, results, int(ids.numel()), split.describe(), n_layers,
+                    timings)
+    doc["missing"] = missing
+    return doc
+
+
+def _document(config, suite, results, total_tokens, split_info, n_layers, timings) -> dict:
     doc = {
         "schema": "resgen.quality/1",
         "suite": suite,
@@ -88,9 +133,9 @@ def run(config: StudyConfig, suite: str = "paper", log=print,
                   "reference": "GGUF Q4_1 dequantized to FP32 (the reference model)",
                   "quantized_layers": [f"decoder layers.*.{p}" for p in PROJECTIONS],
                   "kept_fp32": "token embeddings and the (tied) lm_head, norms, attention math",
-                  "n_linear_layers": len(study.weight)},
-        "text": {"source": str(config.text or JARGON_PATH), "total_tokens": study.total_tokens,
-                 **study.split.describe(),
+                  "n_linear_layers": n_layers},
+        "text": {"source": str(config.text or JARGON_PATH), "total_tokens": total_tokens,
+                 **split_info,
                  "calib_from": "first half of the token stream",
                  "eval_from": "second half (held out), sequences evenly spaced",
                  "nmse_rows_per_layer": config.n_nmse * config.seq_len,
@@ -109,13 +154,15 @@ def run(config: StudyConfig, suite: str = "paper", log=print,
             "effective_bits": "resgen.plan: 4 * (K + ext) / K, size-weighted",
         },
         "config": config.__dict__,
-        "timings": {**study.timings, "total_s": time.time() - t0},
+        "timings": timings,
         "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
                     "torch": torch.__version__},
         "results": results,
     }
     doc["summary"] = summarize(results)
     return doc
+
+
 
 
 def subset(doc: dict, suite: str) -> dict:
@@ -234,8 +281,13 @@ def to_markdown(doc: dict) -> str:
         lines.append(f"| {tg['target']} | {meas} | {'yes' if tg['met'] else '**no**'} |")
     lines += _per_projection(doc)
     lines += _per_layer(doc)
-    lines += ["", f"Run time {doc['timings']['total_s'] / 60:.1f} min on "
-                  f"{doc['machine']['cpu_threads']} CPU threads."]
+    if doc.get("missing"):
+        lines += ["", "Not run (CPU time ran out; rerun with --resume to add them): "
+                  + ", ".join(doc["missing"]) + "."]
+    tm = doc["timings"]
+    total = tm.get("total_s", tm.get("methods_s", 0.0))
+    lines += ["", f"Run time {total / 60:.1f} min on {doc['machine']['cpu_threads']} CPU "
+                  f"threads{' (methods only)' if 'total_s' not in tm else ''}."]
     return "\n".join(lines) + "\n"
 
 
