@@ -215,29 +215,39 @@ def _compensation(problem: LinearProblem):
     return problem.ratio if problem.ratio is not None else problem.compensation
 
 
-_SETS: dict[tuple, list] = {}
-_SETS_KEEP = 2          # input-set lists kept for reuse by the next variants of a problem
+_WEIGHTS: dict[tuple, list] = {}
+_WEIGHTS_KEEP = 2       # prepared weight lists kept for the next variants / M of a layer
+
+
+def _weights(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
+    """[(qweight, WgWeight)] * n_sets for the layer of `problem` (any M), cached for the most
+    recent layers: preparing big weights costs more than timing a variant."""
+    from ..kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
+
+    key = (replace(problem, m=1).key(), packing, str(device), n_sets, seed)
+    if key in _WEIGHTS:
+        return _WEIGHTS[key]
+    while len(_WEIGHTS) >= _WEIGHTS_KEEP:
+        _WEIGHTS.pop(next(iter(_WEIGHTS)))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for _ in range(max(1, n_sets)):
+        qw = random_layer(problem, device, gen)
+        out.append((qw, prepare_wgmma_weight(qw, packing)))
+    _WEIGHTS[key] = out
+    return out
 
 
 def _input_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
-    """[(qweight, WgWeight, x, xop, alpha_x)] * n_sets, cached for the most recent problems."""
+    """[(qweight, WgWeight, x, xop, alpha_x)] * n_sets: cached weights, fresh activations."""
     from ..kernels.linear_sm90 import make_xop
-    from ..kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
 
-    key = (problem.key(), packing, str(device), n_sets, seed)
-    if key in _SETS:
-        return _SETS[key]
-    while len(_SETS) >= _SETS_KEEP:
-        _SETS.pop(next(iter(_SETS)))
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed * 7919 + problem.m)
     sets = []
-    for _ in range(max(1, n_sets)):
-        qw = random_layer(problem, device, gen)
-        wt = prepare_wgmma_weight(qw, packing)
+    for qw, wt in _weights(problem, packing, device, n_sets, seed):
         x = torch.randn(problem.m, problem.k, generator=gen, device=device)
         xop, ax = make_xop(x, qw, _compensation(problem), t_multiple=8)
         sets.append((qw, wt, x, xop, ax))
-    _SETS[key] = sets
     return sets
 
 
