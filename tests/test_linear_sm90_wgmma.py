@@ -311,6 +311,7 @@ COMPILE_CASES = [
     (LinearProblem("mxfp4", "none", 2048, 6144, 4096), LinearSm90WgmmaVariant(1, 2, 128, 6)),
     (LinearProblem("mxfp4", "full", 256, 4096, 12288), LinearSm90WgmmaVariant(1, 1, 64, 3)),
     (LinearProblem("nvfp4", "0.125", 512, 4096, 4096), LinearSm90WgmmaVariant(2, 1, 192, 5)),
+    (LinearProblem("nvfp4", "full", 128, 4096, 4096), LinearSm90WgmmaVariant(2, 1, 64, 8)),
 ]
 
 
@@ -320,8 +321,7 @@ def _compile(v, p, tmp_path):
     ck = FAMILY.compile_key(v, p)
     path, _ = codegen.render_to_file(FAMILY.TEMPLATE, FAMILY.template_params(v, ck),
                                      FAMILY.NAME, root=tmp_path)
-    mod = codegen.load_module(path)
-    return codegen.compile_entry(getattr(mod, FAMILY.ENTRY), FAMILY.compile_args(v, ck), ARCH)
+    return FAMILY.compile_module(path, v, ck, ARCH)
 
 
 @pytest.mark.parametrize("p, v", COMPILE_CASES, ids=lambda x: x.name() if hasattr(x, "name")
@@ -343,6 +343,11 @@ def test_compiles_for_sm90a(p, v, tmp_path):
     assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
     assert ("setmaxnreg" in ptx) == (v.consumers == 2)
+    # launch bounds (.reqntid + .minnctapersm 1) make ptxas launch with the whole register
+    # file, so the producer's setmaxnreg.dec frees what the consumers' .inc asks for
+    assert ".minnctapersm 1" in ptx
+    if v.consumers == 2:
+        assert res.registers == 168
     assert "mul.rn.bf16x2" in ptx and "ftz" not in ptx
     assert "shfl.sync.bfly.b32" in ptx and "trap;" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -451,3 +456,22 @@ def test_launcher_rejects_mismatches():
         WgmmaLauncher(SimulatedKernel(g64), g64, "cpu")(
             W.prepare_wgmma_weight(_qweight("nvfp4", n=64, k=256)), xop, 4, 4, ax,
             torch.empty(4, 64, dtype=torch.bfloat16))
+
+
+def test_compile_refuses_a_register_pool_that_would_hang_setmaxnreg(monkeypatch, tmp_path):
+    """A kernel launched with fewer registers than the producer's .dec frees plus the
+    consumers' .inc asks for would block in setmaxnreg.inc forever: the family refuses it."""
+    from resgen.kernels import codegen
+
+    class Res:
+        ptx = "setmaxnreg.dec.sync.aligned.u32 40;\nsetmaxnreg.inc.sync.aligned.u32 232;"
+        registers = 96
+
+    monkeypatch.setattr(codegen, "load_module", lambda path: type("M", (), {"entry": None}))
+    monkeypatch.setattr(codegen, "compile_entry", lambda *a, **k: Res())
+    p = LinearProblem("nvfp4", "none", 128, 4096, 4096)
+    with pytest.raises(RuntimeError, match="setmaxnreg"):
+        FAMILY.compile_module(tmp_path / "x.py", LinearSm90WgmmaVariant(2, 1, 64, 4), p, ARCH)
+    Res.registers = 168
+    assert FAMILY.compile_module(tmp_path / "x.py", LinearSm90WgmmaVariant(2, 1, 64, 4), p,
+                                 ARCH) is not None

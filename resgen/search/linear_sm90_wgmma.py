@@ -190,6 +190,27 @@ class LinearSm90WgmmaFamily:
                 cutlass.Int32(64 * variant.consumers * variant.m_wg), cutlass.Int32(2),
                 cuda.CUstream(0)]
 
+    def compile_module(self, path, variant: LinearSm90WgmmaVariant, problem: LinearProblem,
+                       arch: str):
+        """Compile the rendered module (build.compile_variant's hook) and refuse a kernel whose
+        register budget cannot serve its setmaxnreg requests: setmaxnreg.inc blocks until the
+        CTA's pool (launch registers x threads) has the registers, so a short pool would hang
+        the GPU instead of failing."""
+        from ..kernels import codegen
+        from ..kernels.linear_sm90_wgmma_geom import CONSUMER_REGS, PRODUCER_REGS
+
+        module = codegen.load_module(path)
+        res = codegen.compile_entry(getattr(module, self.ENTRY),
+                                    self.compile_args(variant, problem), arch)
+        if res.ptx is not None and "setmaxnreg.inc" in res.ptx:
+            need = 128 * PRODUCER_REGS + 128 * variant.consumers * CONSUMER_REGS
+            have = None if res.registers is None else res.registers * 128 * (1 +
+                                                                             variant.consumers)
+            if have is None or have < need:
+                raise RuntimeError(f"setmaxnreg needs a pool of {need} registers, the kernel "
+                                   f"launches with {have} (registers {res.registers})")
+        return res
+
     # ------------------------------------------------------------------ running
     def working_set_bytes(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
         """Bytes of one input set (weight records + activation operand + output)."""
