@@ -350,6 +350,10 @@ def test_compiles_for_sm90a(p, v, tmp_path):
         assert res.registers == 168
     assert "mul.rn.bf16x2" in ptx and "ftz" not in ptx
     assert "shfl.sync.bfly.b32" in ptx and "trap;" in ptx
+    # two elections in the producer (barrier arrival + weight copies; the TMA copy's own):
+    # a TMA copy issued from an already single-lane branch would nest a third, whose
+    # elect.sync over 32 lanes would then wait for lanes that never come
+    assert ptx.count("elect.sync") == 2
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert res.spill_bytes == 0, f"{res.spill_bytes} bytes of local memory"
     assert res.registers is not None and res.registers <= 255
