@@ -1,7 +1,8 @@
 """The `resgen` command line.
 
-    resgen tune --model qwen3-8b [--formats] [--ops] [--m-buckets] [--db] [--tp] [--resume]
-                [--max-variants] [--time-budget] [--compile-only] [--jobs]
+    resgen tune --model qwen3-8b[,qwen3-32b,...|all] [--formats] [--ops] [--m-buckets] [--db]
+                [--tp] [--resume] [--max-variants] [--time-budget] [--compile-only] [--jobs]
+                [--policy tune|bench] [--search] [--coverage] [--plan]
     resgen show [--db]                      winners as a table
     resgen bench --model qwen3-8b [--db]    winners vs torch.matmul BF16 / _scaled_mm FP8 (GPU)
     resgen db verify|merge|export           database maintenance
@@ -11,6 +12,11 @@
 Without a CUDA GPU, `tune` says so and runs the compile-only pre-flight for sm_90a: every
 candidate variant is rendered and compiled and the outcome stored with status "compiled" (or
 "compile_failed") under a compile-only environment; nothing is run or timed.
+
+`tune` with several models (or `all`) tunes every workload they share once (workloads are
+shapes, not models: the database serves any model with that shape), prints its plan first
+(workloads per family and per model, compile classes, compiles, estimated GPU seconds) and
+ends with the seconds spent per phase (compile, waiting for the GPU, prep, check, time).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="tune kernels for a model's shapes into a database")
     t.add_argument("--model", required=True, type=_csv(str),
                    help="qwen3-4b, qwen3-8b, qwen3-32b, a config.json or model directory; "
-                        "comma-separated for several")
+                        "comma-separated for several, or 'all' (every built-in model)")
     t.add_argument("--formats", type=_csv(str), default=["nvfp4", "mxfp4"])
     t.add_argument("--compensations", type=_csv(str),
                    default=["none", "full", "0.125", "0.25", "0.5", "1.0"])
@@ -79,10 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default); --no-resume re-times and replaces them")
     t.add_argument("--max-variants", type=_pos_int, default=16,
                    help="variants evaluated per workload (spaces up to this size are searched "
-                        "exhaustively, larger ones with optuna)")
+                        "exhaustively, larger ones by the family's prior or with optuna)")
+    t.add_argument("--policy", choices=["tune", "bench"], default="tune",
+                   help="measurement policy: 'tune' (cold-l2-graph-tune: short graphs, 5 "
+                        "repetitions; default) or 'bench' (cold-l2-graph, as resgen bench)")
+    t.add_argument("--search", choices=["auto", "exhaustive", "ranked", "optuna"],
+                   default="auto", help="auto: exhaustive if the space fits --max-variants, "
+                   "else ranked by the family's prior, else optuna")
+    t.add_argument("--coverage", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPU runs: first give every workload one checked, timed variant, then "
+                        "search with the rest of the budget (default on)")
+    t.add_argument("--plan", action="store_true",
+                   help="print the plan (workloads, compiles, estimated GPU seconds) and exit")
     t.add_argument("--time-budget", type=float, default=None,
                    help="seconds for the whole run (default 480 on a GPU, none compile-only); "
-                        "tuner processes still running 60 s later (a hung kernel) are killed")
+                        "tuner processes still running --hard-stop seconds later (a hung "
+                        "kernel) are killed")
+    t.add_argument("--hard-stop", type=float, default=60.0,
+                   help="seconds past the budget before stuck tuner processes are killed")
     t.add_argument("--compile-only", action="store_true",
                    help="render and compile only (automatic without a GPU)")
     t.add_argument("--arch", default=None, help="compile target (default: the GPU's, or "
@@ -179,12 +199,9 @@ class _Progress:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r]
-                                           for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    from .search.tuneplan import table
+
+    return table(headers, rows)
 
 
 def _gpu_lock_path() -> str:
@@ -237,21 +254,33 @@ def _problems_for(fam: Any, models: list, args: argparse.Namespace) -> list:
 
 
 # -- tune -------------------------------------------------------------------------------------------
+def _models(names: Sequence[str]) -> list:
+    from .models import MODELS, get_model
+
+    out = []
+    for n in names:
+        for spec in (MODELS.values() if n.strip().lower() == "all" else [get_model(n)]):
+            if spec not in out:
+                out.append(spec)
+    return out
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .db import TuningDB
-    from .models import get_model
+    from .db import DatabaseError, TuningDB
     from .search.family import families
     from .search.record import compile_only_environment, current_environment
-    from .search.timing import DEFAULT_POLICY
-    from .search.tuner import Job, TuneConfig, run_jobs
+    from .search.timing import policy_named
+    from .search.tuneplan import measured_costs, plan_run
+    from .search.tuner import PHASES, Job, TuneConfig, run_jobs, stages_of
     from .settings import settings
 
     started = time.monotonic()            # the budget counts from here: setup included
+    started_utc = _utc_now()
     _import_all(args.imports)
-    models = [get_model(m) for m in args.model]
+    models = _models(args.model)
     gpu = _has_gpu()
     compile_only = args.compile_only or not gpu
-    if not gpu and not args.compile_only:
+    if not gpu and not args.compile_only and not args.plan:
         print("No CUDA GPU found: running the COMPILE-ONLY pre-flight instead: per workload "
               f"up to --max-variants={args.max_variants} valid variants (the default plus an "
               "even spread over the space) are rendered and compiled; nothing is run or "
@@ -260,6 +289,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if compile_only:
         arch = args.arch or settings().arch
         env = compile_only_environment(arch)
+        # --plan on a machine without a GPU plans the GPU run (unless --compile-only).
+        compile_only = args.compile_only or not args.plan
     else:
         env = current_environment()
         arch = args.arch or env.arch
@@ -281,34 +312,59 @@ def cmd_tune(args: argparse.Namespace) -> int:
               f"{sorted(families())})", file=sys.stderr)
         return 2
     jobs: list[Job] = []
-    per_family: dict[str, int] = {}
+    problems: dict[str, list] = {}
+    per_model: dict[str, dict[str, int]] = {}
     for fam in sorted(fams, key=lambda f: f.NAME):
-        probs = _problems_for(fam, models, args)
-        per_family[fam.NAME] = len(probs)
+        probs = _problems_for(fam, models, args)       # deduplicated across the models
+        problems[fam.NAME] = probs
+        per_model[fam.NAME] = ({m.name: len(_problems_for(fam, [m], args)) for m in models}
+                               if len(models) > 1 else {models[0].name: len(probs)})
         jobs += [Job(fam.NAME, p.key()) for p in probs]
     if not jobs:
         print("no workloads to tune", file=sys.stderr)
         return 2
     db_path = args.db or settings().user_db
-    TuningDB(db_path).close()                     # create (or reject) before starting workers
     budget = args.time_budget if args.time_budget is not None else (
         None if compile_only else 480.0)
     cores = os.cpu_count() or 1
-    # Compile-only: one process per core. On a GPU: up to 8 compiling processes (16 cores on
-    # the H200 machine), which take turns on the GPU.
-    workers = args.jobs or (cores if compile_only else max(1, min(8, cores // 2)))
+    # Compile-only: one process per core. On a GPU: every core but two compiles (CuTe DSL
+    # compiles take 0.5-3 s on one core; GPU work takes milliseconds per variant), and the
+    # processes take turns on the GPU.
+    workers = args.jobs or (cores if compile_only else max(1, min(14, cores - 2)))
+    if args.plan and not gpu and not args.jobs and not compile_only:
+        workers = 14                              # planning for the 16-core H200 machine
     lock = None if compile_only else _gpu_lock_path()
+    policy = policy_named(args.policy)
+    config = TuneConfig(arch=arch, policy=policy, max_variants=args.max_variants,
+                        time_budget_s=budget, resume=args.resume, compile_only=compile_only,
+                        seed=args.seed, gpu_lock=lock, timer=args.timer, search=args.search,
+                        coverage=args.coverage, hard_stop_grace_s=args.hard_stop,
+                        resume_since=None if args.resume else started_utc)
+    measured = None
+    if Path(db_path).exists():
+        try:
+            with TuningDB(db_path, readonly=True) as db:
+                measured = measured_costs(db.rows(gpu_name=env.gpu_name, compile_only=False))
+        except DatabaseError:
+            measured = None
+    plan = plan_run(problems, per_model, {f.NAME: f for f in fams}, config, workers,
+                    measured=measured)
+    if args.plan:
+        print(plan.text())
+        return 0
+    print(plan.text(), file=sys.stderr)
+    TuningDB(db_path).close()                     # create (or reject) before starting workers
     left = None if budget is None else max(1.0, budget - (time.monotonic() - started))
-    config = TuneConfig(arch=arch, policy=DEFAULT_POLICY, max_variants=args.max_variants,
-                        time_budget_s=left, resume=args.resume, compile_only=compile_only,
-                        seed=args.seed, gpu_lock=lock, timer=args.timer)
+    config.time_budget_s = left
+    stages = stages_of(config)
     label = "compile-only pre-flight" if compile_only else f"tuning on {env.gpu_name}"
-    print(f"resgen tune: {label}, arch {arch}, {len(jobs)} workloads "
-          f"({', '.join(f'{k}: {v}' for k, v in per_family.items())}), {workers} process(es), "
-          f"budget {budget or 'none'} s, database {db_path}", file=sys.stderr)
-    bar = _Progress(len(jobs), "compile-only" if compile_only else "tune")
+    print(f"resgen tune: {label}, arch {arch}, {len(jobs)} workloads, stages "
+          f"{'+'.join(stages)}, {workers} process(es), budget {budget or 'none'} s, policy "
+          f"{policy.label}, database {db_path}", file=sys.stderr)
+    bar = _Progress(len(jobs) * len(stages), "compile-only" if compile_only else "tune")
     totals: Counter[str] = Counter()
     crashes: list[str] = []
+    disabled: list[str] = []
 
     def on_event(kind: str, obj: Any) -> None:
         if kind == "done":
@@ -316,13 +372,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
                       "resumed"):
                 totals[k] += getattr(obj, k)
             totals["errors"] += obj.error is not None
-            bar.update(f"compiled {totals['compiled']} timed {totals['timed']} "
+            bar.update(f"{obj.stage}: compiled {totals['compiled']} timed {totals['timed']} "
                        f"failed {totals['compile_failed'] + totals['check_failed'] + totals['run_failed']}")
         elif kind == "crash":
             crashes.append(str(obj))
         elif kind == "lost":
             totals["lost"] += 1
             print(f"\nreplacing a tuner process: {obj}", file=sys.stderr)
+        elif kind == "disabled":
+            disabled.append(str(obj))
+            print(f"\n{obj}", file=sys.stderr)
 
     modules = list(args.imports) + sorted({type(f).__module__ for f in fams})
     # On a GPU the tuning always runs in worker processes: one whose CUDA context a broken
@@ -338,19 +397,36 @@ def cmd_tune(args: argparse.Namespace) -> int:
               "CUDA context (those variants are stored as run_failed)")
     for c in crashes:
         print(f"tuner process crashed: {c}", file=sys.stderr)
+    for d in disabled:
+        print(d)
     if args.json:
+        phase_totals = {k: sum(s.phase_s.get(k, 0.0) for s in summaries) for k in PHASES}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "mode": "compile-only" if compile_only else "tune", "arch": arch,
             "environment": env.as_dict(), "database": str(db_path), "seconds": elapsed,
-            "workers": workers, "time_budget_s": budget, "crashes": crashes,
+            "workers": workers, "time_budget_s": budget, "policy": policy.as_dict(),
+            "stages": list(stages), "crashes": crashes, "disabled": disabled,
+            "plan": plan.as_dict(),
+            "phase_s": phase_totals, "models": [m.name for m in models],
             "workloads": [s.__dict__ for s in summaries]}, indent=1, default=str))
     ok = totals["timed"] + totals["compiled"] + totals["resumed"]
     return 1 if crashes or ok == 0 else 0
 
 
+def _utc_now() -> str:
+    """The database's `created` format (UTC ISO, microseconds): rows of this run sort at
+    or after it."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
 def _summary_text(summaries: list, compile_only: bool, elapsed: float, db_path: Path) -> str:
+    from .search.tuner import PHASES
+
     by_fam: dict[str, Counter] = defaultdict(Counter)
+    phases: dict[str, Counter] = defaultdict(Counter)
     errors: Counter[str] = Counter()
     for s in summaries:
         c = by_fam[s.family]
@@ -365,6 +441,8 @@ def _summary_text(summaries: list, compile_only: bool, elapsed: float, db_path: 
             c["budget_stops"] += 1
         if s.error:
             errors[s.error.splitlines()[0][:160]] += 1
+        for k, v in s.phase_s.items():
+            phases[s.family][k] += v
     head = ("COMPILE-ONLY PRE-FLIGHT (nothing was run or timed)" if compile_only
             else "TUNING SUMMARY")
     cols = ["family", "workloads", "compiled", "compile_failed"]
@@ -374,6 +452,21 @@ def _summary_text(summaries: list, compile_only: bool, elapsed: float, db_path: 
     rows = [[fam] + [c[k] for k in cols[1:]] for fam, c in sorted(by_fam.items())]
     text = [f"\n{head}: {len(summaries)} workloads in {elapsed:.1f} s -> {db_path}",
             _table(cols, rows)]
+    shown = [k for k in PHASES if any(p[k] for p in phases.values())]
+    if shown:
+        gpu = [k for k in ("prep", "check", "time") if k in shown]
+        prow = []
+        for fam, p in sorted(phases.items()):
+            prow.append([fam] + [f"{p[k]:.1f}" for k in shown] +
+                        [f"{sum(p[k] for k in gpu):.1f}"])
+        tot = Counter()
+        for p in phases.values():
+            tot.update(p)
+        prow.append(["TOTAL"] + [f"{tot[k]:.1f}" for k in shown] +
+                    [f"{sum(tot[k] for k in gpu):.1f}"])
+        text += ["seconds by phase (compile: summed over processes; wait: for the GPU lock; "
+                 "GPU held = prep + check + time):",
+                 _table(["family"] + shown + ["GPU held"], prow)]
     if errors:
         text.append("workload errors:")
         text += [f"  {n} x {msg}" for msg, n in errors.most_common(5)]

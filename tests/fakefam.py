@@ -59,9 +59,14 @@ def fake_us(v: FakeVariant, p: FakeProblem) -> float:
 
 
 class FakeRunner:
-    def __init__(self, v: FakeVariant, p: FakeProblem, fn: Any, n_sets: int) -> None:
+    def __init__(self, v: FakeVariant, p: FakeProblem, fn: Any, n_sets: int,
+                 inputs: "FakeInputs | None" = None) -> None:
         self.v, self.p, self.fn, self.n_sets, self.set = v, p, fn, n_sets, 0
         self.calls = 0
+        self.inputs = inputs
+        if inputs is not None:
+            # The prepare contract: inputs of this problem with at least n_sets sets.
+            assert inputs.problem_key == p.key() and inputs.n_sets >= n_sets
 
     def rotate(self, i: int) -> None:
         assert 0 <= i < self.n_sets
@@ -141,11 +146,40 @@ class FakeFamily:
         return codegen.CompileResult(mod.entry, None, mod.REGISTERS, 0, 0.001)
 
     def runner(self, compiled: Any, v: FakeVariant, p: FakeProblem, device: Any,
-               n_sets: int = 1, seed: int = 0) -> FakeRunner:
-        return FakeRunner(v, p, compiled, n_sets)
+               n_sets: int = 1, seed: int = 0, inputs: "FakeInputs | None" = None
+               ) -> FakeRunner:
+        return FakeRunner(v, p, compiled, n_sets, inputs)
+
+
+@dataclass
+class FakeInputs:
+    """What fake_prepare builds: stands for a problem's input sets and reference output."""
+
+    problem_key: str
+    n_sets: int
+    seed: int
+
+
+PREPARED: list[tuple[str, int]] = []        # (problem key, n_sets) per fake_prepare call
+
+
+def fake_prepare(self: FakeFamily, problem: FakeProblem, device: Any, n_sets: int,
+                 seed: int) -> FakeInputs:
+    """The optional `prepare` hook (attached by tests, or by FAKEFAM_PREPARE=1)."""
+    PREPARED.append((problem.key(), n_sets))
+    return FakeInputs(problem.key(), n_sets, seed)
+
+
+def fake_prior(self: FakeFamily, v: FakeVariant, p: FakeProblem) -> float:
+    """The optional `prior` hook: a perfect predictor (the fake time itself)."""
+    return fake_us(v, p)
 
 
 FAMILY = register(FakeFamily())
+if __import__("os").environ.get("FAKEFAM_PREPARE"):
+    FakeFamily.prepare = fake_prepare
+if __import__("os").environ.get("FAKEFAM_PRIOR"):
+    FakeFamily.prior = fake_prior
 
 # FAKEFAM_POISON=1: the variant (tile 8, 4 stages, pack a, no split) "breaks the CUDA context"
 # of the process that runs it (the tuner's health check then fails), to test that a tuner

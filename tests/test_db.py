@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fakefam import FakeProblem, FakeVariant, make_env, subprocess_env
-from resgen.db import (CorruptDatabaseError, DatabaseError, ForeignDatabaseError,
-                       MissingDatabaseError, NewerSchemaError, TuningDB)
+from resgen.db import (SCHEMA_VERSION, CorruptDatabaseError, DatabaseError,
+                       ForeignDatabaseError, MissingDatabaseError, NewerSchemaError, TuningDB)
 from resgen.search.record import ResultRecord, Status, pick_winner
 
 
@@ -81,9 +81,57 @@ def test_workload_columns_and_schema(tmp_path):
             ("fake_gemm", "nvfp4", "none", 16, 256, 256)
         assert db.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         meta = dict(db.conn.execute("SELECT key, value FROM meta").fetchall())
-        assert meta["app"] == "resgen-tuning" and meta["schema_version"] == "1"
+        assert meta["app"] == "resgen-tuning" and meta["schema_version"] == str(SCHEMA_VERSION)
+        assert db.conn.execute("PRAGMA synchronous").fetchone()[0] == 1       # NORMAL
         env = db.environments()[0]
         assert env["gpu_name"] == "Fake GPU" and env["sm_count"] == 132
+
+
+def test_phase_seconds_stored_checksummed_and_merged(tmp_path):
+    a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    with TuningDB(a) as db:
+        db.record(rec(m=1, phase_s={"compile": 1.5, "prep": 0.25, "check": 0.01,
+                                    "time": 0.02}))
+        db.record(rec(m=4))                                  # no phases: NULL
+        rows = {r["m"]: r for r in db.db.query(
+            "SELECT w.m AS m, r.phase_s AS phase_s FROM results r "
+            "JOIN workloads w ON w.id = r.workload_id")}
+        assert json.loads(rows[1]["phase_s"]) == {"check": 0.01, "compile": 1.5,
+                                                  "prep": 0.25, "time": 0.02}
+        assert rows[4]["phase_s"] is None and db.verify().ok
+        db.conn.execute("UPDATE results SET phase_s = '{\"time\": 9}' "
+                        "WHERE phase_s IS NOT NULL")
+        assert not db.verify().ok                            # phases are checksummed
+        db.conn.execute("UPDATE results SET phase_s = NULL WHERE phase_s IS NOT NULL")
+        assert not db.verify().ok                            # ... and cannot be dropped
+    with TuningDB(b) as dst:
+        with TuningDB(tmp_path / "c.sqlite") as src:
+            src.record(rec(m=16, phase_s={"time": 0.5}))
+            assert dst.merge_from(src)["added"] == 1
+        (row,) = dst.rows()
+        assert json.loads(row["phase_s"]) == {"time": 0.5} and dst.verify().ok
+        assert dst.export_json()["results"][0]["phase_s"] == {"time": 0.5}
+
+
+def test_version_1_file_is_read_then_upgraded(tmp_path):
+    """A schema-1 file (no results.phase_s) opens read-only as is, keeps its checksums, and
+    is upgraded in place by the first writer."""
+    path = tmp_path / "v1.sqlite"
+    with TuningDB(path) as db:
+        db.record(rec(m=1))
+    c = sqlite3.connect(path)
+    c.execute("ALTER TABLE results DROP COLUMN phase_s")
+    c.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    c.commit()
+    c.close()
+    with TuningDB(path, readonly=True) as db:
+        assert db.schema_version == 1 and db.verify().ok and len(db.rows()) == 1
+    with TuningDB(path) as db:
+        assert db.schema_version == SCHEMA_VERSION
+        db.record(rec(m=4, phase_s={"time": 0.1}))
+        assert db.verify().ok and len(db) == 2
+    with TuningDB(path, readonly=True) as db:
+        assert db.schema_version == SCHEMA_VERSION
 
 
 def test_existing_row_kept_unless_replace(tmp_path):
@@ -184,7 +232,8 @@ def test_foreign_and_newer_files(tmp_path):
     newer = tmp_path / "newer.sqlite"
     TuningDB(newer).close()
     c = sqlite3.connect(newer)
-    c.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    c.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'",
+              (str(SCHEMA_VERSION + 1),))
     c.commit()
     c.close()
     for ro in (True, False):
@@ -211,7 +260,7 @@ def test_merge_and_export(tmp_path):
         assert d.verify().ok
         assert {r["median_us"] for r in d.rows()} == {4.0, 4.5, 5.0}
         js = d.export_json()
-        assert js["schema_version"] == 1 and len(js["results"]) == 3
+        assert js["schema_version"] == SCHEMA_VERSION and len(js["results"]) == 3
         assert js["results"][0]["samples"] == [4.0, 4.4, 3.6]
         out = d.export_sqlite(tmp_path / "ship" / "h200.sqlite")
     c = sqlite3.connect(out)

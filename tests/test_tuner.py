@@ -355,3 +355,226 @@ def test_working_set_and_rotation_sets():
     kext = dataclasses.replace(p, compensation="0.5")
     assert working_set_bytes(FAM, FakeVariant(), kext) > ws
     assert MeasurementPolicy(max_sets=4).sets_for(1) == 4
+
+
+# -- H4b: phases, prepared inputs, priors, seeds, coverage, grouping ----------------------------
+def _rows_in_order(path, problem_key=None):
+    with TuningDB(path, readonly=True) as db:
+        rows = sorted(db.rows(), key=lambda r: r["id"])
+    return [r for r in rows if problem_key is None or r["workload_key"] == problem_key]
+
+
+def test_every_row_records_its_phase_seconds(tmp_path):
+    import json
+
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[16], max_variants=64)
+    rows = _rows_in_order(tmp_path / "t.sqlite")
+    by_status = {}
+    for r in rows:
+        by_status.setdefault(r["status"], []).append(json.loads(r["phase_s"]))
+    assert all(set(ph) == {"compile", "wait", "prep", "check", "time"}
+               for ph in by_status[Status.OK])
+    assert all(set(ph) == {"compile", "wait", "prep", "check"}       # never timed
+               for ph in by_status[Status.CHECK_FAILED])
+    assert all(set(ph) == {"compile"} for ph in by_status[Status.COMPILE_FAILED])
+    assert all(v >= 0 for phs in by_status.values() for ph in phs for v in ph.values())
+    # The workload summary adds them up (rows round to microseconds).
+    for k in ("compile", "prep", "check", "time"):
+        stored = sum(ph.get(k, 0.0) for phs in by_status.values() for ph in phs)
+        assert s.phase_s[k] == pytest.approx(stored, abs=1e-5 * len(rows))
+
+
+def test_prepare_hook_builds_inputs_once_per_workload(tmp_path, monkeypatch):
+    seen = []
+
+    class Recording(fakefam.FakeRunner):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            seen.append(self.inputs)
+
+    monkeypatch.setattr(FakeFamily, "prepare", fakefam.fake_prepare, raising=False)
+    monkeypatch.setattr(FakeFamily, "runner",
+                        lambda self, c, v, p, d, n_sets=1, seed=0, inputs=None:
+                        Recording(v, p, c, n_sets, inputs))
+    fakefam.PREPARED.clear()
+    sums = tune_fake(tmp_path / "t.sqlite", ms=[1, 16], max_variants=6)
+    assert [p for p, _ in fakefam.PREPARED] == [s.problem_key for s in sums]
+    assert all(s.prepared == 1 for s in sums)
+    ran = sum(s.timed + s.check_failed for s in sums)
+    assert len(seen) == ran > 2 and all(x is not None for x in seen)
+    assert len({id(x) for x in seen}) == 2             # one inputs object per workload
+    # Inputs bigger than keep_inputs_bytes are rebuilt for every variant instead of kept.
+    fakefam.PREPARED.clear()
+    (s,) = tune_fake(tmp_path / "u.sqlite", ms=[16], max_variants=6, keep_inputs_bytes=0)
+    assert s.prepared == len(fakefam.PREPARED) == s.timed + s.check_failed > 1
+
+
+def test_prior_ranks_the_candidates_under_a_small_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr(FakeFamily, "prior", fakefam.fake_prior, raising=False)
+    p = FakeProblem(m=64, k=4096)
+    valid = _valid(p)
+    space = FAM.space(p, "sm_90a")
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[64], max_variants=4)
+    assert s.search == "ranked" and s.evaluated == 4 < len(valid)
+    order = [FakeVariant.from_key(r["variant_key"]) for r in _rows_in_order(tmp_path / "t.sqlite")]
+    rest = sorted((v for v in valid if v != FakeVariant()),
+                  key=lambda v: (fake_us(v, p), space.index(v)))
+    assert order == [FakeVariant()] + rest[:3]          # the default, then the prior's best
+    ok = [v for v in order if not (v.stages == 3 and v.pack is Pack.B)
+          and not (v.split and v.pack is Pack.B)]
+    assert s.winner == min(ok, key=lambda v: (fake_us(v, p), space.index(v))).name()
+
+
+def test_a_prior_that_fails_means_no_opinion(tmp_path, monkeypatch):
+    def picky(self, v, p):
+        if v.pack is Pack.B:
+            raise ZeroDivisionError("no idea")
+        return float("nan") if v.stages == 4 else fake_us(v, p)
+
+    monkeypatch.setattr(FakeFamily, "prior", picky, raising=False)
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[64], max_variants=20)
+    order = [FakeVariant.from_key(r["variant_key"]) for r in _rows_in_order(tmp_path / "t.sqlite")]
+    scored = [v for v in order[1:] if v.pack is Pack.A and v.stages != 4]
+    assert order[1:len(scored) + 1] == scored           # opinions first, no-opinions last
+    assert s.winner is not None
+
+
+def test_seeds_from_an_earlier_workload_of_the_class_go_first(tmp_path):
+    path = tmp_path / "t.sqlite"
+    p16, p32 = FakeProblem(m=16, k=4096), FakeProblem(m=32, k=4096)
+    fakefam.COMPILES.clear()
+    sums = tune_fake(path, ms=[16, 32], max_variants=8, seeds=3)     # optuna: no prior
+    assert [s.search for s in sums] == ["optuna", "optuna"]
+    rows16 = _rows_in_order(path, p16.key())
+    best16 = sorted((r["median_us"], r["space_index"], r["variant_key"]) for r in rows16
+                    if r["status"] == Status.OK)[:3]
+    rows32 = _rows_in_order(path, p32.key())
+    first = [r["variant_key"] for r in rows32[:4]]
+    assert first == [FakeVariant().key()] + [k for _, _, k in best16]
+    # Those were compiled for M=16 already (same compile key): compiled once in the run.
+    assert len(fakefam.COMPILES) == len(set(fakefam.COMPILES))
+    # seeds=0 switches it off.
+    sums = tune_fake(tmp_path / "u.sqlite", ms=[16, 32], max_variants=8, seeds=0)
+    rows32 = _rows_in_order(tmp_path / "u.sqlite", p32.key())
+    assert [r["variant_key"] for r in rows32[:4]] != first
+
+
+def test_coverage_stage_then_refine_within_max_variants(tmp_path):
+    timer = CountingTimer()
+    sums = tune_fake(tmp_path / "t.sqlite", ms=[1, 4, 16, 64], max_variants=5,
+                     coverage=True, timer=timer)
+    assert len(sums) == 4
+    for s in sums:
+        assert s.stage == "cover+refine" and s.winner is not None
+        assert s.evaluated == len(set(s.indices)) <= 5
+        assert s.resumed == 0                           # the refine stage's resume is internal
+    # Nothing was timed twice: the refine stage reused the cover stage's rows.
+    assert len(timer.calls) == sum(s.timed for s in sums)
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        assert len(db) == sum(s.evaluated for s in sums)
+
+
+def test_cover_and_refine_stages_skip_workloads_past_the_budget(tmp_path):
+    env = make_env()
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        tuner = Tuner(db, env, TuneConfig(arch="sm_90a", max_variants=8), fakefam.fake_timer)
+        for stage in ("cover", "refine"):
+            s = tuner.tune(FAM, FakeProblem(m=16, k=4096), deadline=time.monotonic() - 1,
+                           stage=stage)
+            assert s.evaluated == 0 and s.stopped_by == "time_budget" and s.search == "skipped"
+        assert len(db) == 0
+        with pytest.raises(ValueError):
+            tuner.tune(FAM, FakeProblem(m=16, k=4096), stage="sometimes")
+
+
+def test_cover_stage_tries_the_next_candidate_when_one_fails(tmp_path, monkeypatch):
+    class DefaultWrong(fakefam.FakeRunner):
+        def check(self):
+            if self.v == FakeVariant():
+                return fakefam.CheckResult(False, 1.0, 3e-3, "default wrong (injected)")
+            return super().check()
+
+    monkeypatch.setattr(FakeFamily, "runner",
+                        lambda self, c, v, p, d, n_sets=1, seed=0: DefaultWrong(v, p, c, n_sets))
+    env = make_env()
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        tuner = Tuner(db, env, TuneConfig(arch="sm_90a", coverage_attempts=3),
+                      fakefam.fake_timer)
+        s = tuner.tune(FAM, FakeProblem(m=16, k=4096), stage="cover")
+        assert (s.evaluated, s.check_failed, s.timed) == (2, 1, 1) and s.winner is not None
+        tuner = Tuner(db, env, TuneConfig(arch="sm_90a", coverage_attempts=1),
+                      fakefam.fake_timer)
+        s = tuner.tune(FAM, FakeProblem(m=4, k=4096), stage="cover")
+        assert s.evaluated == 1 and s.winner is None and s.stopped_by == "attempts"
+
+
+def test_no_resume_with_coverage_times_each_variant_once(tmp_path):
+    from datetime import datetime, timezone
+
+    path = tmp_path / "t.sqlite"
+    tune_fake(path, ms=[16], max_variants=4)
+    since = datetime.now(timezone.utc).isoformat(timespec="microseconds")
+    timer = CountingTimer()
+    (s,) = tune_fake(path, ms=[16], max_variants=4, coverage=True, resume=False,
+                     resume_since=since, timer=timer)
+    assert len(timer.calls) == len(set(timer.calls)) == s.timed    # re-timed, once each
+    assert FakeVariant().key() in timer.calls and s.evaluated == 4
+
+
+def test_plan_groups_by_compile_class_in_chunks_family_order(monkeypatch):
+    from resgen.search.tuner import compile_class, plan_groups
+
+    jobs = [Job(FAM.NAME, FakeProblem(m=m, n=n, k=4096).key())
+            for n in (256, 512) for m in (1, 4, 16, 64)]
+    groups = plan_groups(jobs, "sm_90a", workers=1)
+    assert sorted(len(g) for g in groups) == [4, 4]      # one class per N: M is run-time
+    assert sorted(j.problem_key for g in groups for j in g) == sorted(j.problem_key
+                                                                      for j in jobs)
+    for g in groups:
+        assert len({compile_class(*j.resolve(), "sm_90a") for j in g}) == 1
+    # A compile key without N (every shape one class) is cut into chunks for the workers,
+    # never smaller than a shape's bucket siblings.
+    monkeypatch.setattr(FakeFamily, "compile_key",
+                        lambda self, v, p: dataclasses.replace(p, m=1, n=256))
+    one = plan_groups(jobs, "sm_90a", workers=1)
+    assert [len(g) for g in one] == [8]
+    many = plan_groups(jobs, "sm_90a", workers=4)
+    assert [len(g) for g in many] == [4, 4]
+    assert all(len({FakeProblem.from_key(j.problem_key).n for j in g}) == 1 for g in many)
+
+
+def test_merge_summaries_counts_distinct_variants():
+    from resgen.search.tuner import WorkloadSummary, merge_summaries
+
+    a = WorkloadSummary("f", "k", stage="cover", evaluated=2, timed=1, check_failed=1,
+                        indices=[0, 3], phase_s={"time": 1.0}, winner="x", winner_us=2.0,
+                        default_us=5.0)
+    b = WorkloadSummary("f", "k", stage="refine", evaluated=4, resumed=2, timed=2,
+                        indices=[0, 3, 7, 9], phase_s={"time": 0.5, "prep": 0.25},
+                        winner="y", winner_us=1.0, stopped_by="max_variants")
+    c = WorkloadSummary("f", "other", evaluated=1, indices=[4])
+    m, other = merge_summaries([a, c, b])
+    assert other is c
+    assert (m.evaluated, m.resumed, m.timed, m.check_failed) == (4, 0, 3, 1)
+    assert m.indices == [0, 3, 7, 9] and m.stage == "cover+refine"
+    assert m.phase_s == {"time": 1.5, "prep": 0.25}
+    assert (m.winner, m.winner_us, m.default_us, m.stopped_by) == ("y", 1.0, 5.0,
+                                                                    "max_variants")
+    assert a.indices == [0, 3] and a.phase_s == {"time": 1.0}      # inputs untouched
+
+
+def test_a_family_that_keeps_breaking_the_context_is_disabled(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKEFAM_POISON", "1")
+    cfg = TuneConfig(arch="sm_90a", max_variants=64, gpu_lock=str(tmp_path / "gpu.lock"),
+                     timer="fakefam:fake_timer", max_family_losses=1)
+    jobs = [Job(FAM.NAME, FakeProblem(m=m, n=n, k=4096).key())
+            for n, m in ((256, 1), (256, 16), (512, 1))]
+    events = []
+    sums = run_jobs(jobs, functools.partial(TuningDB, tmp_path / "t.sqlite"), make_env(), cfg,
+                    workers=1, isolate=True, modules=["fakefam"],
+                    on_event=lambda k, o: events.append((k, o)))
+    kinds = [k for k, _ in events]
+    assert kinds.count("lost") == 1 and kinds.count("disabled") == 1 and "crash" not in kinds
+    assert sorted(s.problem_key for s in sums) == sorted(j.problem_key for j in jobs)
+    off = [s for s in sums if (s.error or "").startswith("family disabled")]
+    assert len(off) >= 2 and all(s.evaluated == 0 for s in off)

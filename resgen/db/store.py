@@ -1,6 +1,7 @@
 """The SQLite dispatch database (sqlite-utils for schema and queries, plain SQL for writes).
 
-Tables (schema version 1):
+Tables (schema version 2; a version-1 file is read as is and upgraded in place when opened
+for writing: version 2 only adds results.phase_s):
 - meta(key, value): app = "resgen-tuning", schema_version = 1;
 - environments: GPU name, arch, compute capability, SM count, driver, CUDA, torch, CuTe DSL,
   resgen versions, compile_only; identified by the sha256 of those fields (digest);
@@ -9,12 +10,17 @@ Tables (schema version 1):
 - variants: family, canonical variant key, name;
 - results: one row per (workload, variant, fingerprint, environment) with status, space order,
   median / quantiles / every sample, launches, input sets, timing mode, the measurement policy,
-  reference error, error text, registers, spills, compile seconds, time, and a checksum over the
-  row's content (by digests, so it survives `merge`).
+  reference error, error text, registers, spills, compile seconds, time, phase_s (JSON: seconds
+  the tuner spent on this variant per phase: compile, wait for the GPU lock, prep, check,
+  time), and a checksum over the row's content (by digests, so it survives `merge`; phase_s
+  joins the checksum only when present, so version-1 rows keep theirs).
 
 Writes: every result is its own `BEGIN IMMEDIATE` transaction (workload, variant and
 environment rows included), WAL journal, a busy timeout and a retry loop, so several tuner
 processes can write one file at once and a killed writer loses at most the row in flight.
+synchronous=NORMAL: in WAL mode a commit then survives any crash or kill of the writing
+process (only an OS crash or power loss can roll back the last commits), and a commit costs
+no fsync, which matters when a tuner writes two rows per variant while holding the GPU.
 A file that is not SQLite, not ours, or newer than this code raises a DatabaseError subclass.
 """
 
@@ -40,7 +46,8 @@ from .errors import (CorruptDatabaseError, DatabaseError, ForeignDatabaseError,
 
 __all__ = ["SCHEMA_VERSION", "APP", "TuningDB", "VerifyReport", "row_checksum"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_OLDEST_READABLE = 1       # version 1 lacks results.phase_s (added by version 2)
 APP = "resgen-tuning"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _TABLES = ("meta", "environments", "workloads", "variants", "results")
@@ -56,13 +63,17 @@ _WORKLOAD_COLUMNS = ("fmt", "compensation", "m", "n", "k")
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    """UTC ISO time; microseconds so that rows order against a run's start time
+    (TuneConfig.resume_since) even within one second."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
 def row_checksum(row: Mapping[str, Any], env_digest: str, workload_digest: str,
                  variant_digest: str) -> str:
     """sha256 over a result's content, with the referenced rows named by their digests."""
     body = {k: row.get(k) for k in _RESULT_FIELDS}
+    if row.get("phase_s") is not None:
+        body["phase_s"] = row["phase_s"]
     body.update(env=env_digest, workload=workload_digest, variant=variant_digest)
     return sha256_json(body)
 
@@ -124,6 +135,7 @@ class TuningDB:
             conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None,
                                    check_same_thread=False)
             conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            conn.execute("PRAGMA synchronous = NORMAL")        # see the module docstring
             return conn
         uri = "file:" + quote(str(self.path.resolve()))
         for suffix in ("?mode=ro", "?mode=ro&immutable=1"):
@@ -156,6 +168,20 @@ class TuningDB:
         self._check_meta(tables)
         if not self.readonly:
             self._set_wal()
+            if self.schema_version < SCHEMA_VERSION:
+                self._write(self._upgrade)
+
+    def _upgrade(self) -> None:
+        """Version 1 -> 2 (inside the write lock; another process may have done it)."""
+        (v,) = self.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'"
+                                 ).fetchone()
+        if int(v) < 2:
+            cols = {r[1] for r in self.conn.execute("PRAGMA table_info(results)")}
+            if "phase_s" not in cols:
+                self.conn.execute("ALTER TABLE results ADD COLUMN phase_s TEXT")
+            self.conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'",
+                              (str(SCHEMA_VERSION),))
+        self.schema_version = SCHEMA_VERSION
 
     def _set_wal(self) -> None:
         for _ in range(50):
@@ -188,7 +214,7 @@ class TuningDB:
         if version > SCHEMA_VERSION:
             raise NewerSchemaError(f"{self.path}: schema version {version} is newer than this "
                                    f"resgen understands ({SCHEMA_VERSION}); upgrade resgen")
-        if version < SCHEMA_VERSION:
+        if version < _OLDEST_READABLE:
             raise CorruptDatabaseError(f"{self.path}: schema version {version} is unknown")
         missing = set(_TABLES) - tables
         if missing:
@@ -221,7 +247,7 @@ class TuningDB:
              "q10_us": float, "q90_us": float, "samples": str, "launches": int, "n_sets": int,
              "timing_mode": str, "policy": str, "policy_name": str, "rel_err": float,
              "error": str, "registers": int, "spill_bytes": int, "compile_s": float,
-             "created": str, "checksum": str},
+             "created": str, "checksum": str, "phase_s": str},
             pk="id",
             not_null={"workload_id", "variant_id", "environment_id", "fingerprint", "status",
                       "space_index", "checksum"},
@@ -325,7 +351,10 @@ class TuningDB:
                 "policy_name": (rec.policy or {}).get("name"), "rel_err": _f(rec.rel_err),
                 "error": rec.error, "registers": rec.registers,
                 "spill_bytes": rec.spill_bytes, "compile_s": _f(rec.compile_s),
-                "created": _now()}
+                "created": _now(),
+                "phase_s": canonical_json({k: round(float(v), 6)
+                                           for k, v in rec.phase_s.items()})
+                if rec.phase_s else None}
             row["checksum"] = row_checksum(row, rec.environment.digest, rec.problem.digest(),
                                            rec.variant.digest())
             cols = ["workload_id", "variant_id", "environment_id", *row]
@@ -467,6 +496,8 @@ class TuningDB:
                                       {"family": row["family"], "key": row["variant_key"],
                                        "name": row["variant_name"]})
                 vals = {k: row[k] for k in _RESULT_FIELDS}
+                if row.get("phase_s") is not None:
+                    vals["phase_s"] = row["phase_s"]
                 vals["checksum"] = row["checksum"]
                 cols = ["workload_id", "variant_id", "environment_id", *vals]
                 cur = self.conn.execute(
@@ -485,7 +516,7 @@ class TuningDB:
         out = []
         for r in self.rows():
             d = dict(r)
-            for k in ("samples", "policy", "workload_key", "variant_key"):
+            for k in ("samples", "policy", "workload_key", "variant_key", "phase_s"):
                 if d.get(k):
                     d[k] = json.loads(d[k])
             out.append(d)

@@ -4,6 +4,28 @@ A family (e.g. "linear_sm90_mma": the Hopper decode FP4 linear layer) ties toget
 dataclass, its space and validity predicate, a Jinja2 template, the arguments CuTe DSL compiles
 against, and a runner that prepares real inputs, checks a variant against the reference and
 times it. The tuner, the database and the runtime only ever talk to this interface.
+
+Optional hooks: a family may define any of these; callers look them up with getattr and fall
+back to the behaviour in brackets, so families that lack them keep working unchanged.
+- `working_set_bytes(variant, problem) -> int`: bytes one input set occupies (sizes the
+  cold-L2 rotation) [an estimate from the problem type, resgen.search.tuner];
+- `prepare(problem, device, n_sets, seed) -> inputs`: build the problem's input sets once
+  (weights, activations, the check's fresh inputs and reference output, anything opaque to
+  the caller). The tuner then calls `runner(compiled, variant, problem, device, n_sets=n,
+  seed=seed, inputs=inputs)` for every variant of that workload, with n <= the n_sets the
+  inputs were prepared for (the runner uses the first n sets). The check must still run the
+  variant on inputs that are not among the timed sets, into a freshly poisoned output, and
+  compare with the reference; a reference computed once inside `inputs` and shared by the
+  variants is fine. The tuner drops `inputs` when the workload is done (or right after the
+  variant when n_sets x working_set_bytes exceeds TuneConfig.keep_inputs_bytes); a family
+  may keep what workloads share (e.g. one weight for every M bucket of a shape) in its own
+  bounded cache. [runner(...) without inputs: each runner prepares its own];
+- `prior(variant, problem) -> float`: lower first: the order in which candidates are tried
+  when the budget is smaller than the space (e.g. a predicted time in microseconds); NaN or an
+  exception means "no opinion" (tried last, space order) [the space order, or optuna];
+- `model_problems(models, tp=, formats=, compensations=, m_buckets=) -> [problem]`: the
+  workloads `resgen tune --model` plans for this family [derived from the linear layers];
+- `COMPILE_OPTIONS`, `TEMPLATE_DIR`, `ENTRY`, `compile_module(...)`: see resgen.search.build.
 """
 
 from __future__ import annotations

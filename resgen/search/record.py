@@ -146,6 +146,9 @@ class ResultRecord:
     registers: int | None = None
     spill_bytes: int | None = None
     compile_s: float | None = None
+    # Seconds the tuner spent on this variant by phase ("compile", "wait" for the GPU lock,
+    # "prep" of inputs, reference "check", "time"): where a tuning run's time goes.
+    phase_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in Status.ALL:

@@ -11,6 +11,12 @@ Policy "cold-l2-graph" (stored, as a dict, with every timing):
   CUDA events; a sample is replay time / launches;
 - the statistic is the median of the samples; the quantiles and every sample are kept.
 
+Two named policies: DEFAULT_POLICY ("cold-l2-graph", what `resgen bench` and the benchmark
+scripts report) and TUNE_POLICY ("cold-l2-graph-tune", what `resgen tune` ranks variants with:
+the same cold-L2 rotation and graph replay, fewer launches per graph and five repetitions, so
+one variant costs a few milliseconds of GPU time; still a median with quantiles). Every timing
+stores the full policy dict, so rows from either can be told apart in the database.
+
 The runner (resgen.search.family.Runner) must launch its kernels on
 `torch.cuda.current_stream()`: graph capture records only that stream. If capture fails, the
 same loop is timed eagerly and the timing says mode="eager" (CPU launch gaps included).
@@ -24,8 +30,8 @@ from typing import Any, Mapping, Sequence
 
 from .variant import sha256_json
 
-__all__ = ["MeasurementPolicy", "DEFAULT_POLICY", "Timing", "summarize", "quantile",
-           "measure"]
+__all__ = ["MeasurementPolicy", "DEFAULT_POLICY", "TUNE_POLICY", "POLICIES", "policy_named",
+           "Timing", "summarize", "quantile", "measure"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,25 @@ class MeasurementPolicy:
 
 
 DEFAULT_POLICY = MeasurementPolicy()
+
+# Ranking variants needs less than reporting a number: a graph of about 400 us of work (at
+# least 8 launches, at most 128; still a multiple of the input sets, so every launch reads
+# operands that are not in L2), one warm-up replay and five timed replays (BENCH.md: median of
+# at least 5). Medians within 2 % are ties (the fixed space order decides), twice the
+# benchmark policy's band because five samples are noisier than seven.
+TUNE_POLICY = MeasurementPolicy(name="cold-l2-graph-tune", target_replay_us=400.0,
+                                min_launches=8, max_launches=128, warmup_replays=1,
+                                repetitions=5, tie_rel=0.02)
+
+POLICIES: dict[str, MeasurementPolicy] = {"bench": DEFAULT_POLICY, "tune": TUNE_POLICY}
+
+
+def policy_named(name: str) -> MeasurementPolicy:
+    """"bench" or "tune" (or a policy's own name, e.g. "cold-l2-graph-tune")."""
+    for key, pol in POLICIES.items():
+        if name in (key, pol.name):
+            return pol
+    raise ValueError(f"unknown measurement policy {name!r}; known: {sorted(POLICIES)}")
 
 
 def quantile(sorted_xs: Sequence[float], q: float) -> float:
@@ -198,10 +223,13 @@ def measure(runner: Any, policy: MeasurementPolicy = DEFAULT_POLICY, n_sets: int
                 runner()
         return run
 
-    # Eager warm-up over every set, then a rough per-launch estimate to size the graph.
+    # Eager warm-up over every set, then a rough per-launch estimate to size the graph from
+    # the best of two 4-launch loops (sets 0..3 may now sit in L2: an under-estimate only
+    # lengthens the graph, within max_launches; 4 launches keep the probe cheap when there
+    # are 64 small sets).
     eager_loop(n_sets)()
     torch.cuda.synchronize()
-    probe = max(n_sets, 4)
+    probe = 4
     est_us = min(_time_calls(eager_loop(probe), 2)) * 1000.0 / probe
     launches = policy.launches_for(est_us, n_sets)
 

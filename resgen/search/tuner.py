@@ -5,21 +5,43 @@ logged and counted), then evaluate candidates: render + compile (once per compil
 M bucket that shares one reuses it; failures, registers and spills recorded, never fatal),
 `runner.check()` against the reference (must pass before timing), time under the measurement
 policy, and store every outcome as its own row through a ResultStore (the dispatch database;
-this layer does not import it). Small spaces are searched exhaustively (the family default
-first, then space order); large ones with optuna's TPE sampler, seeded per workload, asked and
-told one trial at a time, so a run is reproducible given the same timings. A compile-only
+this layer does not import it), with the seconds each phase took (compile, wait for the GPU
+lock, prep, check, time).
+
+Candidate order: the family default first, then "seeds" (the best variants of workloads this
+process tuned earlier in the same compile class, e.g. the M = 1 winner when tuning M = 4:
+already compiled, and usually close), then the family's `prior(variant, problem)` order when
+it has one (lower first), else the space order. Search: exhaustive when the valid space fits
+the budget; "ranked" (that order, up to the budget) when the family has a prior; otherwise
+optuna's TPE sampler, seeded per workload, asked and told one trial at a time with the default
+and the seeds enqueued first, so a run is reproducible given the same timings. A compile-only
 pre-flight of a space larger than the budget compiles the default plus variants spread evenly
-over the space order (deterministic, every axis exercised). Budgets:
-`max_variants` per workload and `time_budget_s` for the whole run (shared fairly: each
-workload may use the remaining time divided by the workloads left; every workload gets at least
-one variant). Resume: a (workload, variant, fingerprint, environment) already stored is not
-re-timed; its stored median takes part in the search.
+over the space order (deterministic, every axis exercised). Budgets: `max_variants` per
+workload and `time_budget_s` for the whole run (shared fairly: each workload may use the
+remaining time divided by the workloads left). Resume: a (workload, variant, fingerprint,
+environment) already stored is not re-timed; its stored median takes part in the search.
+
+Stages (TuneConfig.coverage): a "full" run tunes each workload once, and every workload gets
+at least one variant even past the budget. With coverage, a first "cover" stage evaluates
+candidates of every workload in the order above until one passes its check and is timed (at
+most `coverage_attempts`), so every workload has a timed result early; then a "refine" stage
+spends what is left of the budget on the rest of the search (the cover results are resumed,
+never re-timed). Past the budget both stages skip the workloads they have not started, so the
+run ends on time.
+
+Optional family hooks (resgen.search.family documents them): `prepare(problem, device, n_sets,
+seed)` builds the input sets (and check inputs / reference outputs) of a problem once; the
+tuner keeps them for every variant of that workload and passes them as
+`runner(..., inputs=...)`. `prior(variant, problem)` ranks candidates. Without them the tuner
+calls `runner(...)` per variant and uses the space order.
 
 Parallelism: CuTe DSL compiled functions cannot leave the process that compiled them
 (cute.compile forces no_cache), so `run_jobs(workers=N)` starts N processes that each compile
-on their own core, and hold an exclusive file lock on the GPU while they check and time: compile
-work overlaps, GPU work never does. Workloads that share a compile key (all M buckets of a
-shape) go to the same process.
+on their own core, and hold an exclusive file lock on the GPU while they prepare, check and
+time: compile work overlaps, GPU work never does. Workloads are grouped by compile class (the
+family and the compile key of its default variant: all M buckets of a shape, or every shape of
+a family whose kernels take N and K at run time), so one process compiles a class once; large
+classes are cut into chunks to keep every process busy, biggest first.
 """
 
 from __future__ import annotations
@@ -29,6 +51,7 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -43,7 +66,8 @@ from .timing import DEFAULT_POLICY, MeasurementPolicy, Timing, measure
 from .variant import ProblemBase, VariantBase, canonical_json, _to_jsonable
 
 __all__ = ["TuneConfig", "ResultStore", "WorkloadSummary", "Tuner", "Job", "run_jobs",
-           "working_set_bytes", "gpu_lock", "DeviceLost"]
+           "working_set_bytes", "gpu_lock", "DeviceLost", "plan_groups", "compile_class",
+           "stages_of", "merge_summaries", "SEARCHES", "STAGES", "PHASES"]
 
 log = logging.getLogger("resgen.tuner")
 
@@ -57,6 +81,11 @@ class ResultStore(Protocol):
     def record(self, rec: ResultRecord, *, replace: bool = False) -> bool: ...
 
 
+SEARCHES = ("auto", "exhaustive", "ranked", "optuna")
+STAGES = ("full", "cover", "refine")
+PHASES = ("compile", "wait", "prep", "check", "time")
+
+
 @dataclass
 class TuneConfig:
     arch: str = "sm_90a"
@@ -67,21 +96,39 @@ class TuneConfig:
     compile_only: bool = False
     seed: int = 0
     device: str = "cuda"
-    gpu_lock: str | None = None            # lock file held around check + time
+    gpu_lock: str | None = None            # lock file held around prep + check + time
     timer: str | None = None               # "module:function" replacing timing.measure
     hard_stop_grace_s: float = 60.0        # kill processes this long past the time budget
+    search: str = "auto"                   # one of SEARCHES (see the module docstring)
+    coverage: bool = False                 # a "cover" stage before the search (GPU runs)
+    coverage_attempts: int = 3             # candidates a cover stage tries per workload
+    seeds: int = 3                         # best variants remembered per compile class
+    keep_inputs_bytes: int = 4 << 30       # prepared inputs larger than this are not kept
+    compile_cache: int = 512               # compiled variants kept per process (LRU)
+    # A family whose variants broke the CUDA context (or killed a tuner process) this many
+    # times is disabled for the rest of the run: a systematically broken family must not eat
+    # the budget (and the process respawns) of the others.
+    max_family_losses: int = 8
+    # With resume=False: rows created at or after this UTC ISO time are this run's own (the
+    # cover stage's) and are reused, not re-timed.
+    resume_since: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_variants < 1:
             raise ValueError("max_variants must be >= 1")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError("time_budget_s must be positive")
+        if self.search not in SEARCHES:
+            raise ValueError(f"search must be one of {SEARCHES}, got {self.search!r}")
+        if self.coverage_attempts < 1 or self.seeds < 0 or self.compile_cache < 1:
+            raise ValueError("coverage_attempts and compile_cache must be >= 1, seeds >= 0")
 
 
 @dataclass
 class WorkloadSummary:
     family: str
     problem_key: str
+    stage: str = "full"
     search: str = "exhaustive"
     space: int = 0
     invalid: int = 0
@@ -93,12 +140,55 @@ class WorkloadSummary:
     check_failed: int = 0
     run_failed: int = 0
     timed: int = 0
+    prepared: int = 0                      # family.prepare calls (input sets built)
     winner: str | None = None
     winner_us: float | None = None
     default_us: float | None = None
     seconds: float = 0.0
-    stopped_by: str | None = None          # "max_variants" | "time_budget" | None
+    # Seconds by phase (PHASES), summed over this workload's variants.
+    phase_s: dict[str, float] = field(default_factory=dict)
+    indices: list[int] = field(default_factory=list)   # space indices evaluated, in order
+    stopped_by: str | None = None          # "max_variants" | "time_budget" | "attempts" | None
     error: str | None = None               # the workload itself failed (e.g. space() raised)
+
+    _COUNTS = ("compiled", "compile_failed", "check_failed", "run_failed", "timed",
+               "prepared")
+
+    def merged(self, later: "WorkloadSummary") -> "WorkloadSummary":
+        """This workload's summary after a later stage: `evaluated` counts distinct variants;
+        a variant both stages evaluated was resumed by the later one from this one's row, so
+        it is not counted as resumed; other counts and seconds add up; the later winner,
+        stop reason and error win when set."""
+        out = dataclasses.replace(self, invalid_reasons=dict(self.invalid_reasons),
+                                  phase_s=dict(self.phase_s), indices=list(self.indices))
+        for k in self._COUNTS:
+            setattr(out, k, getattr(self, k) + getattr(later, k))
+        again = set(self.indices) & set(later.indices)
+        out.indices += [i for i in later.indices if i not in again]
+        out.evaluated = len(out.indices)
+        out.resumed = self.resumed + later.resumed - len(again)
+        for k, v in later.phase_s.items():
+            out.phase_s[k] = out.phase_s.get(k, 0.0) + v
+        out.seconds += later.seconds
+        out.stage = f"{self.stage}+{later.stage}"
+        if later.search != self.search:
+            out.search = f"{self.search}+{later.search}"
+        out.space, out.invalid = max(self.space, later.space), max(self.invalid, later.invalid)
+        if later.winner is not None:
+            out.winner, out.winner_us = later.winner, later.winner_us
+        out.default_us = self.default_us if self.default_us is not None else later.default_us
+        out.stopped_by = later.stopped_by
+        out.error = later.error if later.error is not None else self.error
+        return out
+
+
+def merge_summaries(summaries: Sequence[WorkloadSummary]) -> list[WorkloadSummary]:
+    """One summary per workload (family, problem key), stages merged in the order given."""
+    out: dict[tuple[str, str], WorkloadSummary] = {}
+    for s in summaries:
+        k = (s.family, s.problem_key)
+        out[k] = out[k].merged(s) if k in out else s
+    return list(out.values())
 
 
 def working_set_bytes(family: KernelFamily, variant: VariantBase, problem: ProblemBase) -> int:
@@ -146,6 +236,28 @@ def gpu_lock(path: str | None) -> Iterator[None]:
 Timer = Callable[[Any, MeasurementPolicy, int], Timing]
 
 
+@dataclass
+class _Prepared:
+    """A family's prepared inputs for one workload, shared by its variants."""
+
+    key: tuple
+    n_sets: int
+    nbytes: int
+    inputs: Any
+
+
+def compile_class(family: KernelFamily, problem: ProblemBase, arch: str,
+                  default: VariantBase | None = None) -> str:
+    """The family plus the compile key of its default variant for `problem` (else the problem
+    without its bucketed fields): workloads of one class mostly share compiled kernels."""
+    try:
+        d = default if default is not None else family.default(problem, arch)
+        ck: Any = family.compile_key(d, problem).key()
+    except Exception:
+        ck = without_buckets(problem)
+    return canonical_json([family.NAME, ck])
+
+
 class Tuner:
     """Tunes workloads one at a time in this process; see the module docstring."""
 
@@ -157,17 +269,27 @@ class Tuner:
         self.env = environment
         self.config = config
         self.timer = timer
-        self._compiled: dict[tuple[str, str, str, str], CompileOutcome] = {}
+        self._compiled: collections.OrderedDict[tuple[str, str, str, str], CompileOutcome] = \
+            collections.OrderedDict()
+        self._seeds: dict[str, list[VariantBase]] = {}
+        self._inputs: _Prepared | None = None
 
     def clear_compile_cache(self) -> None:
         self._compiled.clear()
 
     # -- one workload --------------------------------------------------------------------------
     def tune(self, family: KernelFamily, problem: ProblemBase,
-             deadline: float | None = None) -> WorkloadSummary:
-        """Tune one workload; `deadline` (time.monotonic()) stops starting new variants."""
+             deadline: float | None = None, *, stage: str = "full") -> WorkloadSummary:
+        """Tune one workload; `deadline` (time.monotonic()) stops starting new variants.
+        stage: "full", "cover" or "refine" (module docstring)."""
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
         t0 = time.monotonic()
-        s = WorkloadSummary(family=family.NAME, problem_key=problem.key())
+        s = WorkloadSummary(family=family.NAME, problem_key=problem.key(), stage=stage)
+        out_of_time = (lambda: deadline is not None and time.monotonic() > deadline)
+        if stage != "full" and out_of_time():
+            s.search, s.stopped_by = "skipped", "time_budget"
+            return s
         arch = self.config.arch
         try:
             space = list(family.space(problem, arch))
@@ -200,56 +322,117 @@ class Tuner:
                         s.invalid_reasons)
             return s
 
+        valid_keys = {v.key() for v in valid}
         default = None
         try:
             d = family.default(problem, arch)
-            if d.key() in index and family.why_invalid(d, problem, arch) is None:
+            if d.key() in valid_keys:
                 default = d
         except Exception as e:
             log.warning("%s.default() raised for %s: %s", family.NAME, problem.key(), e)
+        cls = compile_class(family, problem, arch, default)
+        head = [default] if default is not None else []
+        for v in self._seeds.get(cls, []):
+            if v.key() in valid_keys and all(v.key() != h.key() for h in head):
+                head.append(v)
 
         results: dict[str, float | None] = {}
 
         def evaluate(v: VariantBase) -> float | None:
             med = self._evaluate(family, problem, v, index[v.key()], s)
             results[v.key()] = med
+            s.indices.append(index[v.key()])
             return med
 
-        budget = self.config.max_variants
-        out_of_time = (lambda: deadline is not None and time.monotonic() > deadline)
-        if self.config.compile_only or len(valid) <= budget:
-            rest = [v for v in valid if default is None or v.key() != default.key()]
-            s.search = "exhaustive"
-            if len(valid) > budget:
-                # Compile-only pre-flight of a large space: the default plus variants spread
-                # evenly over the fixed order, so every axis value gets compiled somewhere.
-                s.search = "spread"
-                n = budget - (default is not None)
-                rest = [rest[(i * len(rest)) // n] for i in range(n)] if n > 0 else []
-            order = ([default] if default is not None else []) + rest
-            for v in order:
-                if len(results) >= budget:
-                    s.stopped_by = "max_variants"
-                    break
-                if results and out_of_time():
-                    s.stopped_by = "time_budget"
-                    break
-                evaluate(v)
-        else:
-            s.search = "optuna"
-            s.stopped_by = _optuna_search(valid, default, evaluate, budget, out_of_time,
-                                          self._seed(family, problem))
+        cfg = self.config
+        budget = cfg.max_variants
+        prior = getattr(family, "prior", None)
+        try:
+            if stage == "cover" and not cfg.compile_only:
+                s.search = "cover"
+                for v in self._ordered(family, problem, valid, head, index):
+                    if len(results) >= cfg.coverage_attempts:
+                        s.stopped_by = "attempts"
+                        break
+                    if results and out_of_time():
+                        s.stopped_by = "time_budget"
+                        break
+                    if evaluate(v) is not None:
+                        break
+            elif cfg.compile_only or len(valid) <= budget or cfg.search == "exhaustive" or (
+                    cfg.search == "ranked" or (cfg.search == "auto" and prior is not None)):
+                order = self._ordered(family, problem, valid, head, index)
+                s.search = "exhaustive" if len(valid) <= budget else "ranked"
+                if cfg.compile_only and len(valid) > budget:
+                    # Compile-only pre-flight of a large space: the head plus variants spread
+                    # evenly over the fixed order, so every axis value gets compiled somewhere.
+                    s.search = "spread"
+                    heads = {h.key() for h in head}
+                    rest = [v for v in valid if v.key() not in heads]
+                    n = budget - len(head)
+                    order = head[:budget] + ([rest[(i * len(rest)) // n] for i in range(n)]
+                                             if n > 0 else [])
+                for v in order:
+                    if len(results) >= budget:
+                        s.stopped_by = "max_variants"
+                        break
+                    if results and out_of_time():
+                        s.stopped_by = "time_budget"
+                        break
+                    evaluate(v)
+            else:
+                s.search = "optuna"
+                s.stopped_by = _optuna_search(valid, head, evaluate, budget, out_of_time,
+                                              self._seed(family, problem))
+        finally:
+            self._inputs = None                 # a workload's inputs die with it
+            if not cfg.compile_only:
+                _release_device_memory(cfg.device, collect=True)
         if default is not None:
             s.default_us = results.get(default.key())
         timed = [{"median_us": m, "space_index": index[k], "key": k}
                  for k, m in results.items() if m is not None]
-        win = pick_winner(timed, self.config.policy.tie_rel)
+        win = pick_winner(timed, cfg.policy.tie_rel)
         if win is not None:
             wv = next(v for v in valid if v.key() == win["key"])
             s.winner, s.winner_us = wv.name(), float(win["median_us"])
+        self._remember(cls, valid, results)
         s.evaluated = len(results)
         s.seconds = time.monotonic() - t0
         return s
+
+    def _ordered(self, family: KernelFamily, problem: ProblemBase,
+                 valid: Sequence[VariantBase], head: Sequence[VariantBase],
+                 index: Mapping[str, int]) -> list[VariantBase]:
+        """head, then the rest by the family's prior (lower first; ties and a prior that
+        raises or returns NaN fall back to the space order), else in space order."""
+        prior = getattr(family, "prior", None)
+        rest: Sequence[VariantBase] = valid
+        if prior is not None:
+            def score(v: VariantBase) -> float:
+                try:
+                    x = float(prior(v, problem))
+                except Exception as e:
+                    log.debug("%s.prior raised for %s: %s", family.NAME, v.name(), e)
+                    return math.inf
+                return x if math.isfinite(x) else math.inf
+            rest = sorted(valid, key=lambda v: (score(v), index[v.key()]))
+        heads = {h.key() for h in head}
+        return list(head) + [v for v in rest if v.key() not in heads]
+
+    def _remember(self, cls: str, valid: Sequence[VariantBase],
+                  results: Mapping[str, float | None]) -> None:
+        """Keep this workload's best timed variants as seeds for its compile class (the most
+        recent workload's first)."""
+        n = self.config.seeds
+        if n <= 0:
+            return
+        by_key = {v.key(): v for v in valid}
+        best = sorted((m, k) for k, m in results.items() if m is not None)[:n]
+        new = [by_key[k] for _, k in best]
+        keys = {v.key() for v in new}
+        old = [v for v in self._seeds.get(cls, []) if v.key() not in keys]
+        self._seeds[cls] = (new + old)[:2 * n]
 
     def _seed(self, family: KernelFamily, problem: ProblemBase) -> int:
         from .variant import sha256_json
@@ -265,6 +448,10 @@ class Tuner:
         if out is None:
             out = compile_variant(family, v, problem, self.config.arch)
             self._compiled[key] = out
+            while len(self._compiled) > self.config.compile_cache:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
         return out
 
     def _fingerprint(self, family: KernelFamily, problem: ProblemBase, v: VariantBase) -> str:
@@ -281,10 +468,49 @@ class Tuner:
                            if status == Status.OK else {}, **kw)
         self.store.record(rec, replace=replace or not self.config.resume)
 
+    def _stored(self, problem: ProblemBase, v: VariantBase, fp: str) -> Mapping[str, Any] | None:
+        """The stored row resume may reuse (resume=False: only this run's own rows)."""
+        cfg = self.config
+        if not cfg.resume and cfg.resume_since is None:
+            return None
+        row = self.store.find(problem, v, fp, self.env)
+        if row is None or cfg.resume:
+            return row
+        return row if str(row.get("created") or "") >= cfg.resume_since else None
+
+    def _runner(self, family: KernelFamily, out: CompileOutcome, v: VariantBase,
+                problem: ProblemBase, n_sets: int, s: WorkloadSummary) -> Any:
+        """family.runner(...), with the workload's prepared inputs when the family has a
+        `prepare` hook (built once per workload, rebuilt only if a variant needs more sets)."""
+        cfg = self.config
+        prep = getattr(family, "prepare", None)
+        if prep is None:
+            return family.runner(out.compiled, v, problem, cfg.device, n_sets=n_sets,
+                                 seed=cfg.seed)
+        key = (family.NAME, problem.key(), str(cfg.device), cfg.seed)
+        p = self._inputs
+        if p is None or p.key != key or p.n_sets < n_sets:
+            self._inputs = p = None             # free the old sets before building new ones
+            inputs = prep(problem, cfg.device, n_sets, cfg.seed)
+            p = _Prepared(key, n_sets, n_sets * working_set_bytes(family, v, problem), inputs)
+            s.prepared += 1
+            if p.nbytes <= cfg.keep_inputs_bytes:
+                self._inputs = p
+        return family.runner(out.compiled, v, problem, cfg.device, n_sets=n_sets,
+                             seed=cfg.seed, inputs=p.inputs)
+
     def _evaluate(self, family: KernelFamily, problem: ProblemBase, v: VariantBase, idx: int,
                   s: WorkloadSummary) -> float | None:
         """Median microseconds of a checked, timed variant, else None (outcome recorded)."""
         cfg = self.config
+        phases: dict[str, float] = {}
+
+        def lap(name: str, since: float) -> float:
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - since
+            s.phase_s[name] = s.phase_s.get(name, 0.0) + now - since
+            return now
+
         try:
             fp = self._fingerprint(family, problem, v)
         except Exception as e:
@@ -292,26 +518,30 @@ class Tuner:
             self._record(problem, v, "render-failed", idx, Status.COMPILE_FAILED,
                          error="render: " + format_error(e))
             return None
-        if cfg.resume:
-            row = self.store.find(problem, v, fp, self.env)
-            if row is not None:
-                s.resumed += 1
-                return float(row["median_us"]) if row["status"] == Status.OK else None
+        row = self._stored(problem, v, fp)
+        if row is not None:
+            s.resumed += 1
+            return float(row["median_us"]) if row["status"] == Status.OK else None
+        t = time.perf_counter()
         out = self._compile(family, problem, v)
+        lap("compile", t)
         stats = {"registers": out.registers, "spill_bytes": out.spill_bytes,
                  "compile_s": out.seconds}
         if not out.ok:
             s.compile_failed += 1
             log.info("compile failed: %s: %s", v.name(), (out.error or "").splitlines()[0:1])
             self._record(problem, v, out.fingerprint or fp, idx, Status.COMPILE_FAILED,
-                         error=out.error, **stats)
+                         error=out.error, phase_s=phases, **stats)
             return None
         s.compiled += 1
         if cfg.compile_only:
-            self._record(problem, v, out.fingerprint, idx, Status.COMPILED, **stats)
+            self._record(problem, v, out.fingerprint, idx, Status.COMPILED, phase_s=phases,
+                         **stats)
             return None
         try:
+            t = time.perf_counter()
             with gpu_lock(cfg.gpu_lock):
+                t = lap("wait", t)
                 # A marker first: if this variant hangs the GPU or kills the process, the row
                 # says so and a resumed run skips it. The outcome below replaces it.
                 self._record(problem, v, out.fingerprint, idx, Status.RUN_FAILED,
@@ -319,34 +549,39 @@ class Tuner:
                 runner = None
                 try:
                     n_sets = cfg.policy.sets_for(working_set_bytes(family, v, problem))
-                    runner = family.runner(out.compiled, v, problem, cfg.device,
-                                           n_sets=n_sets, seed=cfg.seed)
+                    runner = self._runner(family, out, v, problem, n_sets, s)
+                    t = lap("prep", t)
                     chk = runner.check()
+                    t = lap("check", t)
                     if not chk.ok:
                         s.check_failed += 1
                         self._record(problem, v, out.fingerprint, idx, Status.CHECK_FAILED,
                                      rel_err=_finite(chk.rel_err), replace=True,
                                      error=f"check failed: rel_err={chk.rel_err} > "
-                                           f"{chk.tolerance}: {chk.detail}"[:4000], **stats)
+                                           f"{chk.tolerance}: {chk.detail}"[:4000],
+                                     phase_s=phases, **stats)
                         return None
-                    t = self.timer(runner, cfg.policy, n_sets)
+                    timing = self.timer(runner, cfg.policy, n_sets)
+                    lap("time", t)
                 finally:
                     runner = None
-                    _release_device_memory(cfg.device)
         except Exception as e:
             s.run_failed += 1
             self._record(problem, v, out.fingerprint, idx, Status.RUN_FAILED,
-                         error=format_error(e), replace=True, **stats)
+                         error=format_error(e), replace=True, phase_s=phases, **stats)
             if not _device_healthy(cfg.device):
                 raise DeviceLost(f"{v.name()} broke the CUDA context: {e}") from e
             return None
+        finally:
+            _release_device_memory(cfg.device, collect=False)
         s.timed += 1
-        self._record(problem, v, out.fingerprint, idx, Status.OK, median_us=t.median_us,
-                     q10_us=t.quantile_us(0.1), q90_us=t.quantile_us(0.9),
-                     samples_us=t.samples_us, launches=t.launches, n_sets=t.n_sets,
-                     timing_mode=t.mode, rel_err=_finite(chk.rel_err),
-                     error=t.note or None, replace=True, **stats)
-        return t.median_us
+        self._record(problem, v, out.fingerprint, idx, Status.OK, median_us=timing.median_us,
+                     q10_us=timing.quantile_us(0.1), q90_us=timing.quantile_us(0.9),
+                     samples_us=timing.samples_us, launches=timing.launches,
+                     n_sets=timing.n_sets, timing_mode=timing.mode,
+                     rel_err=_finite(chk.rel_err), error=timing.note or None, replace=True,
+                     phase_s=phases, **stats)
+        return timing.median_us
 
 
 _UNFINISHED = ("started, never finished: the process hung, crashed or was killed while "
@@ -359,11 +594,12 @@ def _finite(x: float | None) -> float | None:
     return float(x) if x is not None and math.isfinite(float(x)) else None
 
 
-def _optuna_search(valid: Sequence[VariantBase], default: VariantBase | None,
+def _optuna_search(valid: Sequence[VariantBase], head: Sequence[VariantBase],
                    evaluate: Callable[[VariantBase], float | None], budget: int,
                    out_of_time: Callable[[], bool], seed: int) -> str | None:
-    """TPE over the variant's fields (categorical, values in space order); a sampled
-    combination that is not a valid variant is told as pruned and costs no budget."""
+    """TPE over the variant's fields (categorical, values in space order), with `head` (the
+    default and the seeds) enqueued first; a sampled combination that is not a valid variant
+    is told as pruned and costs no budget."""
     import warnings
 
     import optuna
@@ -391,8 +627,8 @@ def _optuna_search(valid: Sequence[VariantBase], default: VariantBase | None,
         sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True,
                                              n_startup_trials=max(2, min(10, budget // 3)))
     study = optuna.create_study(direction="minimize", sampler=sampler)
-    if default is not None:
-        study.enqueue_trial(dict(zip(choices, params_of(default))))
+    for v in head:
+        study.enqueue_trial(dict(zip(choices, params_of(v))))
     seen: dict[str, float | None] = {}
     attempts, max_attempts = 0, 20 * budget + 100
     pruned = optuna.trial.TrialState.PRUNED
@@ -434,13 +670,30 @@ class Job:
         return fam, fam.PROBLEM.from_key(self.problem_key)
 
 
-def group_jobs(jobs: Sequence[Job]) -> list[list[Job]]:
-    """Jobs that differ only in bucketed fields (likely one compile key) form one group."""
-    groups: dict[str, list[Job]] = {}
+def plan_groups(jobs: Sequence[Job], arch: str, workers: int = 1) -> list[list[Job]]:
+    """Jobs grouped by compile class (compile_class); with several workers, a class larger
+    than max(the largest set of bucket siblings, jobs / (4 x workers)) is cut into
+    consecutive chunks of that size so every process has work. Order: families in the order they first appear in `jobs` (the
+    caller's priority: a stage covers the first family's workloads first), then biggest
+    groups first, so a long group never starts last."""
+    classes: dict[str, list[Job]] = {}
+    sub: collections.Counter[str] = collections.Counter()
     for j in jobs:
         fam, p = j.resolve()
-        groups.setdefault(canonical_json([j.family, without_buckets(p)]), []).append(j)
-    return list(groups.values())
+        classes.setdefault(compile_class(fam, p, arch), []).append(j)
+        sub[canonical_json([j.family, without_buckets(p)])] += 1
+    per_chunk = (len(jobs) if workers <= 1 else
+                 max([-(-len(jobs) // (4 * workers))] + list(sub.values())))
+    groups: list[list[Job]] = []
+    for members in classes.values():
+        groups += [members[i:i + per_chunk] for i in range(0, len(members), per_chunk)]
+    rank = {f: i for i, f in enumerate(dict.fromkeys(j.family for j in jobs))}
+    return sorted(groups, key=lambda g: (rank[g[0].family], -len(g)))
+
+
+def stages_of(config: TuneConfig) -> tuple[str, ...]:
+    """The stages a run goes through: ("cover", "refine") with coverage on a GPU run."""
+    return ("cover", "refine") if config.coverage and not config.compile_only else ("full",)
 
 
 def _import_modules(mods: Sequence[str]) -> None:
@@ -459,19 +712,29 @@ def _resolve_timer(config: TuneConfig, default: Timer) -> Timer:
     return fn
 
 
-def _release_device_memory(device: str) -> None:
-    """Return this process's cached CUDA memory: several tuner processes share the GPU, and
-    one runner can hold many GB (a 64 x 128K-token KV cache is about 10 GB)."""
-    import torch
+_SPARE_CACHE_BYTES = 2 << 30
 
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        import gc
 
-        gc.collect()
-        try:
-            torch.cuda.empty_cache()
-        except Exception:       # a broken context is reported by the health check
-            pass
+def _release_device_memory(device: str, collect: bool = True) -> None:
+    """Return this process's cached CUDA memory (outside the GPU lock): several tuner
+    processes share the GPU, and one runner can hold many GB (a 64 x 128K-token KV cache is
+    about 10 GB). After a workload (collect=True): a garbage collection, then every cached
+    block. After a variant: only when more than 2 GB sit cached and unused (a collection
+    costs tens of milliseconds in a process full of compiler objects)."""
+    try:
+        import torch
+
+        if not (str(device).startswith("cuda") and torch.cuda.is_available()):
+            return
+        if collect:
+            import gc
+
+            gc.collect()
+        elif torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < _SPARE_CACHE_BYTES:
+            return
+        torch.cuda.empty_cache()
+    except Exception:       # a broken context is reported by the health check
+        pass
 
 
 class DeviceLost(RuntimeError):
@@ -491,38 +754,51 @@ def _device_healthy(device: str) -> bool:
         return False
 
 
-def _run_groups(groups_next: Callable[[], list[Job] | None], store_factory: Callable[[], Any],
+Item = tuple[str, list[Job]]          # (stage, jobs) as queued
+
+
+def _run_groups(next_item: Callable[[], Item | None], store_factory: Callable[[], Any],
                 env: Environment, config: TuneConfig, deadline: float | None,
-                remaining: Callable[[int], int], workers: int,
-                emit: Callable[[str, Any], None], requeue: Callable[[list[Job]], None],
-                timer: Timer = measure) -> None:
+                remaining: Callable[[str, int], int], workers: int,
+                emit: Callable[[str, Any], None], requeue: Callable[[Item], None],
+                timer: Timer = measure,
+                disabled: Callable[[str], bool] = lambda family: False) -> None:
     store = store_factory()
     try:
         tuner = Tuner(store, env, config, timer)
         while True:
-            group = groups_next()
-            if group is None:
+            item = next_item()
+            if item is None:
                 return
+            stage, group = item
             for i, job in enumerate(group):
-                left = remaining(-1) + 1          # workloads not yet started, this one included
+                left = remaining(stage, -1) + 1   # this stage's workloads not yet started
                 wl_deadline = None
                 if deadline is not None:
-                    share = (deadline - time.time()) * workers / max(left, 1)
+                    if stage == "cover":              # the whole budget: one variant each
+                        share = deadline - time.time()
+                    else:
+                        share = (deadline - time.time()) * workers / max(left, 1)
                     wl_deadline = time.monotonic() + max(share, 0.0)
                 emit("start", job)
+                if disabled(job.family):
+                    emit("done", WorkloadSummary(
+                        family=job.family, problem_key=job.problem_key, stage=stage,
+                        search="skipped", error=f"family disabled: its variants broke the "
+                        f"CUDA context {config.max_family_losses} times"))
+                    continue
                 try:
                     fam, problem = job.resolve()
-                    summary = tuner.tune(fam, problem, wl_deadline)
+                    summary = tuner.tune(fam, problem, wl_deadline, stage=stage)
                 except DeviceLost as e:
-                    remaining(len(group) - i)
-                    requeue(group[i:])               # resume skips what is already stored
+                    remaining(stage, len(group) - i)
+                    requeue((stage, group[i:]))      # resume skips what is already stored
                     emit("lost", f"{job.family} {job.problem_key}: {e}")
                     return
                 except Exception as e:              # a broken family never stops the run
                     summary = WorkloadSummary(family=job.family, problem_key=job.problem_key,
-                                              error=format_error(e))
+                                              stage=stage, error=format_error(e))
                 emit("done", summary)
-            tuner.clear_compile_cache()
     finally:
         close = getattr(store, "close", None)
         if close is not None:
@@ -542,7 +818,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(queue_in: Any, queue_out: Any, counter: Any, pending: Any,
+def _child(queue_in: Any, queue_out: Any, counter: Any, pending: Any, banned: Any,
            store_factory: Callable[[], Any], env: Environment, config: TuneConfig,
            deadline: float | None, workers: int, modules: Sequence[str],
            log_level: int) -> None:
@@ -550,37 +826,44 @@ def _child(queue_in: Any, queue_out: Any, counter: Any, pending: Any,
     logging.basicConfig(level=log_level)
     try:
         _import_modules(modules)
+        stages = stages_of(config)
 
-        def remaining(delta: int) -> int:
+        def remaining(stage: str, delta: int) -> int:
+            i = stages.index(stage)
             with counter.get_lock():
-                counter.value += delta
-                return counter.value
+                counter[i] += delta
+                return counter[i]
 
         pid = os.getpid()
 
         def emit(kind: str, obj: Any) -> None:
             queue_out.put((kind, obj, pid))
 
-        def next_group() -> list[Job] | None:
-            # `pending` counts groups put and not yet claimed: a claimed group is in (or on
+        def next_item() -> Item | None:
+            # `pending` counts items put and not yet claimed: a claimed item is in (or on
             # its way into) the queue, so the blocking get cannot wait forever.
             with pending.get_lock():
                 if pending.value <= 0:
                     return None
                 pending.value -= 1
-            group = queue_in.get()
-            emit("claim", group)            # the parent re-queues it if this process dies
-            return group
+            item = queue_in.get()
+            emit("claim", item)             # the parent re-queues it if this process dies
+            return item
 
-        def requeue(rest: list[Job]) -> None:
+        def requeue(item: Item) -> None:
             with pending.get_lock():
                 pending.value += 1
-            queue_in.put(rest)
+            queue_in.put(item)
             queue_in.close()
             queue_in.join_thread()      # flushed before this process reports the loss
 
-        _run_groups(next_group, store_factory, env, config, deadline, remaining, workers,
-                    emit, requeue, _resolve_timer(config, measure))
+        def disabled(family: str) -> bool:
+            with banned.get_lock():
+                names = banned.value.decode()
+            return family in names.split(",")
+
+        _run_groups(next_item, store_factory, env, config, deadline, remaining, workers,
+                    emit, requeue, _resolve_timer(config, measure), disabled)
     except BaseException as e:
         queue_out.put(("crash", format_error(e), os.getpid()))
         raise
@@ -594,17 +877,24 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
              on_event: Callable[[str, Any], None] = lambda kind, obj: None,
              timer: Timer = measure) -> list[WorkloadSummary]:
     """Tune every job; `store_factory` (picklable, e.g. functools.partial(TuningDB, path))
-    opens the result store in each process.
+    opens the result store in each process. Returns one summary per workload (its stages
+    merged, see merge_summaries).
 
-    workers == 1 and not isolate: in this process (with `timer`; tests use this). Otherwise in
-    `workers` spawned processes (each with the real timer) that import `modules` first (where
-    families outside resgen register themselves); a process whose CUDA context a variant broke
-    hands its remaining workloads back and is replaced; so is one that dies outright (its
-    claimed workloads are re-queued). With a time budget, processes still running `grace`
-    seconds after it (a hung kernel) are killed. Events: ("start", Job),
-    ("done", WorkloadSummary), ("lost", str), ("crash", str).
+    Work items are (stage, group) pairs: every group (plan_groups) of the first stage, then
+    every group of the next (stages_of). workers == 1 and not isolate: in this process (with
+    `timer`; tests use this). Otherwise in `workers` spawned processes (each with the real
+    timer) that import `modules` first (where families outside resgen register themselves); a
+    process whose CUDA context a variant broke hands its remaining workloads back and is
+    replaced; so is one that dies outright (its claimed workloads are re-queued). With a time
+    budget, processes still running `grace` seconds after it (a hung kernel) are killed.
+    Events: ("start", Job), ("done", WorkloadSummary of one stage), ("lost", str),
+    ("disabled", str: a family switched off after TuneConfig.max_family_losses losses),
+    ("crash", str).
     """
-    groups = group_jobs(jobs)
+    workers = max(1, int(workers))
+    groups = plan_groups(jobs, config.arch, workers)
+    stages = stages_of(config)
+    items: list[Item] = [(st, g) for st in stages for g in groups]
     deadline = None if config.time_budget_s is None else time.time() + config.time_budget_s
     summaries: list[WorkloadSummary] = []
 
@@ -613,36 +903,37 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
             summaries.append(obj)
         on_event(kind, obj)
 
-    workers = max(1, min(int(workers), len(groups) or 1))
+    workers = min(workers, len(groups) or 1)
     if workers > 1 and config.gpu_lock is None and not config.compile_only:
         raise ValueError("several tuner processes on one GPU need config.gpu_lock")
     if workers == 1 and not isolate:
-        it = iter(groups)
-        left = [len(jobs)]
+        it = iter(items)
+        left = {st: len(jobs) for st in stages}
 
-        def remaining(delta: int) -> int:
-            left[0] += delta
-            return left[0]
+        def remaining(stage: str, delta: int) -> int:
+            left[stage] += delta
+            return left[stage]
 
-        def lost(rest: list[Job]) -> None:
-            emit("crash", f"the device was lost; {len(rest)} workloads not tuned (run in "
+        def lost(item: Item) -> None:
+            emit("crash", f"the device was lost; {len(item[1])} workloads not tuned (run in "
                           "worker processes to continue past a broken variant)")
 
         _run_groups(lambda: next(it, None), store_factory, env, config, deadline, remaining, 1,
                     emit, lost, _resolve_timer(config, timer))
-        return summaries
+        return merge_summaries(summaries)
 
     import multiprocessing as mp
     import queue as _q
 
     ctx = mp.get_context("spawn")           # never fork a process that may hold a CUDA context
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    for g in groups:
-        q_in.put(g)
-    counter = ctx.Value("i", len(jobs))
-    pending = ctx.Value("i", len(groups))
-    args = (q_in, q_out, counter, pending, store_factory, env, config, deadline, workers,
-            list(modules), logging.getLogger().level)
+    for item in items:
+        q_in.put(item)
+    counter = ctx.Array("i", [len(jobs)] * len(stages))
+    pending = ctx.Value("i", len(items))
+    banned = ctx.Array("c", 4096)             # comma-separated names of disabled families
+    args = (q_in, q_out, counter, pending, banned, store_factory, env, config, deadline,
+            workers, list(modules), logging.getLogger().level)
 
     def spawn():
         p = ctx.Process(target=_child, args=args, daemon=True)
@@ -650,14 +941,23 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
         return p
 
     procs = {p.pid: p for p in (spawn() for _ in range(workers))}
-    claimed: dict[int, list[Job]] = {}       # per process: claimed jobs not yet done
+    claimed: dict[int, Item] = {}            # per process: its claimed item, jobs not yet done
     exited: set[int] = set()
     respawns = 0
     grace = config.hard_stop_grace_s
+    losses: collections.Counter[str] = collections.Counter()
 
-    def replace(pid: int, why: str) -> None:
+    def replace(pid: int, why: str, family: str | None = None) -> None:
         nonlocal respawns
         emit("lost", why)
+        if family is not None:
+            losses[family] += 1
+            if losses[family] == config.max_family_losses:
+                off = [f for f, n in losses.items() if n >= config.max_family_losses]
+                with banned.get_lock():
+                    banned.value = ",".join(off).encode()[:4095]
+                emit("disabled", f"family {family} disabled for the rest of the run: its "
+                                 f"variants broke the CUDA context {losses[family]} times")
         if respawns < 4 * workers:
             respawns += 1
             p = spawn()
@@ -675,13 +975,14 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
                 # Died without saying so (SIGKILL, segfault): put back what it had claimed
                 # (its variant in flight is stored as "never finished", so resume skips it).
                 exited.add(pid)
-                rest = claimed.pop(pid, [])
+                stage, rest = claimed.pop(pid, ("", []))
                 if rest:
                     with pending.get_lock():
                         pending.value += 1
-                    q_in.put(rest)
+                    q_in.put((stage, rest))
                 replace(pid, f"tuner process {pid} died (exit code {p.exitcode}) during "
-                             f"{rest[0].problem_key if rest else 'no workload'}")
+                             f"{rest[0].problem_key if rest else 'no workload'}",
+                        rest[0].family if rest else None)
             kind = None
         if deadline is not None and time.time() > deadline + grace:
             for p in procs.values():
@@ -696,20 +997,20 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
         if kind == "exit":
             exited.add(pid)
         elif kind == "claim":
-            claimed[pid] = list(obj)
+            claimed[pid] = (obj[0], list(obj[1]))
         elif kind == "done":
-            rest = claimed.get(pid, [])
-            claimed[pid] = [j for j in rest if (j.family, j.problem_key) !=
-                            (obj.family, obj.problem_key)]
+            stage, rest = claimed.get(pid, ("", []))
+            claimed[pid] = (stage, [j for j in rest if (j.family, j.problem_key) !=
+                                    (obj.family, obj.problem_key)])
             emit(kind, obj)
         elif kind == "lost":
-            claimed.pop(pid, None)          # the process re-queued its own work
-            replace(pid, obj)
+            _, rest = claimed.pop(pid, ("", []))    # the process re-queued its own work
+            replace(pid, obj, rest[0].family if rest else str(obj).split(" ", 1)[0])
         else:
             emit(kind, obj)
     if pending.value > 0:
-        emit("crash", f"{pending.value} workload group(s) left untuned (too many broken "
+        emit("crash", f"{pending.value} work item(s) left untuned (too many broken "
                       "processes)")
     for p in procs.values():
         p.join(timeout=10)
-    return summaries
+    return merge_summaries(summaries)
