@@ -594,3 +594,56 @@ def test_reference_attention_is_device_independent_on_the_h200_inputs(hq, seed):
         assert torch.equal(cuda_out[c], ref)
     assert not torch.equal(old_alpha, ieee_q[2])
     assert not torch.equal(F.pack_fp4(old_base), ieee_q[0].codes)
+
+
+# ----------------------------------------------------------------------------- GPU bench plan
+
+
+def _bench_module():
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_attention_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_attention_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_bench_plan_is_the_issue_grid_with_valid_few_compiles():
+    """bench/gpu_attention_check.py: every grid point once, KV >= 32K first, 1-3 valid ResAttn
+    variants (the preset among them) and one valid plain variant per point, and few distinct
+    compiles (the bench must fit in minutes)."""
+    B = _bench_module()
+    order = B.grid_order()
+    assert sorted(order) == sorted(itertools.product(B.GEOMS, B.BATCHES, B.KV_LENS))
+    assert len(order) == 36 and all(n >= 32768 for _, _, n in order[:18])
+    assert {B.GEOMS[g] for g in B.GEOMS} == {(32, 8, 128), (64, 8, 128), (16, 2, 256)}
+    idents = set()
+    for g, b, n in order:
+        p = B.problem_of(g, b, n)
+        rs = B.resattn_candidates(p)
+        assert 1 <= len(rs) <= 3 and rs[0] == preset(p)
+        assert all(FAMILY.why_invalid(v, p, ARCH) is None for v in rs)
+        pp = dataclasses.replace(p, compensation=False)
+        (pv,) = B.plain_candidates(rs[-1], p)
+        assert FAMILY.why_invalid(pv, pp, ARCH) is None
+        assert (pv.packing == Packing.DENSE) == (p.q_heads // p.kv_heads > 4)
+        assert B.floor_us(p) > 0
+        for v, q in [(v, p) for v in rs] + [(pv, pp)]:
+            idents.add(repr(FAMILY.template_params(v, FAMILY.compile_key(v, q))))
+    assert len(idents) <= 10, len(idents)
+
+
+def test_gpu_bench_table_and_targets():
+    B = _bench_module()
+    cfgs = [{"geom": "qwen3-8b", "batch": 8, "kv_len": 32768, "floor_us": 60.0,
+             "resattn": {"best": {"us": 66.0}}, "plain": {"best": {"us": 64.0}},
+             "sdpa": {"us": 250.0}},
+            {"geom": "d256", "batch": 1, "kv_len": 8192, "floor_us": 2.0,
+             "resattn": {"best": None}, "plain": {"best": None}, "sdpa": {"us": None}}]
+    lines = B.summary_table(cfgs).splitlines()
+    assert len(lines) == 4 and "1.03" in lines[2] and "3.79" in lines[2] and "91" in lines[2]
+    assert lines[3].split()[:3] == ["d256", "1", "8K"]
+    t = B.targets(cfgs)
+    assert t["min_speedup_vs_sdpa_kv_ge_32k"] == pytest.approx(250 / 66)
+    assert t["min_floor_share"] == pytest.approx(60 / 66)
+    assert t["max_resattn_over_plain"] == pytest.approx(66 / 64)
