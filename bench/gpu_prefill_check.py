@@ -74,8 +74,8 @@ def candidates(m: int) -> list[LinearSm90WgmmaVariant]:
     """Hand-picked tile configurations, most promising first (large M: 128-256 channels x
     128-256 rows; small M: narrower token tiles so that more CTAs fill the 132 SMs)."""
     V = LinearSm90WgmmaVariant
-    big = [V(2, 2, 128, 6), V(2, 1, 256, 4), V(2, 1, 128, 6), V(2, 1, 256, 4, Raster.CH),
-           V(2, 1, 192, 5)]
+    big = [V(2, 2, 128, 8), V(2, 1, 256, 6), V(2, 1, 128, 6), V(2, 1, 256, 6, Raster.CH),
+           V(2, 1, 192, 6), V(2, 2, 128, 8, Raster.TOK, Packing.NIB)]
     small = [V(2, 1, 128, 6), V(2, 1, 64, 8), V(1, 1, 64, 8), V(2, 2, 64, 8), V(1, 2, 128, 6)]
     return big if m >= 1024 else small
 

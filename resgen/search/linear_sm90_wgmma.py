@@ -133,15 +133,16 @@ class LinearSm90WgmmaFamily:
 
     def space(self, problem: LinearProblem, arch: str) -> Sequence[LinearSm90WgmmaVariant]:
         """Every valid candidate in a fixed order: tiles (consumers, m_wg, bn) whose token tile
-        does not exceed the rows by more than 2x, 3 to 6 stages (the deepest that fits first),
-        both rasters and packings."""
+        does not exceed the rows by more than 2x (64 always allowed), 6 / 4 / 8 / 3 stages
+        (a stage is released one chunk after its wgmmas were issued, so S stages keep S - 2
+        chunks of copies in flight), both rasters and packings."""
         rows = problem.rows
         out = []
         for packing in (Packing.SPLIT, Packing.NIB):
             for c, mw, bn in self._TILES:
                 if bn > 64 and bn > 2 * rows:
                     continue
-                for st in (4, 6, 3, 5):
+                for st in (6, 4, 8, 3):
                     for raster in (Raster.TOK, Raster.CH):
                         v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing)
                         if self.why_invalid(v, problem, arch) is None:
@@ -152,10 +153,10 @@ class LinearSm90WgmmaFamily:
 
     def default(self, problem: LinearProblem, arch: str) -> LinearSm90WgmmaVariant:
         """Valid for any N % 64 == 0: two consumer warpgroups of 64 channels where N allows,
-        a token tile of 128 rows, 4 stages (fewer for very short K)."""
+        a token tile of 128 rows, 6 stages (fewer for very short K)."""
         c = 2 if problem.n % 128 == 0 else 1
         nk = kp_of(problem) // 64
-        v = LinearSm90WgmmaVariant(consumers=c, m_wg=1, bn=128, stages=max(2, min(4, nk)),
+        v = LinearSm90WgmmaVariant(consumers=c, m_wg=1, bn=128, stages=max(2, min(6, nk)),
                                    raster=Raster.TOK, packing=Packing.SPLIT)
         why = self.why_invalid(v, problem, arch)
         if why is not None:
