@@ -22,7 +22,8 @@ in one process, sized for about 3.5 minutes of wall time:
      (q [B, Hkv, G, D], no mask: the same decode), flash / efficient / cuDNN backends only
      (never the math fallback, which would materialize the repeated KV); the faster is kept;
    - the NVFP4 HBM floor: decode_hbm_bytes / 4.45 TB/s.
-   Every timed variant is first checked against the reference (once per variant and geometry).
+   Every timed variant is first checked against the reference (once per variant and geometry),
+   and the best ResAttn variant again on the timed data (last batch row, full KV length).
 3. If time is left: ResAttn with FP8 PV (the paper's choice) at KV 32K, and KV 512K for
    batch <= 8.
 The time budget (RESGEN_BENCH_BUDGET_S, default 205 s from the start) stops starting new points;
@@ -192,19 +193,19 @@ class _Sets:
     """n_sets random paged caches + queries of one problem (cold L2 by rotation), shared by
     every ResAttn / plain variant timed at the point."""
 
-    def __init__(self, p: AttentionProblem, n_sets: int, seed: int = 1):
+    def __init__(self, p: AttentionProblem, n_sets: int, seed: int = 1, device: str = "cuda"):
         from resgen.search.attention_sm90 import random_cache
 
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)
         self.sets = []
         for _ in range(n_sets):
             cache, bt, sl = random_cache(p.batch, p.kv_heads, p.head_dim, p.kv_len,
-                                         p.page_size, "cuda", gen)
+                                         p.page_size, device, gen)
             q = torch.randn(p.batch, p.q_heads, p.head_dim, generator=gen,
-                            device="cuda").to(torch.bfloat16)
+                            device=device).to(torch.bfloat16)
             self.sets.append((q, cache, bt, sl))
         self.out = torch.empty(p.batch, p.q_heads, p.head_dim, dtype=torch.bfloat16,
-                               device="cuda")
+                               device=device)
 
 
 class _OpRunner:
@@ -315,6 +316,27 @@ def time_sdpa(p: AttentionProblem) -> dict:
     return res
 
 
+def row_check(v: AttentionSm90Variant, p: AttentionProblem, sets: _Sets) -> dict:
+    """The timed configuration on the timed data: the last batch row of set 0 (its pages lie
+    anywhere in the pool: > 2^31-byte caches exercise 64-bit addressing) vs the reference."""
+    import test_attention_sm90_gpu as T
+    from resgen import reference as R
+    from resgen.kernels.attention_sm90 import DecodeAttentionSm90
+    from resgen.search.attention_sm90 import TOLERANCE, compare, shape_of
+
+    op = DecodeAttentionSm90(T.compiled(v, p).compiled, shape_of(v, p), v.splits)
+    q, cache, bt, sl = sets.sets[0]
+    out = torch.full_like(q, float("nan"))
+    op(q, cache, bt, sl, out=out)
+    torch.cuda.synchronize()
+    r = p.batch - 1
+    ref = R.decode_attention(q[r:r + 1].float(), cache, bt[r:r + 1], sl[r:r + 1],
+                             compensation=p.compensation,
+                             pv="fp32" if p.pv == "f16" else "fp8")
+    res = compare(out[r:r + 1], ref, TOLERANCE[p.pv])
+    return {"variant": v.key(), "ok": res.ok, "rel_err": res.rel_err, "detail": res.detail}
+
+
 def run_point(bench: Bench, geom: str, b: int, n: int) -> dict | None:
     p = problem_of(geom, b, n)
     need = decode_hbm_bytes([n] * b, p.kv_heads, p.head_dim, p.q_heads)
@@ -330,6 +352,13 @@ def run_point(bench: Bench, geom: str, b: int, n: int) -> dict | None:
     bv = AttentionSm90Variant.from_key(best["variant"]) if best else preset(p)
     pp = dataclasses.replace(p, compensation=False)
     entry["plain"] = time_variants(bench, plain_candidates(bv, p), pp, sets, "plain")
+    if best:
+        try:
+            entry["row_check"] = row_check(bv, p, sets)
+            if not entry["row_check"]["ok"]:
+                bench.log(f"ROW CHECK FAILED {geom} B={b} L={n}: {entry['row_check']['detail']}")
+        except Exception as e:
+            bench.err(f"row check {geom} B={b} L={n}", e)
     del sets
     torch.cuda.empty_cache()
     try:
@@ -431,8 +460,10 @@ def finish(bench: Bench) -> None:
     tests = rep.get("tests") or {}
     n_bad = sum(not c["ok"] for c in rep["checks"])
     print()
+    rows = [e["row_check"] for e in rep["configs"] + rep["extras"] if "row_check" in e]
+    n_bad += sum(not r["ok"] for r in rows)
     print(f"GPU tests: {tests.get('passed', '-')} passed, {tests.get('failed', '-')} failed; "
-          f"bench checks: {len(rep['checks']) - n_bad} ok, {n_bad} failed; errors: "
+          f"bench checks: {len(rep['checks']) + len(rows) - n_bad} ok, {n_bad} failed; errors: "
           f"{len(rep['errors'])}; points: {len(rep['configs'])}/{len(grid_order())}; "
           f"{time.time() - bench.t0:.0f} s")
     for r in tests.get("rows", []):
