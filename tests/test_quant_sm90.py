@@ -70,9 +70,33 @@ def emu_nvfp4_tensor_scale(amax):
     return np.where(amax == 0, f32(1.0), alpha).astype(np.float32)
 
 
+def emu_div6(a):
+    """fp4_device.div6_rn: one Markstein step from RN(1/6); IEEE division below 2^-100."""
+    c = f32(1.0) / f32(6.0)
+    a = np.asarray(a, np.float32)
+    q = (a * c).astype(np.float32)
+    q = fma32(fma32(q, np.full_like(a, -6.0), a), np.full_like(a, c), q)
+    return np.where(bits(a) < np.uint32(0x0D800000), (a / f32(6.0)).astype(np.float32), q)
+
+
+def emu_scale_quotient(s, alpha, clamp: bool = True):
+    """fp4_device._scale_quotient: s / alpha from TensorScale's reciprocal (2 Markstein steps
+    on s clamped to alpha * 2^20) when 2^-60 <= alpha <= 2^40, else IEEE division."""
+    s = np.asarray(s, np.float32)
+    alpha = np.broadcast_to(np.asarray(alpha, np.float32), s.shape)
+    with np.errstate(over="ignore", invalid="ignore"):   # out-of-range alphas: not selected
+        inv = (f32(1.0) / alpha).astype(np.float32)
+        sc = np.minimum(s, (alpha * f32(2.0 ** 20)).astype(np.float32)) if clamp else s
+        q = (sc * inv).astype(np.float32)
+        q = fma32(fma32(q, -alpha, sc), inv, q)
+        q = fma32(fma32(q, -alpha, sc), inv, q)
+        ab = bits(alpha)
+        fast = (ab >= np.uint32(0x21800000)) & (ab <= np.uint32(0x53800000))
+        return np.where(fast, q, (s / alpha).astype(np.float32))
+
+
 def emu_nvfp4_block_scale(amax, alpha):
-    with np.errstate(over="ignore"):           # s / alpha may overflow: E4M3 saturates it
-        byte = emu_e4m3_encode((amax / f32(6.0)) / alpha)
+    byte = emu_e4m3_encode(emu_scale_quotient(emu_div6(amax), alpha))
     sf = emu_e4m3_decode(byte)
     return byte, sf, (alpha * sf).astype(np.float32)
 
@@ -94,8 +118,7 @@ def emu_block_quotients(xs, d, amax):
         y = np.where(d > 0, f32(1.0) / d, f32(0.0)).astype(np.float32)
         yb, db = np.broadcast_to(y, xs.shape), np.broadcast_to(d, xs.shape)
         q = xs * yb
-        q = fma32(fma32(q, -db, xs), yb, q)
-        q = fma32(fma32(q, -db, xs), yb, q)
+        q = fma32(fma32(q, -db, xs), yb, q)            # one Markstein step
         slow = xs / np.where(db > 0, db, np.inf)
     return np.where(np.broadcast_to(fast, xs.shape), q, slow).astype(np.float32), fast
 
@@ -261,7 +284,7 @@ def _division_cases(n: int, rng) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate([x, xo, xr]), np.concatenate([d, ones, d]))
 
 
-def test_fast_division_is_ieee_division():
+def test_fast_division_gives_the_ieee_codes():
     rng = np.random.default_rng(2)
     x, d = _division_cases(400_000, rng)
     x = x * np.where(rng.random(x.size) < 0.5, -1, 1).astype(np.float32)
@@ -269,12 +292,86 @@ def test_fast_division_is_ieee_division():
     q, fast = emu_block_quotients(x, d, amax)
     assert fast.mean() > 0.9                      # the cases are mostly in the fast range
     want = x / d
-    assert np.array_equal(bits(np.abs(q)), bits(np.abs(want)))
+    sign = bits(x) & _SIGN
+    assert np.array_equal(emu_e2m1_round_signed(q, sign)[0],
+                          emu_e2m1_round_signed(want, sign)[0])
+    # and the quotient itself is IEEE's or the float next to it
+    assert np.abs(bits(np.abs(q)).astype(np.int64) - bits(np.abs(want)).astype(np.int64)).max() <= 1
+
+
+def _boundary_codes_agree(d: np.ndarray, width: int = 10, steps: int = 1) -> int:
+    """Cases where block_quotients' fast path (`steps` Markstein steps) gives another E2M1 code
+    than IEEE x / d, over every x within `width` ulps of RN(b d) for every E2M1 boundary b."""
+    y = (f32(1.0) / d).astype(np.float32)
+    bad = 0
+    for b in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0):
+        xc = bits((np.float64(b) * d.astype(np.float64)).astype(np.float32)).astype(np.int64)
+        for k in range(-width, width + 1):
+            x = flt((xc + k).astype(np.uint32))
+            q = (x * y).astype(np.float32)
+            for _ in range(steps):
+                q = fma32(fma32(q, -d, x), y, q)
+            sign = np.zeros(x.shape, np.uint32)
+            bad += int((emu_e2m1_round_signed(q, sign)[0]
+                        != emu_e2m1_round_signed((x / d).astype(np.float32), sign)[0]).sum())
+    return bad
+
+
+def test_one_step_division_codes_exact_near_every_boundary():
+    """block_quotients' proof, on a subset: every 61st d mantissa plus the mantissas near 1,
+    1.5 and 2 (where a quotient can come closest to a midpoint), every x within 10 ulps of
+    every E2M1 boundary. The full check (every mantissa, 1.2e9 cases, ~3 minutes):
+    _boundary_codes_agree(flt(np.arange(0x3F800000, 0x40000000, dtype=np.uint32))) == 0."""
+    m = np.arange(0x3F800000, 0x40000000, 61, dtype=np.int64)
+    special = np.concatenate([np.arange(-512, 512) + c for c in (0x3F800000, 0x3FC00000,
+                                                                 0x40000000)])
+    m = np.unique(np.concatenate([m, special]))
+    m = m[(m >= 0x3F800000) & (m < 0x40000000)]
+    assert _boundary_codes_agree(flt(m.astype(np.uint32))) == 0
+    # the check is sensitive: without the refinement step the codes differ
+    assert _boundary_codes_agree(flt(m[::64].astype(np.uint32)), width=3, steps=0) > 0
+
+
+def test_div6_is_ieee_division():
+    """div6_rn: every bf16 amax (all base blocks), every subnormal and tiny float (the div.rn
+    branch and the boundary of the FMA path), and 4M random floats. (The FMA path alone was
+    checked exhaustively for every float32 >= 2^-125.)"""
+    bf = (np.arange(0, 0x7F80, dtype=np.uint32) << 16)
+    tiny = np.arange(0, 0x0E000000, 97, dtype=np.uint32)
+    edge = np.arange(0x0D7F0000, 0x0D810000, dtype=np.uint32)
+    rnd = np.random.default_rng(5).integers(0, 0x7F800000, 1 << 22).astype(np.uint32)
+    a = flt(np.concatenate([bf, tiny, edge, rnd]))
+    assert np.array_equal(bits(emu_div6(a)), bits((a / f32(6.0)).astype(np.float32)))
+
+
+def test_scale_quotient_gives_ieee_e4m3_bytes():
+    """nvfp4_block_scale's s / alpha through TensorScale (reciprocal, clamp, 2 Markstein
+    steps): the same E4M3 byte as IEEE division, for s near every E4M3 rounding point and at
+    random, alphas across and outside the fast range."""
+    rng = np.random.default_rng(6)
+    n = 1 << 20
+    alpha = flt(rng.integers(0x00800000, 0x7F000000, n).astype(np.uint32))
+    alpha[: n // 2] = flt(rng.integers(0x21800000, 0x53800000, n // 2).astype(np.uint32))
+    e4 = emu_e4m3_decode(rng.integers(0, 127, n).astype(np.uint8))
+    mid = (e4.astype(np.float64) * (1 + rng.choice([-1, 1], n) / 16.0)).astype(np.float32)
+    huge = np.ldexp(1.0, rng.integers(9, 200, n)) * (1 + rng.random(n))   # saturating
+    z = np.where(rng.random(n) < 0.5, mid, (rng.random(n) * 600).astype(np.float32))
+    z = np.where(rng.random(n) < 0.05, huge, z)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        s = np.minimum(z.astype(np.float64) * alpha.astype(np.float64), 3.0e38).astype(np.float32)
+        s = flt((bits(s).astype(np.int64) + rng.integers(-2, 3, n)).clip(0, 0x7F7FFFFF)
+                .astype(np.uint32))
+        want = emu_e4m3_encode(np.minimum((s / alpha).astype(np.float32), f32(3e38)))
+        got = emu_e4m3_encode(emu_scale_quotient(s, alpha))
+        assert np.array_equal(got, want)
+        # the clamp matters: without it huge quotients overflow the reciprocal product (NaN)
+        assert not np.array_equal(emu_e4m3_encode(emu_scale_quotient(s, alpha, clamp=False)),
+                                  want)
 
 
 def test_reciprocal_product_alone_is_not_exact():
-    """The refinements matter: x * RN(1 / d) differs from x / d on these cases, so the
-    exactness test above is not vacuous."""
+    """The refinement matters: x * RN(1 / d) differs from x / d on these cases, so the
+    exactness tests above are not vacuous."""
     rng = np.random.default_rng(3)
     x, d = _division_cases(400_000, rng)
     y = (np.float32(1.0) / d).astype(np.float32)
@@ -553,7 +650,8 @@ def test_variant_keys_space_and_validity():
     p = QuantProblem(fmt="nvfp4", compensation="full", m=64, k=4096, static_scale=True,
                      layout="row_pair", outputs="xop")
     space = F_.space(p, "sm_90a")
-    assert len(space) == len(set(v.key() for v in space)) == 18
+    assert len(space) == len(set(v.key() for v in space)) == 26
+    assert sum(v.persist for v in space) == 8
     assert all(F_.why_invalid(v, p, "sm_90a") is None for v in space)
     assert F_.space(p, "sm_90a") == space                               # deterministic
     d = F_.default(p, "sm_90a")
@@ -566,6 +664,8 @@ def test_variant_keys_space_and_validity():
         cur = getattr(base, f.name)
         alt = {QLayout: QLayout.TILE8, Outputs: Outputs.BOTH, AlphaMode: AlphaMode.DYNAMIC}.get(
             type(cur), None)
+        if isinstance(cur, bool):
+            alt = not cur
         alt = alt if alt is not None else (16 if cur == 8 else 8)
         assert dataclasses.replace(base, **{f.name: alt}).key() != base.key(), f.name
     # mismatches with the problem are rejected with a reason
@@ -617,6 +717,12 @@ _COMPILE = [
     Q.QuantConfig("mxfp4", "full", 4096, "row_pair", ept=8, alpha="none"),
     Q.QuantConfig("mxfp4", "0.25", 4096, "plain", ept=16, alpha="none", unroll=2),
     Q.QuantConfig("mxfp4", "0.125", 2560, "plain", ept=8, alpha="none", kp_align=256),
+    Q.QuantConfig("nvfp4", "full", 12288, "row_pair", ept=8, unroll=2, persist=True,
+                  write_codes=False),
+    Q.QuantConfig("nvfp4", "0.25", 4096, "plain", ept=16, unroll=1, persist=True,
+                  alpha="dynamic"),
+    Q.QuantConfig("mxfp4", "full", 4096, "tile8", ept=16, warps=8, unroll=2, persist=True,
+                  alpha="none"),
 ]
 
 
@@ -654,6 +760,11 @@ def test_compiles_for_sm90a_with_exact_fp32_ptx(compiled):
         assert ptx and ".target sm_90a" in ptx, cfg
         if cfg.fmt == "nvfp4":
             assert "div.rn.f32" in ptx and "fma.rn.f32" in ptx, cfg
+            assert "rcp.rn.f32" in ptx, cfg                 # block reciprocals, IEEE
+        # base block amax on packed bf16 pairs
+        assert "max.xorsign.abs.bf16x2" in ptx, cfg
+        if cfg.persist:
+            assert "%nctaid.x" in ptx, cfg                  # grid-stride loop
         for bad in ("div.approx", "div.full", ".ftz", "rcp.approx", "ex2.approx", ".local"):
             assert bad not in ptx, (cfg, bad)
         # every FP32 add / sub / mul carries an explicit rounding mode (never contracted)
@@ -668,6 +779,24 @@ def test_no_local_memory_in_any_kernel(compiled):
         assert len(attrs["registers"]) == kernels, (cfg, attrs)
         assert attrs["frame"] and all(v == 0 for v in attrs["frame"]), (cfg, attrs)
         assert max(attrs["registers"]) <= 128, (cfg, attrs)
+
+
+def test_occupancy_estimate_for_the_persistent_grid(compiled):
+    """ctas_per_sm follows sm_90's limits; the quant kernel's registers are found in every
+    module (a dynamic-alpha module also holds the amax kernel)."""
+    assert Q.ctas_per_sm(4, 32) == 16 and Q.ctas_per_sm(4, 64) == 8
+    assert Q.ctas_per_sm(8, 56) == 4 and Q.ctas_per_sm(4, 57) == 8      # 57 -> 64 registers
+    assert Q.ctas_per_sm(2, 32) == 32 and Q.ctas_per_sm(1, 16) == 32    # 32 CTAs at most
+    assert Q.ctas_per_sm(8, 255) == 1 and Q.ctas_per_sm(4, None) == 8
+    for cfg, res in compiled:
+        regs = Q.quant_kernel_registers(res.fn.artifacts.CUBIN)
+        assert regs in _kernel_attrs(res.fn.artifacts.CUBIN)["registers"], cfg
+        kern = Q.QuantKernel(cfg, res.fn)
+        assert kern.registers == regs
+        assert kern.max_ctas(torch.device("cpu")) == 132 * Q.ctas_per_sm(cfg.warps, regs)
+        kern.grid_cap = 3
+        assert kern.max_ctas(torch.device("cpu")) == 3
+    assert Q.quant_kernel_registers(None) is None
 
 
 def test_family_compiles_through_the_build_pipeline():
@@ -731,9 +860,10 @@ class FakeCompiled:
         buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr._pointer)
         return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype)
 
-    def __call__(self, xp, ap, mp, cp, sp, op, pp, m, slots, stream):
+    def __call__(self, xp, ap, mp, cp, sp, op, pp, m, slots, max_ctas, stream):
         c = self.cfg
         m, slots = int(getattr(m, "value", m)), int(getattr(slots, "value", slots))
+        assert int(getattr(max_ctas, "value", max_ctas)) >= 1
         self.calls.append((m, slots))
         for p_, align in ((xp, 16), (cp, 16), (op, 16), (pp, 16), (ap, 4), (mp, 2)):
             assert p_._pointer % align == 0 and p_._assumed_align == align

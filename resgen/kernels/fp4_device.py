@@ -14,6 +14,9 @@ API (stable: the GEMM prologue and the attention query split call these)
 --------------------------------------------------------------------------
 Exact FP32 arithmetic and bit casts
     div_rn(a, b), mul_rn(a, b), add_rn(a, b), sub_rn(a, b), fma_rn(a, b, c) -> Float32
+    rcp_rn(a) -> Float32                            IEEE 1 / a (rcp.rn.f32)
+    div6_rn(a) -> Float32                           IEEE a / 6 for a >= 0 (3 FMA-pipe
+                                                    instructions; div.rn for tiny a)
     fabs(a) -> Float32
     fmin(a, b), fmax(a, b) -> Float32               (min.f32 / max.f32; exact, no NaN inputs)
     f32_bits(x) -> Uint32,  bits_f32(u) -> Float32  (reinterpretation, no conversion)
@@ -24,6 +27,8 @@ Exact FP32 arithmetic and bit casts
                                                     shuffles: all 32 lanes of the warp must call)
 BF16
     bf16x2_to_f32(w) -> (lo, hi)                    exact widening of a packed pair (element 0 low)
+    bf16x2_abs_max(words) -> Float32                max |x| over packed bf16 pairs (half the
+                                                    instructions of abs_max on widened values)
     pack_bf16x2_exact(lo, hi) -> Uint32             packs two FP32 values that are EXACTLY bf16
                                                     (FP4 value x block scale always is): the high
                                                     halves are taken, no rounding (one PRMT)
@@ -39,6 +44,11 @@ Scales
     e4m3_decode(byte) -> Float32                    exact (subnormals included)
     nvfp4_tensor_scale(amax) -> Float32             dynamic alpha = amax / 2688, formats'
                                                     zero -> 1 and FLT_MIN floor rules
+    TensorScale = NamedTuple(alpha, inv, big, fast) the NVFP4 tensor scale with what its block
+    tensor_scale(alpha) -> TensorScale                  divisions need, computed once per thread;
+                                                    wherever an `alpha` is taken below, a
+                                                    TensorScale may be passed instead (same bits,
+                                                    ~5 fewer instructions per block)
     nvfp4_block_scale(amax, alpha) -> (byte, sf, d) byte = E4M3(amax/6/alpha), sf its value, d = alpha*sf
     mxfp4_block_scale(amax) -> (byte, scale, inv)   byte = E8M0 e+127, scale = 2^e, inv = 2^-e
 One block held in registers (block = 16 NVFP4 / 32 MXFP4 elements spread over `lanes` lanes)
@@ -48,11 +58,10 @@ One block held in registers (block = 16 NVFP4 / 32 MXFP4 elements spread over `l
         d: the effective dequantization scale (alpha*sf or 2^e)
     quantize_block(xs, fmt, alpha, lanes) -> Block  alpha: Float32 tensor scale (NVFP4) / None (MXFP4)
     quantize_block_with_amax(xs, fmt, alpha, amax) -> Block   when the block amax is known
-    block_quotients(xs, d, amax) -> list[Float32]   |RN(x / d)| per element (NVFP4's division:
-                                                    shared reciprocal + 2 exact FMA refinements,
-                                                    div.rn fallback for extreme scales; exact
-                                                    for every quotient >= 2^-4, i.e. wherever
-                                                    the E2M1 code depends on it)
+    block_quotients(xs, d, amax) -> list[Float32]   quotients x / d whose E2M1 codes are those of
+                                                    IEEE x / d (NVFP4's division: shared
+                                                    reciprocal + one FMA refinement, div.rn
+                                                    fallback for extreme scales; see there)
     fast_division_ok(d, amax) -> Boolean
     residues(xs, block) -> list[Float32]            r = x - d * value (FP32, formats' order)
     operand_values(block) -> list[Float32]          value * scale: the exact BF16 GEMM operand
@@ -76,11 +85,13 @@ from cutlass.cutlass_dsl import T
 import cutlass.cute as cute
 
 __all__ = [
-    "div_rn", "mul_rn", "add_rn", "sub_rn", "fma_rn", "fabs", "fmin", "fmax", "f32_bits", "bits_f32",
+    "div_rn", "mul_rn", "add_rn", "sub_rn", "fma_rn", "rcp_rn", "div6_rn",
+    "fabs", "fmin", "fmax", "f32_bits", "bits_f32",
     "sel_u32", "sel_f32", "abs_max", "group_max",
-    "bf16x2_to_f32", "pack_bf16x2_exact",
+    "bf16x2_to_f32", "bf16x2_abs_max", "pack_bf16x2_exact",
     "e2m1_round", "e2m1_round_signed", "e2m1_decode", "pack_codes",
-    "e4m3_encode", "e4m3_decode", "nvfp4_tensor_scale", "nvfp4_block_scale",
+    "e4m3_encode", "e4m3_decode", "nvfp4_tensor_scale", "TensorScale", "tensor_scale",
+    "nvfp4_block_scale",
     "mxfp4_block_scale",
     "Block", "quantize_block", "quantize_block_with_amax", "block_quotients",
     "fast_division_ok", "residues", "operand_values",
@@ -105,6 +116,11 @@ _MAGIC_SHIFT = 22 << 23      # adding 22 to the exponent: 2^e -> 2^(e+22)
 _MIN_NORMAL = 0x00800000     # 2^-126 (FLT_MIN)
 _TWO_POW_120 = 0x7B800000    # 2^120: E4M3 bits placed at FP32 bit 20 need this factor
 _TWO_POW_M127 = 0x00400000   # 2^-127 (subnormal): the E8M0 scale of byte 0
+_ONE_SIXTH = 0x3E2AAAAB      # RN(1 / 6)
+_DIV6_MIN = 0x0D800000       # 2^-100: div6_rn's FMA path is exact from here up (see there)
+_TWO_POW_20 = 0x49800000     # 2^20
+_ALPHA_LO = 0x21800000       # 2^-60 \ tensor scales in [2^-60, 2^40] take the reciprocal path
+_ALPHA_HI = 0x53800000       # 2^40  /  of TensorScale (alpha * 2^20 stays <= 2^60)
 
 
 # ----------------------------------------------------------------------------- inline PTX
@@ -139,6 +155,34 @@ def _f32_op(instr: str, a, b) -> Float32:
 def div_rn(a, b) -> Float32:
     """IEEE a / b, round to nearest even, subnormals kept (div.rn.f32)."""
     return _f32_op("div.rn.f32", a, b)
+
+
+def rcp_rn(a) -> Float32:
+    """IEEE 1 / a, round to nearest even (rcp.rn.f32: MUFU.RCP plus one correction on sm_90)."""
+    return Float32(_asm(T.f32(), "rcp.rn.f32 $0, $1;", "=f,f", _f32(a)))
+
+
+def div6_rn(a) -> Float32:
+    """RN(a / 6) for finite a >= 0 (NVFP4's s = amax / 6), exactly as div.rn.f32 gives it.
+
+    q0 = RN(a * RN(1/6)), then one Markstein step q = RN(q0 + RN(a - 6 q0) * RN(1/6)): 3
+    FMA-pipe instructions instead of div.rn's ~9 and a branch. Checked exhaustively against IEEE
+    division for every float32 a >= 2^-100 (the step is exact where no intermediate is
+    subnormal); smaller a (subnormal quotients) take div.rn.f32 (a per-lane branch that is
+    never taken for real activations)."""
+    a = _f32(a)
+    c = bits_f32(_ONE_SIXTH)
+    q = mul_rn(a, c)
+    q = fma_rn(fma_rn(q, -6.0, a), c, q)
+    return _div6_tiny(a, q)
+
+
+@cute.jit
+def _div6_tiny(a, q):
+    r = q
+    if f32_bits(a) < Uint32(_DIV6_MIN):
+        r = div_rn(a, 6.0)
+    return r
 
 
 def mul_rn(a, b) -> Float32:
@@ -241,6 +285,21 @@ def bf16x2_to_f32(w) -> tuple[Float32, Float32]:
     return bits_f32(w << 16), bits_f32(w & 0xFFFF0000)
 
 
+def bf16x2_abs_max(words: Sequence) -> Float32:
+    """max |x| over the bf16 values of packed pairs (exact; no NaN inputs).
+
+    max.xorsign.abs.bf16x2 (sm_86+) takes the maximum of the magnitudes pairwise (its sign bit,
+    the XOR of the inputs' signs, is ignored), so n words cost n - 1 HMNMX2 plus 3 instructions
+    for the last pair, instead of 2n FMNMX on widened values."""
+    if not words:
+        raise ValueError("bf16x2_abs_max needs at least one word")
+    m = _u32(words[0])
+    for w in words[1:]:
+        m = Uint32(_asm(T.i32(), "max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", m, _u32(w)))
+    lo, hi = bf16x2_to_f32(m)
+    return fmax(fabs(lo), fabs(hi))
+
+
 def pack_bf16x2_exact(lo, hi) -> Uint32:
     """Two Float32 that are exactly representable in bf16 -> packed pair (lo in the low half).
 
@@ -320,12 +379,60 @@ def nvfp4_tensor_scale(amax) -> Float32:
     return sel_f32(amax == Float32(0.0), Float32(1.0), alpha)
 
 
+class TensorScale(NamedTuple):
+    """The NVFP4 tensor scale alpha plus what the per-block division s / alpha needs; make it
+    once per thread with tensor_scale(alpha) and pass it wherever an alpha is taken."""
+
+    alpha: Float32       # the tensor scale
+    inv: Float32         # RN(1 / alpha)
+    big: Float32         # alpha * 2^20: any s above it has s / alpha > 448 (E4M3 saturates)
+    fast: Boolean        # 2^-60 <= alpha <= 2^40: the reciprocal path is exact (uniform)
+
+
+def tensor_scale(alpha) -> TensorScale:
+    """TensorScale of a (positive, finite) Float32 alpha: one rcp.rn and a range check."""
+    alpha = _f32(alpha)
+    u = f32_bits(alpha)
+    fast = (u >= Uint32(_ALPHA_LO)) & (u <= Uint32(_ALPHA_HI))
+    return TensorScale(alpha, rcp_rn(alpha), mul_rn(alpha, bits_f32(_TWO_POW_20)), fast)
+
+
+def _alpha_value(alpha) -> Float32:
+    return alpha.alpha if isinstance(alpha, TensorScale) else _f32(alpha)
+
+
 def nvfp4_block_scale(amax, alpha) -> tuple[Uint32, Float32, Float32]:
-    """(E4M3 byte, its value sf, effective scale d = alpha * sf) for one block's amax."""
-    s = div_rn(amax, E2M1_MAX)
-    byte = e4m3_encode(div_rn(s, alpha))
+    """(E4M3 byte, its value sf, effective scale d = alpha * sf) for one block's amax.
+
+    alpha: Float32 (s / alpha is a div.rn.f32) or a TensorScale (s / alpha from the shared
+    reciprocal with two Markstein steps, exact for every quotient that E4M3 can tell apart)."""
+    s = div6_rn(amax)
+    if isinstance(alpha, TensorScale):
+        z = _scale_quotient(s, alpha)
+    else:
+        z = div_rn(s, alpha)
+    byte = e4m3_encode(z)
     sf = e4m3_decode(byte)
-    return byte, sf, mul_rn(alpha, sf)
+    return byte, sf, mul_rn(_alpha_value(alpha), sf)
+
+
+@cute.jit
+def _scale_quotient(s, ts):
+    """s / alpha as E4M3 sees it. Fast path (alpha in [2^-60, 2^40], a uniform branch): s is
+    clamped to alpha * 2^20 (a quotient that large saturates E4M3 either way, and the clamp
+    keeps s * inv finite), then q = RN(s * inv) is refined twice with exact FMA remainders:
+    the second step is Markstein's theorem (inv = RN(1 / alpha), the first step's result is
+    within one ulp), so q = RN(s / alpha) wherever it is >= 2^-11; below that both round to
+    E4M3 zero (subnormal remainders may make q inexact there, never >= 2^-10)."""
+    z = s
+    if ts.fast:
+        sc = fmin(s, ts.big)
+        q = mul_rn(sc, ts.inv)
+        q = fma_rn(fma_rn(q, -ts.alpha, sc), ts.inv, q)
+        z = fma_rn(fma_rn(q, -ts.alpha, sc), ts.inv, q)
+    else:
+        z = div_rn(s, ts.alpha)
+    return z
 
 
 def mxfp4_block_scale(amax) -> tuple[Uint32, Float32, Float32]:
@@ -363,7 +470,8 @@ def quantize_block(xs: Sequence, fmt: str, alpha=None, lanes: int = 1) -> Block:
     """Quantize one block held by `lanes` adjacent lanes, len(xs) elements each.
 
     xs: Float32 list (this lane's elements, in channel order); len(xs) * lanes must equal the
-    block size (16 NVFP4, 32 MXFP4). alpha: NVFP4 tensor scale (Float32), None for MXFP4.
+    block size (16 NVFP4, 32 MXFP4). alpha: NVFP4 tensor scale (Float32 or TensorScale), None
+    for MXFP4.
     """
     _check_fmt(fmt)
     if len(xs) * lanes != BLOCK[fmt]:
@@ -407,26 +515,28 @@ def fast_division_ok(d, amax) -> Boolean:
 
 
 def block_quotients(xs: Sequence, d, amax) -> list:
-    """|x / d| rounded to nearest even for every x of one block, as IEEE division would give it
-    (the sign is NOT reliable: callers take the sign of x). d == 0 gives 0 (formats divides by
-    +inf there). amax: max |x| over the block.
+    """Quotients q ~ |x / d| for every x of one block whose E2M1 codes (e2m1_round_signed) are
+    those of the IEEE quotient RN(x / d) (the sign is NOT reliable: callers take the sign of
+    x). d == 0 gives 0 (formats divides by +inf there). amax: max |x| over the block.
 
     Division is the costliest step of NVFP4 quantization (div.rn.f32 is ~10 instructions plus a
-    branch per element), so the common case shares one correctly rounded reciprocal y = 1 / d
-    per block and refines q0 = x * y twice with exact-remainder FMA steps:
-        r0 = x - q0 d, q1 = q0 + r0 y    (q1 within half an ulp of x / d, plus ~2^-22 ulp)
-        r1 = x - q1 d (exact), q2 = q1 + r1 y = RN(x / d)
-    The last step is Markstein's theorem (y = RN(1 / d), q1 within one ulp of x / d, r1 exact
-    => RN(q1 + r1 y) = RN(x / d); a quotient of two floats is never a midpoint, so there are no
-    ties). One step already sufficed on 10^8 emulated worst cases (d's mantissa near 2, x / d
-    near midpoints); the second makes q1 provably within one ulp. 5 instructions per element.
-    It needs no underflow in r and no overflow in x * y, which holds when 2^-60 <= d <= 2^60
-    and amax <= 2^60 d (fast_division_ok); quotients below 2^-4 may be inexact there, which
-    cannot change their E2M1 code (0, sign from x). Any other block (tiny or huge tensor scales
-    only) takes div.rn.f32 per element: a per-lane branch, uniform in practice.
+    branch per element), so the common case shares one correctly rounded reciprocal
+    y = RN(1 / d) per block and refines q0 = RN(x y) once with an FMA remainder:
+        r0 = RN(x - q0 d), q1 = RN(q0 + r0 y)                 (3 instructions per element)
+    |x y - x / d| <= 2^-24 |x / d|, so q0 is within 1.5 ulp of x / d and q1 is within half an
+    ulp plus ~2^-23 ulp: q1 = RN(x / d) or, when x / d lies within ~2^-23 ulp of a midpoint,
+    the float next to it. Adjacent floats have different E2M1 codes only if one of them is an
+    E2M1 rounding boundary b (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5), i.e. only for x within a
+    few ulps of b d. Those cases were checked exhaustively (every d mantissa, every boundary,
+    every x within 10 ulps of RN(b d): 1.2e9 cases, no code differs; zero steps differ in
+    millions), and the check is scale invariant while no intermediate under- or overflows,
+    which 2^-60 <= d <= 2^60 and amax <= 2^60 d guarantee (fast_division_ok; quotients below
+    2^-4 may be less accurate there, which cannot change their code: 0, sign from x).
+    tests/test_quant_sm90.py repeats the check on a subset. Any other block (tiny or huge
+    tensor scales only) takes div.rn.f32 per element: a per-lane branch, uniform in practice.
     """
     fast = fast_division_ok(d, amax)
-    y = sel_f32(d > Float32(0.0), div_rn(1.0, d), 0.0)
+    y = sel_f32(d > Float32(0.0), rcp_rn(d), 0.0)
     return _quotients(list(xs), d, y, fast)
 
 
@@ -442,7 +552,6 @@ def _quotients(xs, d, y, fast):
 
 def _refined_quotient(x, d, y) -> Float32:
     q = mul_rn(x, y)
-    q = fma_rn(fma_rn(q, -d, x), y, q)
     return fma_rn(fma_rn(q, -d, x), y, q)
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "QuantOperand", "operand_reference", "xop_reference", "split_operand",
     "INPUT_KINDS", "make_inputs", "random_masks",
     "QuantConfig", "QuantOutputs", "QuantKernel", "compile_config", "fake_args",
+    "WORKSPACE_FLOATS", "quant_kernel_registers", "ctas_per_sm",
 ]
 
 COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
@@ -355,7 +356,9 @@ class QuantConfig:
     """Everything a rendered quant_sm90 kernel is specialized on.
 
     ept: elements per lane (8: Algorithm 1's pack8; 16: pack16, one NVFP4 block per lane);
-    warps: warps per CTA; unroll: warp tiles per warp, loads issued together;
+    warps: warps per CTA; unroll: warp tiles per warp, loads issued together (per loop
+    iteration with persist); persist: a resident grid whose warps loop over the tiles with the
+    next iteration's loads in flight (see the template);
     write_codes / write_xop: which outputs exist; alpha: "static" | "dynamic" (NVFP4) or
     "none" (MXFP4); kp_align: the xop column granularity the consuming GEMM needs.
     """
@@ -367,6 +370,7 @@ class QuantConfig:
     ept: int = 8
     warps: int = 4
     unroll: int = 2
+    persist: bool = False
     write_codes: bool = True
     write_xop: bool = True
     alpha: str = "static"
@@ -415,6 +419,7 @@ class QuantConfig:
         return {
             "fmt": self.fmt, "mode": s.mode, "ksel": s.ksel, "layout": self.layout,
             "ept": self.ept, "warps": self.warps, "unroll": self.unroll,
+            "persist": bool(self.persist),
             "write_codes": bool(self.write_codes), "write_xop": bool(self.write_xop),
             "alpha": self.alpha, "k": self.k, "kq": s.kq, "kp": s.kp,
             "amax_ctas": AMAX_CTAS, "amax_threads": AMAX_THREADS,
@@ -444,7 +449,11 @@ def fake_args(config: QuantConfig) -> list[Any]:
 
     return [ptr(cutlass.BFloat16, 16), ptr(cutlass.Float32, 4), ptr(cutlass.Uint8, 2),
             ptr(cutlass.Uint8, 16), ptr(cutlass.Uint8, 1), ptr(cutlass.BFloat16, 16),
-            ptr(cutlass.Float32, 16), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)]
+            ptr(cutlass.Float32, 16), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+            cuda.CUstream(0)]
+
+
+WORKSPACE_FLOATS = AMAX_CTAS + 16   # partial maxima, then 64 bytes that stay zero
 
 
 @dataclass
@@ -452,8 +461,50 @@ class QuantOutputs:
     """Device buffers of one call shape: the operand plus the kernel's scratch."""
 
     operand: QuantOperand
-    workspace: torch.Tensor        # float32 [AMAX_CTAS]: partial maxima (dynamic alpha)
+    workspace: torch.Tensor        # float32 [AMAX_CTAS + 16]: partial maxima (dynamic alpha),
+    #                                then 64 zero bytes the kernel reads for padding slots
     dummy: torch.Tensor = field(repr=False)   # stands in for outputs a variant does not write
+
+
+def quant_kernel_registers(cubin: bytes | None) -> int | None:
+    """Registers per thread of the module's quant_kernel (a dynamic-alpha module also holds
+    the amax kernel), from the cubin's .nv.info.<kernel> sections; None if unknown."""
+    if not cubin:
+        return None
+    import struct
+
+    from .cubin import _sections
+
+    try:
+        secs = dict(_sections(cubin))
+        symtab, strtab = secs.get(".symtab", b""), secs.get(".strtab", b"")
+
+        def sym_name(i: int) -> str:                   # Elf64_Sym is 24 bytes, st_name first
+            (off,) = struct.unpack_from("<I", symtab, 24 * i)
+            return strtab[off:strtab.index(b"\0", off)].decode()
+
+        for name, data in secs.items():
+            if name != ".nv.info" and not name.startswith(".nv.info."):
+                continue
+            pos = 0
+            while pos + 4 <= len(data):
+                fmt, attr, size = struct.unpack_from("<BBH", data, pos)
+                if fmt == 0x04 and attr == 0x2F and size >= 8:       # EIATTR_REGCOUNT
+                    sym, regs = struct.unpack_from("<II", data, pos + 4)
+                    if "quant_kernel" in sym_name(sym):
+                        return regs
+                pos += 4 + (size if fmt == 0x04 else 0)
+    except (ValueError, struct.error, IndexError):
+        return None
+    return None
+
+
+def ctas_per_sm(warps: int, registers: int | None) -> int:
+    """CTAs of `warps` warps resident on one sm_90 SM: 64 warps, 65536 registers (allocated
+    per thread in multiples of 8), 32 CTAs; an unknown register count is taken as 64."""
+    threads = 32 * warps
+    regs = -(-(registers or 64) // 8) * 8
+    return max(1, min(32, 2048 // threads, 65536 // (regs * threads)))
 
 
 class QuantKernel:
@@ -464,12 +515,28 @@ class QuantKernel:
     kern(x, out, alpha=alpha)            # alpha: float32 [1] (static); masks: K-Ext
     """
 
-    def __init__(self, config: QuantConfig, compiled: Any):
+    def __init__(self, config: QuantConfig, compiled: Any, registers: int | None = None):
         reason = config.why_invalid()
         if reason:
             raise ValueError(f"invalid quant_sm90 config: {reason}")
         self.config = config
         self.compiled = compiled
+        if registers is None:
+            registers = quant_kernel_registers(
+                getattr(getattr(compiled, "artifacts", None), "CUBIN", None))
+        self.registers = registers
+        self.grid_cap: int | None = None     # overrides max_ctas (tests: force many loops)
+        self._max_ctas: dict[Any, int] = {}
+
+    def max_ctas(self, device: torch.device) -> int:
+        """The persistent grid's cap on `device`: SMs x resident CTAs per SM."""
+        if self.grid_cap is not None:
+            return self.grid_cap
+        if device not in self._max_ctas:
+            sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                   if device.type == "cuda" else 132)
+            self._max_ctas[device] = sms * ctas_per_sm(self.config.warps, self.registers)
+        return self._max_ctas[device]
 
     def outputs(self, m: int, row_multiple: int = 1, device="cuda") -> QuantOutputs:
         """Allocate the operand buffers for m tokens (contents undefined until a call)."""
@@ -486,7 +553,7 @@ class QuantKernel:
         xop = (torch.empty(s.t_pad, s.kp, dtype=torch.bfloat16, device=dev)
                if c.write_xop else dummy[:0].view(torch.bfloat16))
         alpha = torch.ones(1, dtype=torch.float32, device=dev) if c.fmt == "nvfp4" else None
-        ws = torch.zeros(AMAX_CTAS, dtype=torch.float32, device=dev)
+        ws = torch.zeros(WORKSPACE_FLOATS, dtype=torch.float32, device=dev)
         return QuantOutputs(QuantOperand(s, codes, scales, xop, alpha), ws, dummy)
 
     def __call__(self, x: torch.Tensor, out: QuantOutputs, alpha: torch.Tensor | None = None,
@@ -558,7 +625,7 @@ class QuantKernel:
             p(op.scales if c.write_codes else out.dummy, cutlass.Uint8, 1),
             p(op.xop if c.write_xop else out.dummy, cutlass.BFloat16, 16),
             p(out.workspace, cutlass.Float32, 16), cutlass.Int32(s.m), cutlass.Int32(s.slots),
-            stream)
+            cutlass.Int32(self.max_ctas(x.device)), stream)
         return op
 
 

@@ -12,6 +12,8 @@ adds the tuning axes:
              done once per 16 elements; two 16-byte loads per lane)
     warps    warps per CTA (each warp owns one 32 * ept channel tile of one token at a time)
     unroll   warp tiles per warp, whose loads are all issued before any is quantized
+    persist  a resident grid whose warps loop over the tiles, the next iteration's loads in
+             flight while the current one is quantized (unroll = tiles per iteration)
 Layout contract, numerics and costs: resgen/kernels/quant_sm90.py.
 """
 
@@ -96,6 +98,7 @@ class QuantSm90Variant(VariantBase):
     ept: int = field(default=8, metadata={"range": IntRange(8, 16, pow2=True), "short": "e"})
     warps: int = field(default=4, metadata={"range": IntRange(1, 8, pow2=True), "short": "w"})
     unroll: int = field(default=1, metadata={"range": IntRange(1, 4, pow2=True), "short": "u"})
+    persist: bool = field(default=False, metadata={"short": "p"})
 
 
 def config_of(variant: QuantSm90Variant, problem: QuantProblem) -> Q.QuantConfig:
@@ -103,7 +106,8 @@ def config_of(variant: QuantSm90Variant, problem: QuantProblem) -> Q.QuantConfig
     out = variant.outputs.value
     return Q.QuantConfig(fmt=problem.fmt, compensation=problem.compensation, k=problem.k,
                          layout=variant.layout.value, ept=variant.ept, warps=variant.warps,
-                         unroll=variant.unroll, write_codes=out in ("codes", "both"),
+                         unroll=variant.unroll, persist=variant.persist,
+                         write_codes=out in ("codes", "both"),
                          write_xop=out in ("xop", "both"), alpha=variant.alpha.value,
                          kp_align=problem.kp_align)
 
@@ -153,12 +157,15 @@ class QuantSm90Family:
 
     # ------------------------------------------------------------------ space
     def space(self, problem: QuantProblem, arch: str) -> Sequence[QuantSm90Variant]:
-        """Every candidate, in a fixed order (ept, warps, unroll); the layout, outputs and
-        alpha fields are the problem's."""
+        """Every candidate, in a fixed order: one-shot grids (ept, warps, unroll), then
+        persistent grids (ept, warps 4 / 8, unroll 1 / 2); the layout, outputs and alpha fields
+        are the problem's."""
         fixed = dict(layout=QLayout(problem.layout), outputs=Outputs(problem.outputs),
                      alpha=problem.alpha_mode())
-        return [QuantSm90Variant(ept=e, warps=w, unroll=u, **fixed)
-                for e in (8, 16) for w in (4, 8, 2) for u in (1, 2, 4)]
+        return ([QuantSm90Variant(ept=e, warps=w, unroll=u, **fixed)
+                 for e in (8, 16) for w in (4, 8, 2) for u in (1, 2, 4)]
+                + [QuantSm90Variant(ept=e, warps=w, unroll=u, persist=True, **fixed)
+                   for e in (8, 16) for w in (4, 8) for u in (1, 2)])
 
     def default(self, problem: QuantProblem, arch: str) -> QuantSm90Variant:
         """pack8, 4 warps, no unroll: valid for every problem the family accepts."""

@@ -11,6 +11,10 @@ probe(v, d, out) for i < n (n a multiple of 128), one thread per element:
     out[6, i] = bits of nvfp4_tensor_scale(|v|)
     out[7, i] = bits of e4m3_decode(i & 0xFF)
     out[8, i] = fast_division_ok(d, |v|)
+    out[9, i] = bits of div6_rn(|v|)
+    out[10, i] = bits of rcp_rn(d)
+    out[11, i] = nvfp4_block_scale(|v|, tensor_scale(d)) byte   (d as the tensor scale alpha)
+    out[12, i] = bits of bf16x2_abs_max([bits of v, bits of d])  (their halves as bf16)
 """
 
 import cuda.bindings.driver as cuda
@@ -21,7 +25,7 @@ from cutlass import Int32, Int64, Uint32
 
 from resgen.kernels import fp4_device as fd
 
-ROWS = 9
+ROWS = 13
 
 
 @cute.kernel
@@ -37,7 +41,9 @@ def probe_kernel(v_ptr: cute.Pointer, d_ptr: cute.Pointer, out_ptr: cute.Pointer
     res = [fd.e4m3_encode(a), code, fd.f32_bits(value),
            fd.f32_bits(fd.block_quotients([v], d, a)[0]), fd.f32_bits(fd.div_rn(v, d)), byte,
            fd.f32_bits(fd.nvfp4_tensor_scale(a)), fd.f32_bits(fd.e4m3_decode(Uint32(i) & 0xFF)),
-           fd.sel_u32(fd.fast_division_ok(d, a), 1, 0)]
+           fd.sel_u32(fd.fast_division_ok(d, a), 1, 0), fd.f32_bits(fd.div6_rn(a)),
+           fd.f32_bits(fd.rcp_rn(d)), fd.nvfp4_block_scale(a, fd.tensor_scale(d))[0],
+           fd.f32_bits(fd.bf16x2_abs_max([fd.f32_bits(v), fd.f32_bits(d)]))]
     base = out_ptr.toint() + Int64(i) * 4
     for r in cutlass.range_constexpr(ROWS):
         fd.st_global_u32(base + Int64(n) * (4 * r), res[r])

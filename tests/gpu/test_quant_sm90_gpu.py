@@ -120,12 +120,44 @@ def test_device_division_is_ieee(probe):
     pos = d > 0
     want = (x / d).abs()
     got = out[3].view(torch.float32).abs()
-    assert torch.equal(got[pos].view(torch.int32), want[pos].view(torch.int32))
+    # block_quotients (one Markstein step): IEEE's E2M1 codes, the quotient IEEE's or the
+    # float next to it
+    assert torch.equal(F.e2m1_encode(got[pos]), F.e2m1_encode(want[pos]))
+    ulps = (got[pos].view(torch.int32).long() - want[pos].view(torch.int32).long()).abs()
+    assert int(ulps.max()) <= 1
     assert not bool(got[~pos].any())                    # d == 0: +-0 (formats' x / inf)
     assert torch.equal(out[4].view(torch.float32)[pos].view(torch.int32),
                        (x / d)[pos].view(torch.int32))
     fast = out[8].bool()
     assert fast.float().mean() > 0.3 and (~fast).any()  # both paths exercised
+
+
+def test_device_fast_paths_are_ieee(probe):
+    """div6_rn, rcp_rn, the TensorScale block-scale division and bf16x2_abs_max against torch
+    (IEEE on the CPU) on every exponent, with tensor scales inside and outside the fast range."""
+    v = _sweep()
+    g = torch.Generator().manual_seed(1)
+    n = v.numel()
+    e = torch.randint(-149, 128, (n,), generator=g)
+    d = ((torch.rand(n, generator=g) + 1.0).double() * torch.exp2(e.double())).float()
+    d = torch.where(torch.isfinite(d) & (d > 0), d, torch.ones_like(d))
+    d[: n // 4] = 1.0                                   # alpha = 1: quotients = |v| / 6
+    out = probe(v, d)
+    a = v.abs()
+    six = torch.full_like(a, 6.0)
+    assert torch.equal(out[9], (a / six).view(torch.int32))
+    assert torch.equal(out[10], (torch.ones_like(d) / d).view(torch.int32))
+    want = torch.clamp((a / six) / d, max=448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(out[11], want.to(torch.int32))
+    halves = []
+    for t in (v, d):                                    # the four bf16 halves of (v, d)
+        w = t.view(torch.int32)
+        halves += [(w << 16).view(torch.float32), (w & -65536).view(torch.float32)]
+    h = torch.stack(halves)
+    ok = torch.isfinite(h).all(0)                       # no NaN / inf halves
+    assert ok.float().mean() > 0.9
+    m = h.abs().amax(0)
+    assert torch.equal(out[12][ok], m[ok].view(torch.int32))
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -138,8 +170,18 @@ _PROBLEMS = [  # (fmt, compensation, layout)
     ("mxfp4", "0.125", "plain"), ("mxfp4", "0.25", "plain"), ("mxfp4", "0.5", "plain"),
     ("mxfp4", "1.0", "plain"),
 ]
-_TUNING = [(8, 4, 1), (16, 8, 2)]                           # (ept, warps, unroll)
-_FULL_SPACE = [(e, w, u) for e in (8, 16) for w in (4, 8, 2) for u in (1, 2, 4)]
+_TUNING = [(8, 4, 1, False), (16, 8, 2, True)]              # (ept, warps, unroll, persist)
+
+
+def _full_space() -> list[tuple[int, int, int, bool]]:
+    """The family's whole tuning space (one-shot and persistent grids)."""
+    from resgen.search.quant_sm90 import QuantProblem, QuantSm90Family
+
+    p = QuantProblem(fmt="nvfp4", compensation="full", m=1, k=4096)
+    return [(v.ept, v.warps, v.unroll, v.persist) for v in QuantSm90Family().space(p, ARCH)]
+
+
+_FULL_SPACE = _full_space()
 _CACHE: dict = {}
 
 
@@ -179,18 +221,23 @@ def _check(kern: Q.QuantKernel, cfg: Q.QuantConfig, x, alpha, masks, row_multipl
 
 
 def _configs():
-    for (fmt, comp, layout), outputs in itertools.product(_PROBLEMS, ("xop", "both")):
+    """Every problem x alpha mode: pack8 one-shot writing xop and writing both outputs, pack16
+    persistent writing xop (codes-only pack16 runs in test_every_ratio_with_many_masks)."""
+    for (fmt, comp, layout), (outputs, tuning) in itertools.product(
+            _PROBLEMS, (("xop", _TUNING[0]), ("both", _TUNING[0]), ("xop", _TUNING[1]))):
         alphas = ("none",) if fmt == "mxfp4" else ("static", "dynamic")
         for alpha in alphas:
-            for ept, warps, unroll in _TUNING:
+            for ept, warps, unroll, persist in (tuning,):
                 yield Q.QuantConfig(fmt, comp, 1024, layout, ept=ept, warps=warps, unroll=unroll,
-                                    write_codes=outputs != "xop", write_xop=outputs != "codes",
-                                    alpha=alpha, kp_align=256 if "0.25" == comp else 64)
+                                    persist=persist, write_codes=outputs != "xop",
+                                    write_xop=outputs != "codes", alpha=alpha,
+                                    kp_align=256 if "0.25" == comp else 64)
 
 
 @pytest.mark.parametrize("cfg", list(_configs()), ids=lambda c: (
     f"{c.fmt}-{c.compensation}-{c.layout}-{'c' if c.write_codes else ''}"
-    f"{'x' if c.write_xop else ''}-{c.alpha}-e{c.ept}w{c.warps}u{c.unroll}"))
+    f"{'x' if c.write_xop else ''}-{c.alpha}-e{c.ept}w{c.warps}u{c.unroll}"
+    f"{'p' if c.persist else ''}"))
 def test_variant_bit_exact_on_all_input_kinds(cfg):
     kern = _kernel(cfg)
     masks = (Q.random_masks(cfg.k, cfg.compensation, seed=11, device=DEV)
@@ -202,21 +249,44 @@ def test_variant_bit_exact_on_all_input_kinds(cfg):
             _check(kern, cfg, x, alpha, masks, rm, f"{kind} m={m} alpha={alpha}")
 
 
-@pytest.mark.parametrize("tuning", _FULL_SPACE, ids=lambda t: f"e{t[0]}w{t[1]}u{t[2]}")
+@pytest.mark.parametrize("tuning", _FULL_SPACE,
+                         ids=lambda t: f"e{t[0]}w{t[1]}u{t[2]}{'p' if t[3] else ''}")
 @pytest.mark.parametrize("fmt,comp,layout,k", [("nvfp4", "full", "row_pair", 4096),
                                                ("mxfp4", "0.25", "plain", 12288)])
 def test_whole_tuning_space_on_a_decode_and_a_prefill_shape(tuning, fmt, comp, layout, k):
-    ept, warps, unroll = tuning
+    ept, warps, unroll, persist = tuning
     cfg = Q.QuantConfig(fmt, comp, k, layout, ept=ept, warps=warps, unroll=unroll,
-                        alpha="static" if fmt == "nvfp4" else "none")
+                        persist=persist, alpha="static" if fmt == "nvfp4" else "none")
     if cfg.why_invalid():
         pytest.skip(cfg.why_invalid())
     kern = _kernel(cfg)
     masks = Q.random_masks(k, comp, seed=2, device=DEV) if cfg.mode == "kext" else None
-    for m in (1, 16, 300):
+    for m in (1, 300):
         x = Q.make_inputs("outliers", m, k, seed=m, device=DEV)
         alpha = F.nvfp4_global_scale(x.float()) if fmt == "nvfp4" else None
         _check(kern, cfg, x, alpha, masks, 8, f"m={m}")
+
+
+@pytest.mark.parametrize("fmt,comp,layout,ept,unroll", [
+    ("nvfp4", "full", "row_pair", 8, 2), ("nvfp4", "none", "plain", 16, 1),
+    ("mxfp4", "0.125", "plain", 8, 1), ("nvfp4", "0.5", "plain", 16, 2),
+    ("nvfp4", "full", "tile8", 8, 1)])
+def test_persistent_grid_loops_over_many_tiles(fmt, comp, layout, ept, unroll):
+    """A persistent variant capped to a few CTAs: every warp runs many loop iterations
+    (prefetch, the last iteration's zero-row loads, tiles past the end, padding slots)."""
+    k = 2048
+    cfg = Q.QuantConfig(fmt, comp, k, layout, ept=ept, warps=4, unroll=unroll, persist=True,
+                        alpha="static" if fmt == "nvfp4" else "none")
+    kern = _kernel(cfg)
+    masks = Q.random_masks(k, comp, seed=4, device=DEV) if cfg.mode == "kext" else None
+    rm = 16 if layout == "tile8" else 8
+    for cap in (1, 3, 7):
+        kern.grid_cap = cap
+        for m in (5, 131):
+            x = Q.make_inputs("outliers", m, k, seed=m + cap, device=DEV)
+            alpha = F.nvfp4_global_scale(x.float()) if fmt == "nvfp4" else None
+            _check(kern, cfg, x, alpha, masks, rm, f"cap={cap} m={m}")
+    kern.grid_cap = None
 
 
 def test_every_ratio_with_many_masks():
