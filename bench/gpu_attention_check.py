@@ -2,7 +2,7 @@
 in one process, sized for about 3.5 minutes of wall time:
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        timeout -k 15 -s INT 235 python3 bench/gpu_attention_check.py
+        timeout -k 10 -s INT 225 python3 bench/gpu_attention_check.py
 
 1. Correctness: tests/gpu/test_attention_sm90_gpu.py run in-process by pytest (the primitive
    probe bit for bit against the CPU emulator; every packing / reduction / PV path / chunk size /
