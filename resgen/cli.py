@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = dsub.add_parser("merge", help="copy results of other databases into one")
     m.add_argument("sources", type=Path, nargs="+")
     m.add_argument("--into", type=Path, required=True)
-    e = dsub.add_parser("export", help="to JSON, or a compact read-only-friendly SQLite copy")
+    e = dsub.add_parser("export", help="to JSON, or a compact read-only-friendly SQLite copy "
+                        "(xz-compressed when --out ends in .xz, as tuned/ ships it)")
     e.add_argument("path", type=Path)
     e.add_argument("--out", type=Path, required=True)
     e.add_argument("--format", choices=["json", "sqlite"], default=None,
@@ -716,7 +717,8 @@ def cmd_db(args: argparse.Namespace) -> int:
                     print(f"{src} -> {args.into}: {counts}")
             return 0
         if args.dbcmd == "export":
-            fmt = args.format or ("sqlite" if args.out.suffix in (".sqlite", ".db") else "json")
+            fmt = args.format or ("sqlite" if args.out.name.endswith(
+                (".sqlite", ".db", ".sqlite.xz", ".db.xz")) else "json")
             with TuningDB(args.path, readonly=True) as db:
                 if fmt == "sqlite":
                     db.export_sqlite(args.out)

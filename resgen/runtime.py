@@ -2,7 +2,7 @@
 
 Databases are consulted in order (resgen.settings): an explicit path, RESGEN_DB, the user's
 cache database, then the shipped `tuned/<gpu>.sqlite` for this GPU (tuned/h200.sqlite on the
-H200). Tuned buckets are tried nearest first, and for the same bucket the database earlier in
+H200; or its xz-compressed form tuned/h200.sqlite.xz). Tuned buckets are tried nearest first, and for the same bucket the database earlier in
 that order answers (an exact bucket in the shipped table beats a neighbouring bucket in the
 cache database). A row is acceptable only if
 - it is a timed "ok" result from an environment with this GPU's name and arch;
@@ -36,7 +36,8 @@ from .search.record import Status, arch_of_capability, gpu_slug, pick_winner
 from .search.variant import ProblemBase, VariantBase, canonical_json
 from .settings import settings
 
-__all__ = ["Device", "Dispatcher", "lookup", "dispatcher", "reset", "default_db_paths"]
+__all__ = ["Device", "Dispatcher", "lookup", "dispatcher", "reset", "default_db_paths",
+           "shipped_table"]
 
 log = logging.getLogger("resgen.runtime")
 
@@ -69,10 +70,18 @@ def default_db_paths(device: Device | None, explicit: str | Path | None = None) 
             out.append(Path(p))
     if device is not None:
         try:
-            out.append(s.tuned_dir / f"{gpu_slug(device.gpu_name)}.sqlite")
+            out.append(shipped_table(s.tuned_dir, gpu_slug(device.gpu_name)))
         except ValueError:
             pass
     return out
+
+
+def shipped_table(tuned_dir: Path, slug: str) -> Path:
+    """`<tuned_dir>/<slug>.sqlite`, or its xz-compressed form `<slug>.sqlite.xz` when only
+    that exists (TuningDB reads either)."""
+    plain = Path(tuned_dir) / f"{slug}.sqlite"
+    packed = plain.with_name(plain.name + ".xz")
+    return packed if not plain.exists() and packed.exists() else plain
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fakefam import FakeProblem, FakeVariant, make_env, subprocess_env
+from fakefam import FakeProblem, FakeVariant, isolated_cache, make_env, subprocess_env  # noqa: F401
 from resgen.db import (SCHEMA_VERSION, CorruptDatabaseError, DatabaseError,
                        ForeignDatabaseError, MissingDatabaseError, NewerSchemaError, TuningDB)
 from resgen.search.record import ResultRecord, Status, pick_winner
@@ -132,6 +132,33 @@ def test_version_1_file_is_read_then_upgraded(tmp_path):
         assert db.verify().ok and len(db) == 2
     with TuningDB(path, readonly=True) as db:
         assert db.schema_version == SCHEMA_VERSION
+
+
+def test_xz_compressed_export_reads_back(tmp_path, isolated_cache):  # noqa: F811
+    src = tmp_path / "t.sqlite"
+    with TuningDB(src) as db:
+        for m in (1, 4, 16):
+            db.record(rec(m=m, median=float(m)))
+        packed = db.export_sqlite(tmp_path / "ship" / "h200.sqlite.xz")
+        with pytest.raises(FileExistsError):
+            db.export_sqlite(packed)
+    assert packed.read_bytes()[:6] == b"\xfd7zXZ\x00"              # an xz stream
+    assert not list(packed.parent.glob("*.tmp"))
+    with TuningDB(packed, readonly=True) as db, TuningDB(src, readonly=True) as orig:
+        assert db.source == packed and db.path != packed
+        assert [r["checksum"] for r in db.rows()] == [r["checksum"] for r in orig.rows()]
+        assert db.verify().ok
+        first = db.path
+    with TuningDB(packed, readonly=True) as db:
+        assert db.path == first                                    # unpacked once
+    with pytest.raises(DatabaseError, match="read-only"):
+        TuningDB(packed)
+    with pytest.raises(MissingDatabaseError):
+        TuningDB(tmp_path / "none.sqlite.xz", readonly=True)
+    bad = tmp_path / "bad.sqlite.xz"
+    bad.write_bytes(b"\xfd7zXZ\x00 but not really")
+    with pytest.raises(CorruptDatabaseError, match="xz"):
+        TuningDB(bad, readonly=True)
 
 
 def test_existing_row_kept_unless_replace(tmp_path):
@@ -310,6 +337,11 @@ def test_writer_killed_mid_run_keeps_every_committed_row(tmp_path):
             committed = int(line.split()[1])
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)
+    # The writer may have committed (and reported) more rows before the kill landed: the
+    # rest of its output says how many.
+    for line in p.stdout.read().splitlines():
+        if line.startswith("committed"):
+            committed = int(line.split()[1])
     assert committed >= 40, p.stderr.read() if p.stderr else ""
     with TuningDB(path) as db:                                # recovery happens on open
         rep = db.verify()

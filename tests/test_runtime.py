@@ -195,6 +195,25 @@ def test_shipped_table_is_found_for_the_gpu(tmp_path):
     runtime.reset(device=DEV)
 
 
+def test_compressed_shipped_table_is_found_and_served(tmp_path):
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    p = FakeProblem(m=1, k=4096)
+    _store(tmp_path / "work.sqlite", p, FakeVariant(tile=8, stages=4), 1.0,
+           env=make_env("NVIDIA H200"))
+    with TuningDB(tmp_path / "work.sqlite", readonly=True) as db:
+        db.export_sqlite(tuned / "h200.sqlite.xz")
+    assert default_db_paths(Device("NVIDIA H200", "sm_90a"))[-1] == tuned / "h200.sqlite.xz"
+    d = runtime.reset(device=Device("NVIDIA H200", "sm_90a"))
+    assert runtime.lookup(OP, p) == FakeVariant(tile=8, stages=4)
+    assert "h200.sqlite.xz" in d.source(OP, p)
+    # A damaged compressed table is skipped with a warning, never a crash.
+    (tuned / "h200.sqlite.xz").write_bytes(b"\xfd7zXZ\x00 damaged")
+    d = runtime.reset(device=Device("NVIDIA H200", "sm_90a"))
+    assert d.lookup(OP, p) == FAM.default(p, "sm_90a") and d.source(OP, p) == "default"
+    runtime.reset(device=DEV)
+
+
 def test_bad_requests_raise():
     d = _disp()
     with pytest.raises(ValueError):

@@ -9,8 +9,8 @@ import statistics
 import numpy as np
 import pytest
 
-from resgen.search.timing import (DEFAULT_POLICY, MeasurementPolicy, measure, quantile,
-                                  summarize)
+from resgen.search.timing import (DEFAULT_POLICY, TUNE_POLICY, MeasurementPolicy, measure,
+                                  policy_named, quantile, summarize)
 
 
 def test_policy_serialization_round_trip():
@@ -23,6 +23,25 @@ def test_policy_serialization_round_trip():
         MeasurementPolicy.from_dict({**d, "surprise": 1})
     with pytest.raises(ValueError):
         MeasurementPolicy.from_dict({k: v for k, v in d.items() if k != "name"})
+
+
+def test_tune_policy_is_named_cheaper_and_still_cold():
+    assert TUNE_POLICY.name != DEFAULT_POLICY.name and TUNE_POLICY.label != DEFAULT_POLICY.label
+    assert policy_named("tune") is TUNE_POLICY and policy_named("bench") is DEFAULT_POLICY
+    assert policy_named("cold-l2-graph-tune") is TUNE_POLICY
+    with pytest.raises(ValueError, match="unknown measurement policy"):
+        policy_named("fast")
+    assert TUNE_POLICY.repetitions >= 5 and TUNE_POLICY.quantiles == DEFAULT_POLICY.quantiles
+    # Same cold-L2 rule (input sets past 2 x L2) ...
+    for ws in (1 << 16, 10 << 20, 56 << 20, 200 << 20):
+        assert TUNE_POLICY.sets_for(ws) == DEFAULT_POLICY.sets_for(ws)
+    # ... and fewer launches per graph, always a multiple of the sets.
+    for est_us in (1.0, 5.0, 20.0, 100.0):
+        for n in (1, 3, 13, 64):
+            t, d = TUNE_POLICY.launches_for(est_us, n), DEFAULT_POLICY.launches_for(est_us, n)
+            assert t % n == 0 and t <= d
+            assert t >= min(TUNE_POLICY.min_launches, d)
+    assert MeasurementPolicy.from_dict(TUNE_POLICY.as_dict()) == TUNE_POLICY
 
 
 @pytest.mark.parametrize("bad", [dict(repetitions=0), dict(min_launches=0),

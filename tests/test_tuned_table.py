@@ -1,6 +1,7 @@
 """The shipped dispatch table tuned/h200.sqlite: coverage and freshness.
 
-The table tests are skipped (with the reason below) ONLY while the file does not exist; once
+The table tests are skipped (with the reason below) ONLY while neither tuned/h200.sqlite nor
+tuned/h200.sqlite.xz exists; once
 it exists, any gap in coverage or any result whose fingerprint no longer matches the current
 templates fails: a template change without re-tuning fails CI. The audit itself is proven on
 a synthetic table (good, stale, and incomplete) so the check cannot silently pass.
@@ -16,14 +17,15 @@ import pytest
 
 from resgen.db import TuningDB
 from resgen.models import COMPENSATIONS, FORMATS, attention_problems, get_model, linear_problems
-from resgen.runtime import Device, Dispatcher
+from resgen.runtime import Device, Dispatcher, shipped_table
 from resgen.search.buckets import DEFAULT_ATTN_BATCHES, DEFAULT_KV_LENS, DEFAULT_M_BUCKETS
 from resgen.search.build import variant_fingerprint
 from resgen.search.family import families, get_family
 from resgen.search.record import Environment, ResultRecord, Status
 from resgen.search.variant import AttentionProblem, LinearProblem
 
-TABLE = Path(__file__).resolve().parent.parent / "tuned" / "h200.sqlite"
+# tuned/h200.sqlite, or tuned/h200.sqlite.xz (compressed, as `resgen db export` writes it)
+TABLE = shipped_table(Path(__file__).resolve().parent.parent / "tuned", "h200")
 MODELS = ("qwen3-4b", "qwen3-8b", "qwen3-32b")
 ARCH = "sm_90a"
 ABSENT = "tuned/h200.sqlite not yet produced"

@@ -578,3 +578,22 @@ def test_a_family_that_keeps_breaking_the_context_is_disabled(tmp_path, monkeypa
     assert sorted(s.problem_key for s in sums) == sorted(j.problem_key for j in jobs)
     off = [s for s in sums if (s.error or "").startswith("family disabled")]
     assert len(off) >= 2 and all(s.evaluated == 0 for s in off)
+
+
+def test_a_family_that_never_passes_its_check_is_disabled(tmp_path, monkeypatch):
+    class Wrong(fakefam.FakeRunner):
+        def check(self):
+            return fakefam.CheckResult(False, 1.0, 3e-3, "always wrong (injected)")
+
+    monkeypatch.setattr(FakeFamily, "runner",
+                        lambda self, c, v, p, d, n_sets=1, seed=0: Wrong(v, p, c, n_sets))
+    events = []
+    cfg = TuneConfig(arch="sm_90a", max_variants=3, max_family_failures=2)
+    jobs = [Job(FAM.NAME, FakeProblem(m=m, k=4096).key()) for m in (1, 4, 16, 64)]
+    sums = run_jobs(jobs, functools.partial(TuningDB, tmp_path / "t.sqlite"), make_env(), cfg,
+                    timer=fakefam.fake_timer, on_event=lambda k, o: events.append((k, o)))
+    assert [k for k, _ in events].count("disabled") == 1
+    assert [s.evaluated for s in sums] == [3, 3, 0, 0] and not any(s.timed for s in sums)
+    assert all(s.error.startswith("family disabled") for s in sums[2:])
+    with pytest.raises(ValueError):
+        TuneConfig(max_family_failures=0)

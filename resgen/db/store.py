@@ -22,6 +22,11 @@ synchronous=NORMAL: in WAL mode a commit then survives any crash or kill of the 
 process (only an OS crash or power loss can roll back the last commits), and a commit costs
 no fsync, which matters when a tuner writes two rows per variant while holding the GPU.
 A file that is not SQLite, not ours, or newer than this code raises a DatabaseError subclass.
+
+Shipped tables may be xz-compressed (`tuned/h200.sqlite.xz`: the tuning results of three
+models compress about 8x, and the repository travels to the GPU machine under a size limit).
+Opening one read-only unpacks it once into `<cache_dir>/tables/` under the digest of its
+compressed bytes and reads that copy; `export_sqlite` writes one when the name ends in .xz.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from ..search.variant import ProblemBase, VariantBase, canonical_json, sha256_js
 from .errors import (CorruptDatabaseError, DatabaseError, ForeignDatabaseError,
                      MissingDatabaseError, NewerSchemaError)
 
-__all__ = ["SCHEMA_VERSION", "APP", "TuningDB", "VerifyReport", "row_checksum"]
+__all__ = ["SCHEMA_VERSION", "APP", "TuningDB", "VerifyReport", "row_checksum", "unpack_xz"]
 
 SCHEMA_VERSION = 2
 _OLDEST_READABLE = 1       # version 1 lacks results.phase_s (added by version 2)
@@ -100,18 +105,59 @@ def _check_header(path: Path) -> bool:
     return False
 
 
+def unpack_xz(path: Path) -> Path:
+    """The decompressed copy of an xz-compressed table: `<cache_dir>/tables/<stem>-<digest
+    of the compressed bytes>.sqlite`, written once (to a temporary name, then renamed, so
+    concurrent readers never see half a file)."""
+    import hashlib
+    import lzma
+
+    from ..settings import settings
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CorruptDatabaseError(f"{path}: cannot read ({e})") from None
+    stem = path.name[:-len(".xz")]
+    stem = stem[:-len(".sqlite")] if stem.endswith(".sqlite") else stem
+    dest = settings().cache_dir / "tables" / \
+        f"{stem}-{hashlib.sha256(data).hexdigest()[:16]}.sqlite"
+    if dest.exists():
+        return dest
+    try:
+        raw = lzma.decompress(data)
+    except lzma.LZMAError as e:
+        raise CorruptDatabaseError(f"{path}: not a valid xz file ({e})") from None
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(raw)
+        os.replace(tmp, dest)
+    except OSError as e:
+        raise DatabaseError(f"{path}: cannot unpack into {dest.parent} ({e})") from None
+    return dest
+
+
 class TuningDB:
     """One tuning database file.
 
     readonly=True opens with SQLite's read-only mode (falling back to immutable mode for a
-    file in a read-only directory, e.g. a shipped table) and never creates anything.
+    file in a read-only directory, e.g. a shipped table) and never creates anything. A path
+    ending in .xz is a compressed table: read-only, read from its unpacked copy (`source`
+    keeps the path given).
     """
 
     def __init__(self, path: str | os.PathLike, *, readonly: bool = False, create: bool = True,
                  busy_timeout_s: float = 60.0) -> None:
-        self.path = Path(path)
+        self.path = self.source = Path(path)
         self.readonly = readonly
         self.busy_timeout_s = busy_timeout_s
+        if self.path.suffix == ".xz":
+            if not readonly:
+                raise DatabaseError(f"{self.path}: a compressed table opens read-only")
+            if not self.path.exists():
+                raise MissingDatabaseError(f"{self.path}: no such tuning database")
+            self.path = unpack_xz(self.path)
         exists = self.path.exists()
         if not exists and (readonly or not create):
             raise MissingDatabaseError(f"{self.path}: no such tuning database")
@@ -525,17 +571,27 @@ class TuningDB:
 
     def export_sqlite(self, dest: str | os.PathLike) -> Path:
         """A compact, checkpointed copy in rollback-journal mode (what tuned/ ships: a WAL
-        file cannot be read from a read-only directory without its -shm)."""
+        file cannot be read from a read-only directory without its -shm); xz-compressed when
+        `dest` ends in .xz."""
         dest = Path(dest)
         if dest.exists():
             raise FileExistsError(f"{dest} exists; remove it first")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        self.conn.execute("VACUUM INTO ?", (str(dest),))
-        c = sqlite3.connect(str(dest), isolation_level=None)
+        plain = dest.with_name(f"{dest.name}.{os.getpid()}.tmp") if dest.suffix == ".xz" \
+            else dest
+        self.conn.execute("VACUUM INTO ?", (str(plain),))
+        c = sqlite3.connect(str(plain), isolation_level=None)
         try:
             c.execute("PRAGMA journal_mode=DELETE")
         finally:
             c.close()
+        if plain != dest:
+            import lzma
+
+            try:
+                dest.write_bytes(lzma.compress(plain.read_bytes(), preset=6))
+            finally:
+                plain.unlink()
         return dest
 
 

@@ -106,9 +106,12 @@ class TuneConfig:
     keep_inputs_bytes: int = 4 << 30       # prepared inputs larger than this are not kept
     compile_cache: int = 512               # compiled variants kept per process (LRU)
     # A family whose variants broke the CUDA context (or killed a tuner process) this many
-    # times is disabled for the rest of the run: a systematically broken family must not eat
-    # the budget (and the process respawns) of the others.
+    # times, or that finished this many workloads in a row without a timed winner (every
+    # candidate failed to compile, check or run), is disabled for the rest of the run: a
+    # systematically broken family must not eat the budget (and the process respawns) of
+    # the others. Its stored rows stay; nothing else is lost.
     max_family_losses: int = 8
+    max_family_failures: int = 24
     # With resume=False: rows created at or after this UTC ISO time are this run's own (the
     # cover stage's) and are reused, not re-timed.
     resume_since: str | None = None
@@ -122,6 +125,8 @@ class TuneConfig:
             raise ValueError(f"search must be one of {SEARCHES}, got {self.search!r}")
         if self.coverage_attempts < 1 or self.seeds < 0 or self.compile_cache < 1:
             raise ValueError("coverage_attempts and compile_cache must be >= 1, seeds >= 0")
+        if self.max_family_losses < 1 or self.max_family_failures < 1:
+            raise ValueError("max_family_losses and max_family_failures must be >= 1")
 
 
 @dataclass
@@ -718,18 +723,20 @@ _SPARE_CACHE_BYTES = 2 << 30
 def _release_device_memory(device: str, collect: bool = True) -> None:
     """Return this process's cached CUDA memory (outside the GPU lock): several tuner
     processes share the GPU, and one runner can hold many GB (a 64 x 128K-token KV cache is
-    about 10 GB). After a workload (collect=True): a garbage collection, then every cached
-    block. After a variant: only when more than 2 GB sit cached and unused (a collection
-    costs tens of milliseconds in a process full of compiler objects)."""
+    about 10 GB). After a workload (collect=True): every cached block, after a garbage
+    collection if more than 2 GB are still allocated (tensors kept alive by reference
+    cycles). After a variant: only when more than 2 GB sit cached and unused. (A collection
+    costs tens of milliseconds in a process full of compiler objects.)"""
     try:
         import torch
 
         if not (str(device).startswith("cuda") and torch.cuda.is_available()):
             return
         if collect:
-            import gc
+            if torch.cuda.memory_allocated() > _SPARE_CACHE_BYTES:
+                import gc
 
-            gc.collect()
+                gc.collect()
         elif torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < _SPARE_CACHE_BYTES:
             return
         torch.cuda.empty_cache()
@@ -784,8 +791,8 @@ def _run_groups(next_item: Callable[[], Item | None], store_factory: Callable[[]
                 if disabled(job.family):
                     emit("done", WorkloadSummary(
                         family=job.family, problem_key=job.problem_key, stage=stage,
-                        search="skipped", error=f"family disabled: its variants broke the "
-                        f"CUDA context {config.max_family_losses} times"))
+                        search="skipped", error="family disabled for the rest of the run "
+                        "(it kept failing; see the run's 'disabled' events)"))
                     continue
                 try:
                     fam, problem = job.resolve()
@@ -871,6 +878,46 @@ def _child(queue_in: Any, queue_out: Any, counter: Any, pending: Any, banned: An
         queue_out.put(("exit", None, os.getpid()))
 
 
+class _FamilyBreaker:
+    """Switches off a family for the rest of a run after TuneConfig.max_family_losses lost
+    processes or max_family_failures workloads in a row without a timed winner (workloads
+    with no valid variant, or skipped past the budget, do not count)."""
+
+    def __init__(self, config: TuneConfig, on_disable: Callable[[list[str], str], None]):
+        self.config = config
+        self.on_disable = on_disable
+        self.losses: collections.Counter[str] = collections.Counter()
+        self.streak: collections.Counter[str] = collections.Counter()
+        self.off: list[str] = []
+
+    def _disable(self, family: str, why: str) -> None:
+        if family not in self.off:
+            self.off.append(family)
+            self.on_disable(list(self.off), f"family {family} disabled for the rest of the "
+                                            f"run: {why}")
+
+    def lost(self, family: str | None) -> None:
+        if family is None:
+            return
+        self.losses[family] += 1
+        if self.losses[family] >= self.config.max_family_losses:
+            self._disable(family, f"its variants broke the CUDA context or killed a tuner "
+                                  f"process {self.losses[family]} times")
+
+    def done(self, s: WorkloadSummary) -> None:
+        if self.config.compile_only or s.search == "skipped" or \
+                (s.error or "").startswith("no valid"):
+            return
+        if s.winner is not None:
+            self.streak[s.family] = 0
+            return
+        self.streak[s.family] += 1
+        if self.streak[s.family] >= self.config.max_family_failures:
+            self._disable(s.family, f"{self.streak[s.family]} workloads in a row without "
+                                    "a timed winner (every candidate failed to compile, "
+                                    "check or run)")
+
+
 def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environment,
              config: TuneConfig, *, workers: int = 1, isolate: bool = False,
              modules: Sequence[str] = (),
@@ -888,8 +935,7 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
     replaced; so is one that dies outright (its claimed workloads are re-queued). With a time
     budget, processes still running `grace` seconds after it (a hung kernel) are killed.
     Events: ("start", Job), ("done", WorkloadSummary of one stage), ("lost", str),
-    ("disabled", str: a family switched off after TuneConfig.max_family_losses losses),
-    ("crash", str).
+    ("disabled", str: a family switched off, see _FamilyBreaker), ("crash", str).
     """
     workers = max(1, int(workers))
     groups = plan_groups(jobs, config.arch, workers)
@@ -897,10 +943,22 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
     items: list[Item] = [(st, g) for st in stages for g in groups]
     deadline = None if config.time_budget_s is None else time.time() + config.time_budget_s
     summaries: list[WorkloadSummary] = []
+    off: list[str] = []                       # this process's view (single-process runs)
+    publish: list[Callable[[list[str]], None]] = [lambda names: None]
+
+    def on_disable(names: list[str], why: str) -> None:
+        off[:] = names
+        publish[0](names)
+        on_event("disabled", why)
+
+    breaker = _FamilyBreaker(config, on_disable)
 
     def emit(kind: str, obj: Any) -> None:
         if kind == "done":
             summaries.append(obj)
+            on_event(kind, obj)
+            breaker.done(obj)
+            return
         on_event(kind, obj)
 
     workers = min(workers, len(groups) or 1)
@@ -919,7 +977,7 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
                           "worker processes to continue past a broken variant)")
 
         _run_groups(lambda: next(it, None), store_factory, env, config, deadline, remaining, 1,
-                    emit, lost, _resolve_timer(config, timer))
+                    emit, lost, _resolve_timer(config, timer), lambda f: f in off)
         return merge_summaries(summaries)
 
     import multiprocessing as mp
@@ -932,6 +990,12 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
     counter = ctx.Array("i", [len(jobs)] * len(stages))
     pending = ctx.Value("i", len(items))
     banned = ctx.Array("c", 4096)             # comma-separated names of disabled families
+
+    def publish_banned(names: list[str]) -> None:
+        with banned.get_lock():
+            banned.value = ",".join(names).encode()[:4095]
+
+    publish[0] = publish_banned
     args = (q_in, q_out, counter, pending, banned, store_factory, env, config, deadline,
             workers, list(modules), logging.getLogger().level)
 
@@ -945,19 +1009,11 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
     exited: set[int] = set()
     respawns = 0
     grace = config.hard_stop_grace_s
-    losses: collections.Counter[str] = collections.Counter()
 
     def replace(pid: int, why: str, family: str | None = None) -> None:
         nonlocal respawns
         emit("lost", why)
-        if family is not None:
-            losses[family] += 1
-            if losses[family] == config.max_family_losses:
-                off = [f for f, n in losses.items() if n >= config.max_family_losses]
-                with banned.get_lock():
-                    banned.value = ",".join(off).encode()[:4095]
-                emit("disabled", f"family {family} disabled for the rest of the run: its "
-                                 f"variants broke the CUDA context {losses[family]} times")
+        breaker.lost(family)
         if respawns < 4 * workers:
             respawns += 1
             p = spawn()
