@@ -1,24 +1,31 @@
 """GPU check + benchmark of linear_sm90_wgmma (Hopper prefill FP4 linear on WGMMA) on the
-Qwen3-8B shapes at prefill sizes.
+Qwen3-8B shapes at prefill sizes, in one process (about 8 minutes):
 
     mkdir -p .devcache && cp -r ../shared/device .devcache/
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        python3 bench/gpu_prefill_check.py                 # about 5 minutes; JSON to $OUT
+        timeout -k 10 -s INT 590 python3 bench/gpu_prefill_check.py      # JSON to $OUT
 
-Per shape (gate/up 24576x4096, down 4096x12288, qkv 6144x4096, o 4096x4096):
-1. cuBLAS BF16 (torch.matmul) at M = 128 .. 2048;
-2. variant selection: a handful of tile configurations are compiled, checked against
-   resgen.reference.linear (fresh random inputs, NaN-poisoned output, rel err <= 3e-3, plus a
-   bit-identical rerun) and timed on the GEMM alone (prepared activation operand) for NVFP4
-   plain at each M; the best two per (shape, M) go on;
-3. the whole layer (quant_sm90 writing the xop + the GEMM, two launches: BENCH.md's protocol),
-   checked and timed for NVFP4 plain, M-Ext (full) and K-Ext 0.125 / 0.25 / 0.5 / 1.0 at every
-   M, and MXFP4 plain at M = 2048, with the best GEMM variant of that (shape, M).
-M = 2048 and 1024 (the targets) run first; smaller M follow while the time budget
-(RESGEN_BENCH_BUDGET_S, default 280 s) lasts. Timing: resgen.search.timing.measure, policy
-cold-l2-graph. A variant that fails to compile, check or run is recorded and skipped; a CUDA
-error that poisons the context (e.g. a kernel watchdog trap) ends the run with what it has.
-Prints a short table last; writes $OUT/linear_sm90_wgmma_prefill.json.
+1. Correctness: tests/gpu/test_linear_sm90_wgmma_gpu.py run in-process by pytest (every variant
+   of a small M-Ext problem, a covering subset for both formats and every compensation mode,
+   the Qwen3-8B shapes, the quantizer in front, graph replay, subnormal codes); its compiles are
+   shared with the timing below (resgen.search.linear_sm90_wgmma.compile_once). `--no-tests`
+   skips it. If a kernel error poisoned the CUDA context the timing is skipped.
+2. Per shape (gate/up 24576x4096, down 4096x12288, qkv 6144x4096, o 4096x4096):
+   - cuBLAS BF16 (torch.matmul) at M = 128 .. 2048;
+   - variant selection: a handful of tile configurations, each checked against
+     resgen.reference.linear (fresh random inputs, NaN-poisoned output, rel err <= 3e-3, plus a
+     bit-identical rerun) and timed on the GEMM alone (prepared activation operand) for NVFP4
+     plain; the best two per (shape, M) go on;
+   - the whole layer (quant_sm90 writing the xop + the GEMM, two launches: BENCH.md's
+     protocol), checked and timed for NVFP4 plain, M-Ext (full) and K-Ext 0.125 / 0.25 / 0.5 /
+     1.0, and MXFP4 plain at M = 2048, with the best GEMM variant of that (shape, M).
+   M = 2048 and 1024 (the targets) run first, smaller M while the budget lasts
+   (RESGEN_BENCH_BUDGET_S, default 280 s for this part; RESGEN_TOTAL_S, default 560 s from the
+   start, caps everything). Timing: resgen.search.timing.measure, policy cold-l2-graph.
+A variant that fails to compile, check or run is recorded and skipped; a CUDA error that
+poisons the context (e.g. a kernel watchdog trap) or SIGINT ends the run with what it has.
+Prints a short table last; writes $OUT/linear_sm90_wgmma_prefill.json and
+$OUT/linear_sm90_wgmma_pytest.xml.
 """
 
 from __future__ import annotations
@@ -39,10 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import baselines as B  # noqa: E402
-from resgen.search import build  # noqa: E402
 from resgen.search.linear_sm90 import Packing  # noqa: E402
 from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant,  # noqa: E402
-                                             Raster)
+                                             Raster, compile_once)
 from resgen.search.timing import DEFAULT_POLICY, measure  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
@@ -50,14 +56,18 @@ ARCH = "sm_90a"
 DEVICE = "cuda"                    # a CPU dry run (tests) swaps in the simulation
 OUT = Path(os.environ.get("OUT", "bench/results/h200"))
 BUDGET_S = float(os.environ.get("RESGEN_BENCH_BUDGET_S", "280"))
-T0 = time.time()
+TOTAL_S = float(os.environ.get("RESGEN_TOTAL_S", "560"))
+TEST_FILE = Path(__file__).resolve().parent.parent / "tests" / "gpu" / \
+    "test_linear_sm90_wgmma_gpu.py"
+T_START = time.time()
+T0 = time.time()                   # start of the timing part (reset after the tests)
 SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
           "o": (4096, 4096)}
 MS_FIRST = (2048, 1024)
 MS_LATER = (512, 256, 128)
 MODES = ("none", "full", "0.125", "0.25", "0.5", "1.0")
 REPORT: dict = {"compiles": [], "entries": [], "baselines": [], "errors": []}
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[str, object] = {}        # compile key -> in-process callable (or None)
 _QUANT: dict[tuple, object] = {}
 _BROKEN: list[str] = []            # set once a CUDA error poisoned the context
 
@@ -67,7 +77,7 @@ class ContextBroken(RuntimeError):
 
 
 def left() -> float:
-    return BUDGET_S - (time.time() - T0)
+    return min(BUDGET_S - (time.time() - T0), TOTAL_S - (time.time() - T_START))
 
 
 def candidates(m: int) -> list[LinearSm90WgmmaVariant]:
@@ -94,10 +104,9 @@ def _sticky_check() -> None:
 def compiled(v: LinearSm90WgmmaVariant, p: LinearProblem):
     key = v.key() + FAMILY.compile_key(v, p).key()
     if key not in _COMPILED:
-        t = time.time()
-        out = build.compile_variant(FAMILY, v, p, ARCH)
+        out = compile_once(v, p, ARCH)
         REPORT["compiles"].append({"variant": v.key(), "problem": FAMILY.compile_key(v, p).key(),
-                                   "ok": out.ok, "seconds": round(time.time() - t, 2),
+                                   "ok": out.ok, "seconds": out.seconds,
                                    "registers": out.registers, "spill_bytes": out.spill_bytes,
                                    "fingerprint": out.fingerprint, "error": out.error})
         _COMPILED[key] = out.compiled if out.ok else None
@@ -291,15 +300,65 @@ def table() -> list[str]:
     return lines
 
 
+class _Collect:
+    """pytest plugin: outcome and duration of every test phase that did not simply pass."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            self.rows.append({"test": report.nodeid.split("::", 1)[-1][:200],
+                              "when": report.when, "outcome": report.outcome,
+                              "seconds": round(report.duration, 3),
+                              "detail": str(report.longrepr)[-1500:] if report.failed else ""})
+
+
+def run_tests() -> bool:
+    """The GPU test module in this process; False if interrupted or the context is broken."""
+    import pytest
+
+    col = _Collect()
+    xml = OUT / "linear_sm90_wgmma_pytest.xml"
+    t = time.time()
+    code = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", "--maxfail=20",
+                        f"--junitxml={xml}", str(TEST_FILE)], plugins=[col])
+    rows = col.rows
+    REPORT["tests"] = {"exit_code": int(code), "seconds": round(time.time() - t, 1),
+                       "passed": sum(r["outcome"] == "passed" for r in rows),
+                       "failed": sum(r["outcome"] == "failed" for r in rows),
+                       "skipped": sum(r["outcome"] == "skipped" for r in rows), "rows": rows}
+    print(f"[{time.time() - T_START:6.1f} s] GPU tests: {REPORT['tests']['passed']} passed, "
+          f"{REPORT['tests']['failed']} failed (exit {int(code)})", flush=True)
+    if int(code) == int(pytest.ExitCode.INTERRUPTED):
+        return False
+    try:
+        _sticky_check()
+    except ContextBroken as e:
+        REPORT["errors"].append(f"CUDA context broken after the tests: {e}")
+        return False
+    return True
+
+
 def main() -> None:
+    global T0
     OUT.mkdir(parents=True, exist_ok=True)
     try:
         REPORT["environment"] = environment()
     except Exception as e:
         REPORT["errors"].append(f"environment: {type(e).__name__}: {e}")
     path = OUT / "linear_sm90_wgmma_prefill.json"
+    go = True
+    if "--no-tests" not in sys.argv:
+        try:
+            go = run_tests()
+        except KeyboardInterrupt:
+            go = False
+            REPORT["errors"].append("interrupted during the GPU tests")
+        path.write_text(json.dumps(REPORT, indent=1, default=str))
+    T0 = time.time()
     try:
-        for ms in (MS_FIRST, MS_LATER):
+        for ms in (MS_FIRST, MS_LATER) if go else ():
             for shape, (n, k) in SHAPES.items():
                 for m in ms:
                     if left() <= 0:
@@ -319,12 +378,20 @@ def main() -> None:
                     path.write_text(json.dumps(REPORT, indent=1, default=str))
     except ContextBroken as e:
         REPORT["errors"].append(f"CUDA context broken, run stopped: {e}")
-    REPORT["seconds"] = round(time.time() - T0, 1)
+    except KeyboardInterrupt:
+        REPORT["errors"].append("interrupted (SIGINT): partial results")
+    REPORT["seconds"] = round(time.time() - T_START, 1)
     lines = table()
     REPORT["table"] = lines
     path.write_text(json.dumps(REPORT, indent=1, default=str))
     failed = [e for e in REPORT["entries"] if "error" in e]
     nondet = [e for e in REPORT["entries"] if e.get("bit_identical_rerun") is False]
+    tests = REPORT.get("tests")
+    if tests:
+        print(f"GPU tests: {tests['passed']} passed, {tests['failed']} failed, "
+              f"{tests['seconds']} s")
+        for r in [r for r in tests["rows"] if r["outcome"] == "failed"][:6]:
+            print(f"  TEST FAILED {r['test']}: {r['detail'][-300:]}")
     print(f"linear_sm90_wgmma on {REPORT.get('environment', {}).get('gpu_name', '?')}: "
           f"{len(REPORT['entries'])} entries, {len(failed)} failed, {len(nondet)} "
           f"non-deterministic, {sum(1 for c in REPORT['compiles'] if not c['ok'])} compile "

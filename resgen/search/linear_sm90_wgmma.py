@@ -31,7 +31,7 @@ from .linear_sm90 import Packing, compare, random_layer
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Raster", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily", "FAMILY",
-           "TOLERANCE", "geometry_of", "kp_of", "LinearSm90WgmmaRunner"]
+           "TOLERANCE", "geometry_of", "kp_of", "LinearSm90WgmmaRunner", "compile_once"]
 
 TOLERANCE = 3e-3
 _SMEM_MAX = 227 * 1024
@@ -228,6 +228,19 @@ class LinearSm90WgmmaFamily:
 
 
 FAMILY = register(LinearSm90WgmmaFamily())
+
+_COMPILES: dict[tuple[str, str, str], Any] = {}
+
+
+def compile_once(variant: LinearSm90WgmmaVariant, problem: LinearProblem, arch: str = "sm_90a"):
+    """build.compile_variant, memoized in this process per (variant, compile key, arch): the
+    GPU tests and the H200 bench share their compiles when they run in one process."""
+    from . import build
+
+    key = (variant.key(), FAMILY.compile_key(variant, problem).key(), arch)
+    if key not in _COMPILES:
+        _COMPILES[key] = build.compile_variant(FAMILY, variant, problem, arch)
+    return _COMPILES[key]
 
 
 # ----------------------------------------------------------------------------- runner

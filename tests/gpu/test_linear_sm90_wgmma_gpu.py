@@ -10,26 +10,22 @@ import dataclasses
 import pytest
 import torch
 
-from resgen.search import build
 from resgen.search.linear_sm90 import Packing
-from resgen.search.linear_sm90_wgmma import FAMILY, LinearSm90WgmmaVariant, Raster
+from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Raster,
+                                             compile_once)
 from resgen.search.variant import LinearProblem
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 ARCH = "sm_90a"
-_COMPILED: dict[tuple[str, str], object] = {}
 
 
 def _compiled(v: LinearSm90WgmmaVariant, p: LinearProblem):
-    key = (v.key(), FAMILY.compile_key(v, p).key())
-    if key not in _COMPILED:
-        out = build.compile_variant(FAMILY, v, p, ARCH)
-        assert out.ok, out.error
-        assert out.spill_bytes == 0
-        _COMPILED[key] = out.compiled
-    return _COMPILED[key]
+    out = compile_once(v, p, ARCH)            # shared with bench/gpu_prefill_check.py
+    assert out.ok, out.error
+    assert out.spill_bytes == 0
+    return out.compiled
 
 
 def _check_variant(v: LinearSm90WgmmaVariant, base: LinearProblem, ms=(1, 37)):
