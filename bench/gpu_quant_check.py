@@ -179,6 +179,8 @@ def main() -> int:
                 try:
                     kern, cres = Q.compile_config(cfg, ARCH)
                     rec.update(compile_s=round(cres.seconds, 3), registers=kern.registers,
+                               frame_bytes=Q.quant_kernel_resources(
+                                   getattr(cres.fn.artifacts, "CUBIN", None)).get("frame"),
                                max_ctas=kern.max_ctas(torch.device("cuda", 0)))
                     ok, detail = check(kern, cfg, refs, masks)
                     rec["check"] = "pass" if ok else f"FAIL {detail}"

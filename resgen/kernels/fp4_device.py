@@ -44,11 +44,6 @@ Scales
     e4m3_decode(byte) -> Float32                    exact (subnormals included)
     nvfp4_tensor_scale(amax) -> Float32             dynamic alpha = amax / 2688, formats'
                                                     zero -> 1 and FLT_MIN floor rules
-    TensorScale = NamedTuple(alpha, inv, big, fast) the NVFP4 tensor scale with what its block
-    tensor_scale(alpha) -> TensorScale                  divisions need, computed once per thread;
-                                                    wherever an `alpha` is taken below, a
-                                                    TensorScale may be passed instead (same bits,
-                                                    ~5 fewer instructions per block)
     nvfp4_block_scale(amax, alpha) -> (byte, sf, d) byte = E4M3(amax/6/alpha), sf its value, d = alpha*sf
     mxfp4_block_scale(amax) -> (byte, scale, inv)   byte = E8M0 e+127, scale = 2^e, inv = 2^-e
 One block held in registers (block = 16 NVFP4 / 32 MXFP4 elements spread over `lanes` lanes)
@@ -68,7 +63,8 @@ One block held in registers (block = 16 NVFP4 / 32 MXFP4 elements spread over `l
     select_by_mask(rs, mask, k) -> list[Float32]    the k entries of an 8-entry list whose bit is
                                                     set in `mask` (Uint32 byte), ascending
 Global memory (raw 64-bit addresses, Int64; alignment is the caller's promise)
-    ld_global_v4(addr) -> 4 x Uint32 (ld.global.nc: input read once, read-only path)
+    ld_global_v4(addr, l1=False) -> 4 x Uint32      (ld.global.nc: read-only path; l1=False
+                                                    also skips L1 allocation: data read once)
     ld_global_f32(addr) -> Float32, ld_global_u32 / ld_global_u16 / ld_global_u8(addr) -> Uint32
     st_global_v4(addr, w0..w3, pred=None), st_global_v2(addr, w0, w1, pred=None),
     st_global_u32 / st_global_u16 / st_global_u8(addr, w, pred=None)   (low bits of w stored)
@@ -90,8 +86,7 @@ __all__ = [
     "sel_u32", "sel_f32", "abs_max", "group_max",
     "bf16x2_to_f32", "bf16x2_abs_max", "pack_bf16x2_exact",
     "e2m1_round", "e2m1_round_signed", "e2m1_decode", "pack_codes",
-    "e4m3_encode", "e4m3_decode", "nvfp4_tensor_scale", "TensorScale", "tensor_scale",
-    "nvfp4_block_scale",
+    "e4m3_encode", "e4m3_decode", "nvfp4_tensor_scale", "nvfp4_block_scale",
     "mxfp4_block_scale",
     "Block", "quantize_block", "quantize_block_with_amax", "block_quotients",
     "fast_division_ok", "residues", "operand_values",
@@ -118,9 +113,6 @@ _TWO_POW_120 = 0x7B800000    # 2^120: E4M3 bits placed at FP32 bit 20 need this 
 _TWO_POW_M127 = 0x00400000   # 2^-127 (subnormal): the E8M0 scale of byte 0
 _ONE_SIXTH = 0x3E2AAAAB      # RN(1 / 6)
 _DIV6_MIN = 0x0D800000       # 2^-100: div6_rn's FMA path is exact from here up (see there)
-_TWO_POW_20 = 0x49800000     # 2^20
-_ALPHA_LO = 0x21800000       # 2^-60 \ tensor scales in [2^-60, 2^40] take the reciprocal path
-_ALPHA_HI = 0x53800000       # 2^40  /  of TensorScale (alpha * 2^20 stays <= 2^60)
 
 
 # ----------------------------------------------------------------------------- inline PTX
@@ -158,7 +150,10 @@ def div_rn(a, b) -> Float32:
 
 
 def rcp_rn(a) -> Float32:
-    """IEEE 1 / a, round to nearest even (rcp.rn.f32: MUFU.RCP plus one correction on sm_90)."""
+    """IEEE 1 / a, round to nearest even (rcp.rn.f32: MUFU.RCP plus one correction on sm_90).
+
+    Note: its slow-path subroutine saves a register on the stack; in register-heavy kernels
+    ptxas then spills around it, which div_rn(1.0, a) (what block_quotients uses) avoids."""
     return Float32(_asm(T.f32(), "rcp.rn.f32 $0, $1;", "=f,f", _f32(a)))
 
 
@@ -379,60 +374,14 @@ def nvfp4_tensor_scale(amax) -> Float32:
     return sel_f32(amax == Float32(0.0), Float32(1.0), alpha)
 
 
-class TensorScale(NamedTuple):
-    """The NVFP4 tensor scale alpha plus what the per-block division s / alpha needs; make it
-    once per thread with tensor_scale(alpha) and pass it wherever an alpha is taken."""
-
-    alpha: Float32       # the tensor scale
-    inv: Float32         # RN(1 / alpha)
-    big: Float32         # alpha * 2^20: any s above it has s / alpha > 448 (E4M3 saturates)
-    fast: Boolean        # 2^-60 <= alpha <= 2^40: the reciprocal path is exact (uniform)
-
-
-def tensor_scale(alpha) -> TensorScale:
-    """TensorScale of a (positive, finite) Float32 alpha: one rcp.rn and a range check."""
-    alpha = _f32(alpha)
-    u = f32_bits(alpha)
-    fast = (u >= Uint32(_ALPHA_LO)) & (u <= Uint32(_ALPHA_HI))
-    return TensorScale(alpha, rcp_rn(alpha), mul_rn(alpha, bits_f32(_TWO_POW_20)), fast)
-
-
-def _alpha_value(alpha) -> Float32:
-    return alpha.alpha if isinstance(alpha, TensorScale) else _f32(alpha)
-
-
 def nvfp4_block_scale(amax, alpha) -> tuple[Uint32, Float32, Float32]:
     """(E4M3 byte, its value sf, effective scale d = alpha * sf) for one block's amax.
-
-    alpha: Float32 (s / alpha is a div.rn.f32) or a TensorScale (s / alpha from the shared
-    reciprocal with two Markstein steps, exact for every quotient that E4M3 can tell apart)."""
+    (s / alpha stays a div.rn.f32: ptxas hoists the reciprocal of a loop-invariant alpha, so
+    it costs ~6 instructions per block, as much as a reciprocal-and-refine done by hand.)"""
     s = div6_rn(amax)
-    if isinstance(alpha, TensorScale):
-        z = _scale_quotient(s, alpha)
-    else:
-        z = div_rn(s, alpha)
-    byte = e4m3_encode(z)
+    byte = e4m3_encode(div_rn(s, alpha))
     sf = e4m3_decode(byte)
-    return byte, sf, mul_rn(_alpha_value(alpha), sf)
-
-
-@cute.jit
-def _scale_quotient(s, ts):
-    """s / alpha as E4M3 sees it. Fast path (alpha in [2^-60, 2^40], a uniform branch): s is
-    clamped to alpha * 2^20 (a quotient that large saturates E4M3 either way, and the clamp
-    keeps s * inv finite), then q = RN(s * inv) is refined twice with exact FMA remainders:
-    the second step is Markstein's theorem (inv = RN(1 / alpha), the first step's result is
-    within one ulp), so q = RN(s / alpha) wherever it is >= 2^-11; below that both round to
-    E4M3 zero (subnormal remainders may make q inexact there, never >= 2^-10)."""
-    z = s
-    if ts.fast:
-        sc = fmin(s, ts.big)
-        q = mul_rn(sc, ts.inv)
-        q = fma_rn(fma_rn(q, -ts.alpha, sc), ts.inv, q)
-        z = fma_rn(fma_rn(q, -ts.alpha, sc), ts.inv, q)
-    else:
-        z = div_rn(s, ts.alpha)
-    return z
+    return byte, sf, mul_rn(alpha, sf)
 
 
 def mxfp4_block_scale(amax) -> tuple[Uint32, Float32, Float32]:
@@ -470,8 +419,7 @@ def quantize_block(xs: Sequence, fmt: str, alpha=None, lanes: int = 1) -> Block:
     """Quantize one block held by `lanes` adjacent lanes, len(xs) elements each.
 
     xs: Float32 list (this lane's elements, in channel order); len(xs) * lanes must equal the
-    block size (16 NVFP4, 32 MXFP4). alpha: NVFP4 tensor scale (Float32 or TensorScale), None
-    for MXFP4.
+    block size (16 NVFP4, 32 MXFP4). alpha: NVFP4 tensor scale (Float32), None for MXFP4.
     """
     _check_fmt(fmt)
     if len(xs) * lanes != BLOCK[fmt]:
@@ -536,7 +484,7 @@ def block_quotients(xs: Sequence, d, amax) -> list:
     tensor scales only) takes div.rn.f32 per element: a per-lane branch, uniform in practice.
     """
     fast = fast_division_ok(d, amax)
-    y = sel_f32(d > Float32(0.0), rcp_rn(d), 0.0)
+    y = sel_f32(d > Float32(0.0), div_rn(1.0, d), 0.0)
     return _quotients(list(xs), d, y, fast)
 
 
@@ -590,11 +538,16 @@ def _i64(a) -> Int64:
     return a if isinstance(a, Int64) else Int64(a)
 
 
-def ld_global_v4(addr) -> tuple[Uint32, Uint32, Uint32, Uint32]:
-    """16-byte load through the read-only path (addr 16-byte aligned)."""
+def ld_global_v4(addr, l1: bool = False) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """16-byte load through the read-only path (addr 16-byte aligned).
+
+    l1=False: L1::no_allocate (the bytes are used once). l1=True: cached in L1, for access
+    patterns where a second load reads the other half of the same 32-byte sectors (lanes 32
+    bytes apart), which would otherwise fetch every sector from L2 twice."""
     ty = llvm.StructType.get_literal([T.i32()] * 4)
+    hint = "" if l1 else ".L1::no_allocate"
     r = llvm.inline_asm(ty, [_i64(addr).ir_value()],
-                        "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
+                        f"ld.global.nc{hint}.v4.b32 {{$0, $1, $2, $3}}, [$4];",
                         "=r,=r,=r,=r,l", has_side_effects=False, is_align_stack=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT)
     return tuple(Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4))

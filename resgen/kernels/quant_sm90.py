@@ -53,7 +53,7 @@ __all__ = [
     "QuantOperand", "operand_reference", "xop_reference", "split_operand",
     "INPUT_KINDS", "make_inputs", "random_masks",
     "QuantConfig", "QuantOutputs", "QuantKernel", "compile_config", "fake_args",
-    "WORKSPACE_FLOATS", "quant_kernel_registers", "ctas_per_sm",
+    "WORKSPACE_FLOATS", "quant_kernel_resources", "quant_kernel_registers", "ctas_per_sm",
 ]
 
 COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
@@ -466,11 +466,13 @@ class QuantOutputs:
     dummy: torch.Tensor = field(repr=False)   # stands in for outputs a variant does not write
 
 
-def quant_kernel_registers(cubin: bytes | None) -> int | None:
-    """Registers per thread of the module's quant_kernel (a dynamic-alpha module also holds
-    the amax kernel), from the cubin's .nv.info.<kernel> sections; None if unknown."""
+def quant_kernel_resources(cubin: bytes | None) -> dict[str, int]:
+    """{"registers", "frame"} (registers per thread, stack frame bytes: 0 = no spills) of the
+    module's quant_kernel, from the .nv.info attributes keyed by kernel symbol (a dynamic-alpha
+    module also holds the amax kernel, which codegen's first-kernel figures describe)."""
+    out: dict[str, int] = {}
     if not cubin:
-        return None
+        return out
     import struct
 
     from .cubin import _sections
@@ -489,14 +491,20 @@ def quant_kernel_registers(cubin: bytes | None) -> int | None:
             pos = 0
             while pos + 4 <= len(data):
                 fmt, attr, size = struct.unpack_from("<BBH", data, pos)
-                if fmt == 0x04 and attr == 0x2F and size >= 8:       # EIATTR_REGCOUNT
-                    sym, regs = struct.unpack_from("<II", data, pos + 4)
+                # EIATTR_REGCOUNT (0x2f), EIATTR_FRAME_SIZE (0x11): (symbol, value)
+                if fmt == 0x04 and attr in (0x2F, 0x11) and size >= 8:
+                    sym, val = struct.unpack_from("<II", data, pos + 4)
                     if "quant_kernel" in sym_name(sym):
-                        return regs
+                        out["registers" if attr == 0x2F else "frame"] = val
                 pos += 4 + (size if fmt == 0x04 else 0)
     except (ValueError, struct.error, IndexError):
-        return None
-    return None
+        return {}
+    return out
+
+
+def quant_kernel_registers(cubin: bytes | None) -> int | None:
+    """Registers per thread of the module's quant_kernel; None if unknown."""
+    return quant_kernel_resources(cubin).get("registers")
 
 
 def ctas_per_sm(warps: int, registers: int | None) -> int:

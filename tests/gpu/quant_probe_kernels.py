@@ -13,7 +13,7 @@ probe(v, d, out) for i < n (n a multiple of 128), one thread per element:
     out[8, i] = fast_division_ok(d, |v|)
     out[9, i] = bits of div6_rn(|v|)
     out[10, i] = bits of rcp_rn(d)
-    out[11, i] = nvfp4_block_scale(|v|, tensor_scale(d)) byte   (d as the tensor scale alpha)
+    out[11, i] = nvfp4_block_scale(|v|, d) byte               (d as the tensor scale alpha)
     out[12, i] = bits of bf16x2_abs_max([bits of v, bits of d])  (their halves as bf16)
 """
 
@@ -42,7 +42,7 @@ def probe_kernel(v_ptr: cute.Pointer, d_ptr: cute.Pointer, out_ptr: cute.Pointer
            fd.f32_bits(fd.block_quotients([v], d, a)[0]), fd.f32_bits(fd.div_rn(v, d)), byte,
            fd.f32_bits(fd.nvfp4_tensor_scale(a)), fd.f32_bits(fd.e4m3_decode(Uint32(i) & 0xFF)),
            fd.sel_u32(fd.fast_division_ok(d, a), 1, 0), fd.f32_bits(fd.div6_rn(a)),
-           fd.f32_bits(fd.rcp_rn(d)), fd.nvfp4_block_scale(a, fd.tensor_scale(d))[0],
+           fd.f32_bits(fd.rcp_rn(d)), fd.nvfp4_block_scale(a, d)[0],
            fd.f32_bits(fd.bf16x2_abs_max([fd.f32_bits(v), fd.f32_bits(d)]))]
     base = out_ptr.toint() + Int64(i) * 4
     for r in cutlass.range_constexpr(ROWS):

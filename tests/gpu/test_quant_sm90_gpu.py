@@ -133,8 +133,8 @@ def test_device_division_is_ieee(probe):
 
 
 def test_device_fast_paths_are_ieee(probe):
-    """div6_rn, rcp_rn, the TensorScale block-scale division and bf16x2_abs_max against torch
-    (IEEE on the CPU) on every exponent, with tensor scales inside and outside the fast range."""
+    """div6_rn, rcp_rn, nvfp4_block_scale (div6_rn, then div.rn by alpha) and bf16x2_abs_max
+    against torch (IEEE on the CPU) on every exponent, tensor scales from 2^-149 to 2^127."""
     v = _sweep()
     g = torch.Generator().manual_seed(1)
     n = v.numel()
