@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """H200: check every quant_sm90 variant bit-exactly, then time it (CUDA graph, cold-L2
 rotation) at M in {1, 16, 2048, 8192} for K in {4096, 12288}; print a table (us, GB/s, % of
-4.45 TB/s) and write raw JSON. One failing variant never stops the run; a time budget (default
-170 s) skips what is left, saying so.
+4.45 TB/s; best one-shot and best persistent grid side by side) and write raw JSON (registers,
+stack frame bytes and the persistent grid cap per variant). One failing variant never stops
+the run; a time budget (default 140 s) skips what is left, saying so.
 
     source .devcache/device/env.sh && python3 bench/gpu_quant_check.py --out "$OUT"
 
@@ -140,7 +141,7 @@ def check(kern, cfg, refs, masks) -> tuple[bool, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench/results/h200"))
-    ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--budget-s", type=float, default=140.0)
     ap.add_argument("--quick", action="store_true",
                     help="first 3 configs; 2 one-shot and 2 persistent tunings")
     args = ap.parse_args()
