@@ -88,7 +88,8 @@ def test_tune_gpu_path_with_fake_timings(tmp_path, capsys, monkeypatch):
     assert set(summary["phase_s"]) == {"compile", "wait", "prep", "check", "time"}
     assert summary["phase_s"]["time"] > 0
     assert all(w["stage"] == "cover+refine" for w in summary["workloads"])
-    assert "PLAN: 16 unique workloads" in err and "seconds by phase" in out
+    assert "PLAN: 16 tuning jobs (family x workload) over 16 unique" in err
+    assert "seconds by phase" in out
     assert "GPU held" in out and "TOTAL" in out
     with TuningDB(db, readonly=True) as d:
         assert all(json.loads(r["phase_s"])["time"] >= 0 for r in d.rows(status=Status.OK))
@@ -107,13 +108,14 @@ def test_plan_for_several_models_prints_and_touches_nothing(tmp_path, capsys):
     assert main(base + ["--model", "all"]) == 0
     out = capsys.readouterr().out
     # 3 models x 4 projections (all 12 shapes distinct) x 2 formats x 6 modes x 6 buckets.
-    assert "PLAN: 864 unique workloads, stages cover+refine, 14 process(es)" in out
+    assert "PLAN: 864 tuning jobs (family x workload) over 864 unique workloads, stages " \
+        "cover+refine, 14 process(es)" in out
     assert "qwen3-4b:288 qwen3-8b:288 qwen3-32b:288" in out
     assert "estimated GPU seconds" in out and "compile wall seconds" in out
     assert not db.exists()
     # The same model twice: planned once.
     assert main(base + ["--model", "qwen3-8b,Qwen/Qwen3-8B"]) == 0
-    assert "PLAN: 288 unique workloads" in capsys.readouterr().out
+    assert "over 288 unique workloads" in capsys.readouterr().out
     assert main(base + ["--model", "qwen3-8b", "--compile-only"]) == 0
     assert "stages full" in capsys.readouterr().out
 

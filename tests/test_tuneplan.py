@@ -50,7 +50,8 @@ def test_plan_counts_workloads_classes_and_gpu_seconds(monkeypatch):
     assert plan.variants_in_budget() == pytest.approx(100.0 / (6 * per))
     assert plan.stages == ("cover", "refine")
     text = plan.text()
-    assert "PLAN: 6 unique workloads" in text and "m1:6 m2:6" in text
+    assert "PLAN: 6 tuning jobs (family x workload) over 6 unique workloads" in text
+    assert "m1:6 m2:6" in text and plan.unique_workloads == 6
     d = plan.as_dict()
     assert d["workloads"] == 6 and d["families"][0]["compiles"] == (8, 24)
     # A prepare hook moves the prep cost from every variant to every workload.

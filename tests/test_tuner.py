@@ -597,3 +597,34 @@ def test_a_family_that_never_passes_its_check_is_disabled(tmp_path, monkeypatch)
     assert all(s.error.startswith("family disabled") for s in sums[2:])
     with pytest.raises(ValueError):
         TuneConfig(max_family_failures=0)
+
+
+def test_winner_counts_every_stored_row_of_the_workload(tmp_path, monkeypatch):
+    """A refine stage in another process that never revisits the cover stage's timed variant
+    still reports the winner the runtime will serve (every stored row counts)."""
+    from resgen.search.record import pick_winner
+
+    class DefaultWrong(fakefam.FakeRunner):
+        def check(self):
+            if self.v == FakeVariant():
+                return fakefam.CheckResult(False, 1.0, 3e-3, "default wrong (injected)")
+            return super().check()
+
+    monkeypatch.setattr(FakeFamily, "runner",
+                        lambda self, c, v, p, d, n_sets=1, seed=0: DefaultWrong(v, p, c, n_sets))
+    p = FakeProblem(m=64, k=4096)
+    env = make_env()
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        cover = Tuner(db, env, TuneConfig(arch="sm_90a"), fakefam.fake_timer).tune(
+            FAM, p, stage="cover")
+        assert cover.evaluated == 2 and cover.winner is not None
+        refine = Tuner(db, env, TuneConfig(arch="sm_90a", max_variants=2, search="optuna"),
+                       fakefam.fake_timer).tune(FAM, p, stage="refine")
+        rows = db.rows(status=Status.OK)
+    best = pick_winner(rows, 0.01)
+    assert refine.winner == best["variant_name"]
+    # Rows of a stale template never count.
+    monkeypatch.setattr(Tuner, "_fingerprint", lambda self, f, pr, v: "changed")
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        tuner = Tuner(db, env, TuneConfig(arch="sm_90a"), fakefam.fake_timer)
+        assert tuner._known(FAM, p, {v.key() for v in _valid(p)}) == {}

@@ -431,6 +431,19 @@ class TuningDB:
             [problem.digest(), variant.digest(), fingerprint, environment.digest]))
         return rows[0] if rows else None
 
+    def timed_rows(self, problem: ProblemBase, environment: Environment
+                   ) -> list[dict[str, Any]]:
+        """The timed ("ok") results of one workload in one environment: variant_key,
+        fingerprint, median_us, space_index, created (the tuner's view of what is known)."""
+        return list(self.db.query(
+            "SELECT v.key AS variant_key, r.fingerprint AS fingerprint, r.median_us AS "
+            "median_us, r.space_index AS space_index, r.created AS created "
+            "FROM results r JOIN workloads w ON w.id = r.workload_id "
+            "JOIN variants v ON v.id = r.variant_id "
+            "JOIN environments e ON e.id = r.environment_id "
+            "WHERE w.digest = ? AND e.digest = ? AND r.status = ?",
+            [problem.digest(), environment.digest, Status.OK]))
+
     def __len__(self) -> int:
         return int(self.conn.execute("SELECT count(*) FROM results").fetchone()[0])
 

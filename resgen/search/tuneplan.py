@@ -113,6 +113,7 @@ class FamilyPlan:
 @dataclass
 class RunPlan:
     families: list[FamilyPlan]
+    unique_workloads: int             # distinct problems (families of one op share them)
     stages: tuple[str, ...]
     workers: int
     budget_s: float | None
@@ -122,6 +123,7 @@ class RunPlan:
 
     @property
     def workloads(self) -> int:
+        """Tuning jobs: (family, workload) pairs."""
         return sum(f.workloads for f in self.families)
 
     def gpu_s(self, variants: float) -> float:
@@ -139,6 +141,7 @@ class RunPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return {"stages": list(self.stages), "workers": self.workers, "budget_s": self.budget_s,
+                "unique_workloads": self.unique_workloads,
                 "policy": self.policy, "max_variants": self.max_variants,
                 "workloads": self.workloads, "gpu_s_cover": self.gpu_s(1.0),
                 "gpu_s_max_variants": self.gpu_s(self.max_variants),
@@ -158,12 +161,14 @@ class RunPlan:
                          f"{f.gpu_s_per_variant * 1e3:.0f}", f"{f.gpu_s(1.0):.0f}",
                          f"{f.gpu_s(f.variants_per_workload):.0f}",
                          ",".join(f.hooks) or "-", f.source])
-        head = (f"PLAN: {self.workloads} unique workloads, stages {'+'.join(self.stages)}, "
+        head = (f"PLAN: {self.workloads} tuning jobs (family x workload) over "
+                f"{self.unique_workloads} unique workloads, stages {'+'.join(self.stages)}, "
                 f"{self.workers} process(es), policy {self.policy}, up to {self.max_variants} "
                 f"variants per workload, budget {self.budget_s or 'none'} s")
         lines = [head, table(["family", "workloads", "per model (before dedupe)", "classes",
                               "compiles", "ms/variant", "GPU s: 1/wl",
                               f"{self.max_variants}/wl", "hooks", "costs"], rows)]
+        # (GPU s: the GPU held for one / max_variants evaluated variants of every job)
         fit = self.variants_in_budget()
         lines.append(f"estimated GPU seconds: {self.gpu_s(1.0):.0f} for one variant per "
                      f"workload, {self.gpu_s(self.max_variants):.0f} for "
@@ -199,13 +204,14 @@ def plan_run(problems: Mapping[str, Sequence[ProblemBase]],
             prep_s=m.get("prep", cost.prep_s), check_s=m.get("check", cost.check_s),
             time_s=m.get("time", cost.time_s(config.policy)),
             compile_s=m.get("compile", cost.compile_s), source=src))
-    plan = RunPlan(out, stages_of(config), workers, config.time_budget_s, config.policy.label,
-                   config.max_variants)
+    unique = len({p.key() for probs in problems.values() for p in probs})
+    plan = RunPlan(out, unique, stages_of(config), workers, config.time_budget_s,
+                   config.policy.label, config.max_variants)
     total = plan.workloads
     if config.time_budget_s and not config.compile_only:
         cover = plan.gpu_s(1.0)
         if cover > 0.8 * config.time_budget_s:
-            plan.notes.append(f"one variant per workload already needs about {cover:.0f} s "
-                              f"of GPU time ({total} workloads): the budget may not cover "
+            plan.notes.append(f"one variant per job already needs about {cover:.0f} s "
+                              f"of GPU time ({total} jobs): the budget may not cover "
                               "every workload; drop families, formats or buckets")
     return plan

@@ -73,7 +73,11 @@ log = logging.getLogger("resgen.tuner")
 
 
 class ResultStore(Protocol):
-    """What the tuner needs from the dispatch database (resgen.db.TuningDB implements it)."""
+    """What the tuner needs from the dispatch database (resgen.db.TuningDB implements it).
+    Optional: `timed_rows(problem, environment)` -> the workload's stored "ok" rows
+    (variant_key, fingerprint, median_us, space_index, created), so that a workload's
+    winner is chosen among everything stored for it (an earlier stage's, an earlier run's),
+    as the runtime will choose it."""
 
     def find(self, problem: ProblemBase, variant: VariantBase, fingerprint: str,
              environment: Environment) -> Mapping[str, Any] | None: ...
@@ -395,8 +399,10 @@ class Tuner:
                 _release_device_memory(cfg.device, collect=True)
         if default is not None:
             s.default_us = results.get(default.key())
+        known = dict(self._known(family, problem, valid_keys) if not cfg.compile_only else {})
+        known.update((k, m) for k, m in results.items() if m is not None)
         timed = [{"median_us": m, "space_index": index[k], "key": k}
-                 for k, m in results.items() if m is not None]
+                 for k, m in known.items()]
         win = pick_winner(timed, cfg.policy.tie_rel)
         if win is not None:
             wv = next(v for v in valid if v.key() == win["key"])
@@ -405,6 +411,34 @@ class Tuner:
         s.evaluated = len(results)
         s.seconds = time.monotonic() - t0
         return s
+
+    def _known(self, family: KernelFamily, problem: ProblemBase,
+               valid_keys: set[str]) -> dict[str, float]:
+        """Medians of the workload's stored timed rows that resume may use: a valid variant,
+        this environment, the current fingerprint (variant key -> median)."""
+        fetch = getattr(self.store, "timed_rows", None)
+        if fetch is None:
+            return {}
+        cfg, out = self.config, {}
+        try:
+            rows = fetch(problem, self.env)
+        except Exception as e:                 # a winner from this run's results still counts
+            log.warning("reading stored results of %s failed: %s", problem.key(), e)
+            return {}
+        for row in rows:
+            k = row["variant_key"]
+            if k not in valid_keys or not (row["median_us"] or 0) > 0:
+                continue
+            if not cfg.resume and str(row.get("created") or "") < (cfg.resume_since or "~"):
+                continue
+            try:
+                v = family.VARIANT.from_key(k)
+                if row["fingerprint"] != self._fingerprint(family, problem, v):
+                    continue
+            except Exception:
+                continue
+            out[k] = float(row["median_us"])
+        return out
 
     def _ordered(self, family: KernelFamily, problem: ProblemBase,
                  valid: Sequence[VariantBase], head: Sequence[VariantBase],
