@@ -52,7 +52,9 @@ def test_tune_store_and_serve_linear(gpu, tmp_path):
     assert ok and all(r["timing_mode"] == "graph" and r["median_us"] > 0.5 for r in ok)
     assert all(r["rel_err"] is not None and r["rel_err"] <= 3e-3 for r in ok)
     disp = Dispatcher(paths=[db])
-    for p, s in zip(ps, sums):
+    by_key = {s.problem_key: s for s in sums}          # summaries come in completion order
+    for p in ps:
+        s = by_key[p.key()]
         assert disp.lookup("linear", p).name() == s.winner
         assert disp.source("linear", p) != "default"
     # A real M between buckets is served a variant valid for it.
