@@ -1,21 +1,36 @@
-"""GPU check + benchmark of linear_sm90_mma (Hopper decode FP4 linear) on the Qwen3-8B shapes.
+"""GPU check + benchmark of linear_sm90_mma (Hopper decode FP4 linear) on the Qwen3-8B shapes,
+timed as BENCH.md asks: the WHOLE layer (BF16 activations in, online quantization included).
 
     mkdir -p .devcache && cp -r ../shared/device .devcache/
-    source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \
-        python3 bench/gpu_linear_check.py                  # about 5 minutes; JSON to $OUT
+    source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
+        python3 bench/gpu_linear_check.py            # about 6 minutes; JSON to $OUT
 
-For each shape (qkv 6144x4096, o 4096x4096, gate/up 24576x4096, down 4096x12288), NVFP4 plain and
-M-Ext: a dozen candidate variants are compiled, checked against resgen.reference.linear (fresh
-random inputs, NaN-poisoned output, rel err <= 3e-3) and timed at M = 1 (all candidates), 4, 16
-(the best, with token tiles sized for the rows) and 64 (the best two); MXFP4 with the best NVFP4
-configurations at M = 1 and 16; cuBLAS BF16 (torch.matmul) and FP8 (torch._scaled_mm) at the
-same M. Timing: resgen.search.timing.measure, policy cold-l2-graph (CUDA graph of many launches,
-input sets rotated past 2 x the 60 MB L2, median of 7). Most entries time the GEMM + fold + epilogue
-on a prepared activation operand; for the best NVFP4 variant per (shape, mode, M in {1, 16})
-the whole layer is timed too: quant_sm90 (default config, xop only) + the GEMM, two launches
-(column "q+g us", BENCH.md's protocol). A variant that fails to compile, check or run is recorded and
-skipped; a time budget (RESGEN_BENCH_BUDGET_S, default 330 s) stops timing new entries.
-Prints a short table last; writes $OUT/linear_sm90_check.json.
+What is measured (shapes qkv 6144x4096, o 4096x4096, gate/up 24576x4096, down 4096x12288):
+- "layer": the whole linear layer. Fused variants (act=fused: each CTA quantizes its K range
+  of x with a static alpha in the GEMM's prologue) are ONE launch; xop variants are timed with
+  the separate quantizer in front (quant_sm90 + GEMM, two launches). Checked against
+  resgen.reference.linear on the same bf16 activations first (NaN-poisoned output,
+  rel err <= 3e-3).
+- "gemm": xop variants on a prepared operand (GEMM + fold + epilogue only), for comparison.
+- PDL variants (pdl=True) launch with programmatic stream serialization: the next layer's
+  weight prologue overlaps this layer's tail. Their times come from back-to-back launches of
+  the same layer, i.e. the overlap a decode step gets when the kernel before also lets its
+  dependents launch early; the table shows them in their own column.
+Plan: phase 1, M = 1, NVFP4 plain and M-Ext, ~25 candidates per shape and mode drawn from the
+family's space; phase 2 the best fused configurations (and the best xop one) at M = 2 .. 64
+(128 for the best), MXFP4 plain / M-Ext at M = 1 and 16, K-Ext 0.125 at M = 1 and 16.
+Baselines in the same process and run (interleaved with the candidates): cuBLAS BF16
+(torch.matmul), cuBLAS FP8 (torch._scaled_mm, per-tensor, activation quantized per call) at
+every M, Triton tl.dot_scaled MXFP4 x BF16 (bench/baselines.py; guarded) at M = 1 and 16.
+Timing: resgen.search.timing.measure, policy cold-l2-graph (CUDA graph of many launches,
+input sets rotated past 2 x the 60 MB L2, median of 7).
+
+Candidates compile in RESGEN_BENCH_WORKERS spawned processes (default: CPU cores - 2, at most
+14); one process at a time holds the GPU (file lock). A process whose kernel hangs longer than
+RESGEN_BENCH_HANG_S (60) is killed and replaced; a broken CUDA context replaces the process;
+every failure is recorded, nothing stops the run. Tasks not started before the time budget
+RESGEN_BENCH_BUDGET_S (360) are skipped; the run is killed at the budget + 120 s with the partial
+JSON written. Prints a short table last; writes $OUT/linear_sm90_check.json.
 """
 
 from __future__ import annotations
@@ -25,7 +40,9 @@ import datetime
 import json
 import math
 import os
+import queue as _queue
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -33,125 +50,321 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
-import baselines as B  # noqa: E402
-from resgen.search import build  # noqa: E402
-from resgen.search.linear_sm90 import (FAMILY, LinearSm90Variant, Packing,  # noqa: E402
-                                       Pipeline, Reduction)
-from resgen.search.timing import DEFAULT_POLICY, measure  # noqa: E402
-from resgen.search.variant import LinearProblem  # noqa: E402
-
 ARCH = "sm_90a"
 OUT = Path(os.environ.get("OUT", "bench/results/h200"))
-BUDGET_S = float(os.environ.get("RESGEN_BENCH_BUDGET_S", "330"))
-T0 = time.time()
-# most important first: the time budget may stop the last ones
+BUDGET_S = float(os.environ.get("RESGEN_BENCH_BUDGET_S", "360"))
+HANG_S = float(os.environ.get("RESGEN_BENCH_HANG_S", "60"))
+GRACE_S = 120.0
 SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
           "o": (4096, 4096)}
-REPORT: dict = {"compiles": [], "entries": [], "baselines": [], "errors": []}
-_COMPILED: dict[str, object] = {}
+MS_PHASE2 = (16, 4, 64, 8, 2, 32)        # priority order (a budget cut drops the last)
+BASE_MS = (1, 2, 4, 8, 16, 32, 64, 128)
+T0 = time.time()
 
 
 def left() -> float:
     return BUDGET_S - (time.time() - T0)
 
 
-def candidates(p: LinearProblem, nt: int) -> list[LinearSm90Variant]:
-    """Hand-picked decode configurations, the valid ones for p (token tile nt)."""
-    S, N = Packing.SPLIT, Packing.NIB
-    W, A, Z = Reduction.WORKSPACE, Reduction.ATOMIC, Reduction.NONE
+# ----------------------------------------------------------------------------- candidates
+
+
+def _patterns():
+    from resgen.search.linear_sm90 import Pipeline, Reduction
+
     CP, DI, RG = Pipeline.CP_ASYNC, Pipeline.DIRECT, Pipeline.REGS
+    N, W, A = Reduction.NONE, Reduction.WORKSPACE, Reduction.ATOMIC
+    ALL = -1                                   # l2_prefetch = every iteration up front
+    # (warps_m, warps_k, m_tiles, pipeline, stages, l2_prefetch, split_k, reduce)
+    fused = [(1, 8, 1, CP, 3, 0, 1, N), (1, 8, 1, DI, 1, ALL, 1, N), (1, 4, 1, CP, 3, 0, 1, N),
+             (1, 4, 1, DI, 1, 1, 1, N), (2, 4, 1, CP, 3, 0, 1, N), (4, 2, 1, RG, 1, 0, 1, N),
+             (4, 2, 1, RG, 1, ALL, 1, N), (2, 2, 2, CP, 4, 0, 1, N), (1, 4, 1, CP, 3, 0, 2, W),
+             (1, 8, 1, CP, 3, 0, 2, A), (1, 4, 1, DI, 1, ALL, 2, A), (1, 4, 2, CP, 3, 0, 1, N),
+             (1, 2, 1, CP, 3, 0, 3, W), (1, 2, 1, DI, 1, ALL, 3, A), (2, 2, 1, DI, 1, 1, 3, W),
+             (1, 2, 1, CP, 3, 0, 1, N)]
+    gemm = [(1, 8, 1, CP, 3, 0, 1, N), (4, 2, 1, RG, 1, 0, 1, N), (1, 4, 1, DI, 1, 1, 1, N),
+            (1, 8, 1, DI, 1, ALL, 1, N)]
+    return fused, gemm
 
-    def V(wm, wk, mt=1, pl=CP, st=4, sk=1, red=Z, pk=S, u=1, l2=0):
-        return LinearSm90Variant(wm, wk, mt, nt, u, pl, st, l2, sk, red, pk)
 
-    raw = [
-        V(1, 4), V(4, 1), V(2, 2), V(1, 8), V(2, 4), V(4, 2), V(2, 2, 2),
-        V(1, 4, st=3), V(1, 8, st=3), V(1, 4, pl=DI, st=1), V(4, 2, pl=RG, st=1),
-        V(4, 1, pl=DI, st=1, l2=2), V(1, 4, pl=DI, st=1, l2=1),
-        V(1, 4, sk=2, red=W), V(1, 8, st=3, sk=2, red=W), V(1, 4, sk=2, red=A),
-        V(1, 4, u=2, st=3), V(1, 4, pk=N),
-    ]
+def _make(pat, nt, act, pdl, p):
+    """The variant of pattern `pat` for problem p, or None if it is not valid there."""
+    from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant, Packing,
+                                           geometry_of)
+
+    wm, wk, mt, pl, st, l2, sk, red = pat
+    try:
+        v = LinearSm90Variant(wm, wk, mt, nt, 1, pl, st, 0, sk, red, Packing.SPLIT, act, pdl)
+        if l2 < 0:
+            nit = geometry_of(v, p).nit
+            if nit < 1 or nit > 8:
+                return None
+            l2 = nit
+        v = dataclasses.replace(v, l2_prefetch=l2)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return v if FAMILY.why_invalid(v, p, ARCH) is None else None
+
+
+def _nt_for(p) -> int:
+    from resgen.kernels.linear_sm90_geom import pow2_ceil
+
+    return min(8, pow2_ceil(-(-p.rows // 8)))
+
+
+def adapt(v, p):
+    """v's configuration for problem p (another M): token tile for the rows, then halved
+    token tiles / more K splits until it fits (shared memory of fused tiles, registers)."""
+    from resgen.search.linear_sm90 import FAMILY, Reduction
+
+    nt = _nt_for(p)
+    tries = []
+    for n in (nt, max(1, nt // 2), max(1, nt // 4)):
+        tries.append(dataclasses.replace(v, n_tiles=n))
+        for sk in (2, 4, 3, 6):
+            if sk > v.split_k:
+                red = v.reduce if v.split_k > 1 else Reduction.WORKSPACE
+                tries.append(dataclasses.replace(v, n_tiles=n, split_k=sk, reduce=red,
+                                                 l2_prefetch=min(v.l2_prefetch, 1)))
+    for c in tries:
+        if FAMILY.why_invalid(c, p, ARCH) is None:
+            return c
+    return None
+
+
+def phase1_tasks(p) -> list[tuple[str, object]]:
+    """(kind, variant) candidates for a problem at its own M."""
+    from resgen.search.linear_sm90 import FAMILY, Act
+
+    fused, gemm = _patterns()
+    nt = _nt_for(p)
     out = []
-    for v in raw:
-        if FAMILY.why_invalid(v, p, ARCH) is None and v not in out:
-            out.append(v)
-    return out
+    for pat in fused:
+        for pdl in (True, False):
+            v = _make(pat, nt, Act.FUSED, pdl, p)
+            if v is not None:
+                out.append(("layer", v))
+    d = FAMILY.default(p, ARCH)
+    out.append(("gemm", d))
+    out.append(("layer", d))                          # quant_sm90 + GEMM, two launches
+    for pat in gemm:
+        v = _make(pat, nt, Act.XOP, True, p)
+        if v is not None and v != d:
+            out.append(("gemm", v))
+    seen, uniq = set(), []
+    for kind, v in out:
+        if (kind, v.key()) not in seen:
+            seen.add((kind, v.key()))
+            uniq.append((kind, v))
+    return uniq
 
 
-def compiled(v: LinearSm90Variant, p: LinearProblem):
-    key = v.key() + FAMILY.compile_key(v, p).key()
-    if key not in _COMPILED:
-        t = time.time()
-        out = build.compile_variant(FAMILY, v, p, ARCH)
-        REPORT["compiles"].append({"variant": v.key(), "problem": FAMILY.compile_key(v, p).key(),
-                                   "ok": out.ok, "seconds": round(time.time() - t, 2),
-                                   "registers": out.registers, "spill_bytes": out.spill_bytes,
-                                   "fingerprint": out.fingerprint, "error": out.error})
-        _COMPILED[key] = out.compiled if out.ok else None
-    return _COMPILED[key]
+# ----------------------------------------------------------------------------- workers
 
 
-_QUANT: dict[tuple, object] = {}
-
-
-def quantizer_for(p: LinearProblem):
-    """The fused quantizer (quant_sm90, default configuration, xop only, kp_align 256) in
-    front of problem p; compiled once per (fmt, compensation, K)."""
+def _quantizer(p, cache):
     from resgen.kernels.quant_sm90 import QuantConfig, compile_config
 
-    key = (p.fmt, p.compensation, p.k, p.static_scale)
-    if key not in _QUANT:
-        alpha = "none" if p.fmt == "mxfp4" else ("static" if p.static_scale else "dynamic")
-        layout = "row_pair" if p.compensation == "full" else "plain"
-        cfg = QuantConfig(p.fmt, p.compensation, p.k, layout, write_codes=False,
-                          write_xop=True, alpha=alpha, kp_align=256)
-        _QUANT[key] = compile_config(cfg)[0]
-    return _QUANT[key]
+    key = (p.fmt, p.compensation, p.k)
+    if key not in cache:
+        cfg = QuantConfig(fmt=p.fmt, compensation=p.compensation, k=p.k,
+                          layout="row_pair" if p.compensation == "full" else "plain",
+                          write_codes=False, write_xop=True,
+                          alpha="none" if p.fmt == "mxfp4" else "static", kp_align=256)
+        cache[key] = compile_config(cfg)[0]
+    return cache[key]
 
 
-def run_entry(shape: str, p: LinearProblem, v: LinearSm90Variant,
-              with_quantizer: bool = False) -> dict | None:
-    """Compile (cached), check, time one (problem, variant); None if it failed. With the
-    quantizer: the timed call is quant_sm90 + the GEMM (BENCH.md's linear-layer protocol)."""
-    rec = {"shape": shape, "problem": p.key(), "variant": v.key(), "name": v.name(),
-           "fmt": p.fmt, "mode": p.compensation, "m": p.m, "quantizer": with_quantizer}
-    try:
-        fn = compiled(v, p)
-        if fn is None:
-            rec["error"] = "compile failed"
-            REPORT["entries"].append(rec)
-            return None
-        n_sets = DEFAULT_POLICY.sets_for(FAMILY.working_set_bytes(v, p))
-        r = FAMILY.runner(fn, v, p, "cuda", n_sets=n_sets, seed=0)
-        if with_quantizer:
-            r.attach_quantizer(quantizer_for(p))
-        chk = r.check_quantized() if with_quantizer else r.check()
-        rec["check"] = {"ok": chk.ok, "rel_err": chk.rel_err, "detail": chk.detail}
-        if not chk.ok:
-            rec["error"] = "check failed: " + chk.detail
-            REPORT["entries"].append(rec)
-            return None
-        if v.deterministic and not with_quantizer:
-            x = torch.randn(p.m, p.k, device="cuda")
-            a, b = r.run_on(x), r.run_on(x)
-            rec["bit_identical_rerun"] = bool(torch.equal(a.view(torch.int16),
-                                                          b.view(torch.int16)))
-        t = measure(r, DEFAULT_POLICY, n_sets)
-        rec["timing"] = dataclasses.asdict(t)
-        rec["median_us"] = t.median_us
-        REPORT["entries"].append(rec)
-        return rec
-    except Exception as e:
-        rec["error"] = f"{type(e).__name__}: {e}"[:2000]
-        rec["traceback"] = traceback.format_exc()[-3000:]
-        REPORT["entries"].append(rec)
-        torch.cuda.synchronize()
-        return None
+def worker_main(idx: int, q_in, q_out, lock_path: str, deadline: float) -> None:
+    """Compile, check and time tasks from q_in; one message per task on q_out."""
+    import fcntl
+
+    import torch
+
+    from resgen.search import build
+    from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant
+    from resgen.search.timing import DEFAULT_POLICY, measure
+    from resgen.search.variant import LinearProblem
+
+    torch.cuda.init()
+    compiled: dict[tuple[str, str], object] = {}
+    qcache: dict = {}
+    while True:
+        task = q_in.get()
+        if task is None:
+            break
+        q_out.put(("claim", idx, task["id"]))
+        rec = dict(task)
+        if time.time() > deadline:
+            rec["error"] = "skipped: time budget"
+            q_out.put(("done", idx, rec))
+            continue
+        try:
+            p = LinearProblem.from_key(task["problem"])
+            v = LinearSm90Variant.from_key(task["variant"])
+            ck = (v.key(), FAMILY.compile_key(v, p).key())
+            if ck not in compiled:
+                t = time.time()
+                out = build.compile_variant(FAMILY, v, p, ARCH)
+                compiled[ck] = out
+                rec.update(compile_s=round(time.time() - t, 2), registers=out.registers,
+                           spill_bytes=out.spill_bytes)
+            out = compiled[ck]
+            if not out.ok:
+                rec["error"] = "compile failed: " + (out.error or "")[:1500]
+                q_out.put(("done", idx, rec))
+                continue
+            quant = None
+            if task["kind"] == "layer" and not v.fused:
+                quant = _quantizer(p, qcache)
+            with open(lock_path, "a+") as lk:
+                fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
+                try:
+                    q_out.put(("start", idx, task["id"]))
+                    n_sets = DEFAULT_POLICY.sets_for(FAMILY.working_set_bytes(v, p))
+                    r = FAMILY.runner(out.compiled, v, p, "cuda", n_sets=n_sets, seed=0)
+                    if quant is not None:
+                        r.attach_quantizer(quant)
+                        chk = r.check_quantized()
+                    else:
+                        chk = r.check()
+                    rec["rel_err"] = chk.rel_err if math.isfinite(chk.rel_err) else None
+                    if not chk.ok:
+                        rec["error"] = "check failed: " + chk.detail
+                    else:
+                        tm = measure(r, DEFAULT_POLICY, n_sets)
+                        rec.update(median_us=tm.median_us, q10_us=tm.quantile_us(0.1),
+                                   q90_us=tm.quantile_us(0.9), timing_mode=tm.mode,
+                                   timing_note=tm.note, launches=tm.launches, n_sets=n_sets)
+                    del r
+                    torch.cuda.synchronize()
+                finally:
+                    fcntl.flock(lk.fileno(), fcntl.LOCK_UN)
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+            rec["traceback"] = traceback.format_exc()[-2000:]
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                q_out.put(("done", idx, rec))
+                q_out.put(("lost", idx, f"CUDA context broken by {task.get('name')}"))
+                os._exit(3)
+        q_out.put(("done", idx, rec))
 
 
-class _MatmulRunner:
+class Pool:
+    """Worker processes with their own task queues (tasks of one layer stay on the processes
+    assigned to it: prepared weights are reused); hung or dead processes are replaced."""
+
+    def __init__(self, n: int, lock_path: str, target=None):
+        import multiprocessing as mp
+
+        self.ctx = mp.get_context("spawn")
+        self.n, self.lock = n, lock_path
+        self.target = target or worker_main
+        # SimpleQueue: put() writes the pipe synchronously, so a message sent just before a
+        # process dies is never lost (a Queue's feeder thread would drop it)
+        self.q_out = self.ctx.SimpleQueue()
+        self.q_in = [self.ctx.Queue() for _ in range(n)]
+        self.procs = [self._spawn(i) for i in range(n)]
+        self.inflight: dict[int, tuple[int, float]] = {}
+        self.claimed: dict[int, int] = {}
+        self.respawns = 0
+
+    def _spawn(self, i: int):
+        p = self.ctx.Process(target=self.target, daemon=True,
+                             args=(i, self.q_in[i], self.q_out, self.lock,
+                                   T0 + BUDGET_S))
+        p.start()
+        return p
+
+    def _replace(self, i: int, why: str) -> None:
+        REPORT["errors"].append(f"worker {i}: {why}")
+        try:
+            self.procs[i].kill()
+        except Exception:
+            pass
+        self.inflight.pop(i, None)
+        self.claimed.pop(i, None)
+        if self.respawns < 3 * self.n:
+            self.respawns += 1
+            self.procs[i] = self._spawn(i)
+
+    def run(self, tasks: list[dict], slots_per_group: int) -> list[dict]:
+        """Run tasks (dicts with "id" and "group"); returns their records."""
+        groups: dict[str, list[dict]] = {}
+        for t in tasks:
+            groups.setdefault(t["group"], []).append(t)
+        w = 0
+        for g, ts in groups.items():
+            ws = [(w + j) % self.n for j in range(min(slots_per_group, self.n))]
+            w = (w + len(ws)) % self.n
+            for j, t in enumerate(ts):
+                self.q_in[ws[j % len(ws)]].put(t)
+        want = {t["id"]: t for t in tasks}
+        got: dict[int, dict] = {}
+        byid = want
+        while len(got) < len(want):
+            if time.time() > T0 + BUDGET_S + GRACE_S:
+                for i in range(self.n):
+                    self.procs[i].kill()
+                REPORT["errors"].append("hard stop: budget + grace passed")
+                break
+            try:
+                # liveness first, then emptiness: a process found dead before an empty pipe
+                # has had every message it wrote read already
+                dead = [i for i in range(self.n) if not self.procs[i].is_alive()]
+                if self.q_out.empty():
+                    if not dead:
+                        time.sleep(0.2)
+                    raise _queue.Empty
+                kind, i, obj = self.q_out.get()
+            except _queue.Empty:
+                now = time.time()
+                for i, (tid, t0) in list(self.inflight.items()):
+                    if now - t0 > HANG_S:
+                        got[tid] = dict(byid[tid], error=f"hung > {HANG_S:.0f} s: killed")
+                        self._replace(i, f"task {tid} hung")
+                for i in dead:
+                    if not self.procs[i].is_alive():
+                        # messages are written synchronously, so the claim of the task it
+                        # died holding (if any) has arrived
+                        tid = self.claimed.get(i)
+                        if tid is not None and tid in byid and tid not in got:
+                            got[tid] = dict(byid[tid], error="worker died while running it")
+                        self._replace(i, f"died (exit code {self.procs[i].exitcode})")
+                continue
+            if kind == "claim":
+                self.claimed[i] = obj
+            elif kind == "start":
+                self.inflight[i] = (obj, time.time())
+            elif kind == "done":
+                self.inflight.pop(i, None)
+                self.claimed.pop(i, None)
+                if obj["id"] in want:
+                    got[obj["id"]] = obj
+            elif kind == "lost":
+                self.inflight.pop(i, None)
+                self.procs[i].join(timeout=5)
+                self._replace(i, obj)
+        return [got.get(t["id"], dict(t, error="not run")) for t in tasks]
+
+    def close(self) -> None:
+        for q in self.q_in:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+REPORT: dict = {"tasks": [], "baselines": [], "errors": []}
+
+
+class _FnRunner:
     def __init__(self, fns):
         self.fns, self.i = fns, 0
 
@@ -162,173 +375,341 @@ class _MatmulRunner:
         return self.fns[self.i]()
 
 
-def baseline(shape: str, n: int, k: int, m: int) -> None:
-    for name, make in (("cublas_bf16", B.cublas_bf16), ("cublas_fp8", B.cublas_fp8)):
-        rec = {"shape": shape, "m": m, "baseline": name}
+def _timed(name, make_sets, bytes_per_set):
+    import torch
+
+    from resgen.search.timing import DEFAULT_POLICY, measure
+
+    n_sets = DEFAULT_POLICY.sets_for(bytes_per_set)
+    fns = make_sets(n_sets)
+    t = measure(_FnRunner(fns), DEFAULT_POLICY, n_sets)
+    del fns
+    torch.cuda.synchronize()
+    return t
+
+
+def baselines(lock_path: str, stop: threading.Event) -> None:
+    """cuBLAS BF16 / FP8 at every M, Triton MXFP4 at M = 1, 16 (and 2M rows: the M-Ext
+    GEMM), each under the GPU lock between the workers' tasks."""
+    import fcntl
+
+    import torch
+
+    import baselines as B
+    from resgen import formats as F
+
+    def locked(fn):
+        with open(lock_path, "a+") as lk:
+            fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
+            try:
+                return fn()
+            finally:
+                fcntl.flock(lk.fileno(), fcntl.LOCK_UN)
+
+    jobs = []
+    for m in BASE_MS:
+        for shape, (n, k) in SHAPES.items():
+            for name in ("cublas_bf16", "cublas_fp8"):
+                jobs.append((name, shape, n, k, m))
+    for m in (1, 16):
+        for shape, (n, k) in SHAPES.items():
+            for rows in (m, 2 * m):
+                jobs.append(("triton_mxfp4", shape, n, k, rows))
+    for name, shape, n, k, m in jobs:
+        if stop.is_set() or left() < 0:
+            break
+        rec = {"baseline": name, "shape": shape, "m": m}
         try:
-            n_sets = DEFAULT_POLICY.sets_for(n * k * 2 if name == "cublas_bf16" else n * k)
-            fns = []
-            for _ in range(n_sets):
-                w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                fns.append(make(x, w))
-            t = measure(_MatmulRunner(fns), DEFAULT_POLICY, n_sets)
-            rec["median_us"] = t.median_us
-            rec["timing"] = dataclasses.asdict(t)
-            del fns
+            if name == "triton_mxfp4":
+                rec.update(locked(lambda: _triton(B, F, n, k, m)))
+            else:
+                make = B.cublas_bf16 if name == "cublas_bf16" else B.cublas_fp8
+                per = n * k * 2 if name == "cublas_bf16" else n * k
+
+                def sets(cnt, make=make, n=n, k=k, m=m):
+                    return [make(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                                 torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+                            for _ in range(cnt)]
+
+                t = locked(lambda: _timed(name, sets, per))
+                rec.update(median_us=t.median_us, timing_mode=t.mode)
         except Exception as e:
-            rec["error"] = f"{type(e).__name__}: {e}"[:1000]
+            rec["error"] = f"{type(e).__name__}: {e}"[:800]
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                REPORT["errors"].append("baselines: CUDA context broken; stopping baselines")
+                REPORT["baselines"].append(rec)
+                return
         REPORT["baselines"].append(rec)
 
 
-def best(entries: list[dict]) -> dict | None:
-    ok = [e for e in entries if e and e.get("median_us")]
-    return min(ok, key=lambda e: e["median_us"]) if ok else None
+def _triton(B, F, n, k, m) -> dict:
+    """tl.dot_scaled MXFP4 x BF16 (bench/baselines.py): checked against the dequantized
+    weights, then timed. Not run on a GPU before this bench: every failure is recorded."""
+    import torch
+
+    if not B.TRITON_AVAILABLE:
+        return {"error": "Triton not importable"}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(n, k, generator=g, device="cuda")
+    q = F.quantize(w, "mxfp4")
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    fn = B.triton_mxfp4(x, q.codes, q.scales)
+    y = fn().float()
+    ref = x.float() @ F.dequantize(q).T
+    rel = float((y - ref).norm() / ref.norm())
+    out = {"rel_err": rel}
+    if not math.isfinite(rel) or rel > 1e-2:
+        out["check"] = f"rel err {rel:.3e} vs the dequantized weights"
+
+    def sets(cnt):
+        fns = [fn]
+        for _ in range(cnt - 1):
+            qq = F.quantize(torch.randn(n, k, generator=g, device="cuda"), "mxfp4")
+            fns.append(B.triton_mxfp4(x, qq.codes, qq.scales))
+        return fns
+
+    t = _timed("triton", sets, n * k // 2 + n * k // 32)
+    out.update(median_us=t.median_us, timing_mode=t.mode)
+    return out
 
 
-def shape_block(shape: str, n: int, k: int) -> None:
-    for m in (1, 4, 16, 64):
-        if left() > 0:
-            baseline(shape, n, k, m)
-    ranked: dict[str, list[LinearSm90Variant]] = {}
-    for mode in ("none", "full"):
-        p1 = LinearProblem("nvfp4", mode, 1, n, k)
-        res = [run_entry(shape, p1, v) for v in candidates(p1, 1) if left() > 0]
-        order = sorted([r for r in res if r], key=lambda r: r["median_us"])
-        top = [LinearSm90Variant.from_key(r["variant"]) for r in order]
-        ranked[mode] = top
-        p4 = dataclasses.replace(p1, m=4)
-        for v in top[:5]:
-            if left() > 0:
-                run_entry(shape, p4, v)
-        p16 = dataclasses.replace(p1, m=16)
-        nt16 = min(4, -(-p16.rows // 8))
-        for v in top[:3]:
-            for nt in sorted({1, nt16}):
-                vv = dataclasses.replace(v, n_tiles=nt)
-                if left() > 0 and FAMILY.why_invalid(vv, p16, ARCH) is None:
-                    run_entry(shape, p16, vv)
-        p64 = dataclasses.replace(p1, m=64)
-        for v in top[:1]:
-            for nt in (4, 8):
-                vv = dataclasses.replace(v, n_tiles=nt)
-                if left() > 0 and FAMILY.why_invalid(vv, p64, ARCH) is None:
-                    run_entry(shape, p64, vv)
-    for mode in ("none", "full"):            # the whole layer: quantizer + GEMM
+# ----------------------------------------------------------------------------- plan
+
+
+_NEXT_ID = [0]
+
+
+def task(phase: str, shape: str, p, kind: str, v) -> dict:
+    _NEXT_ID[0] += 1
+    return {"id": _NEXT_ID[0], "phase": phase, "shape": shape, "fmt": p.fmt,
+            "mode": p.compensation, "m": p.m, "problem": p.key(), "variant": v.key(),
+            "name": v.name().split(":", 1)[1], "kind": kind, "act": v.act.value,
+            "pdl": bool(v.pdl), "group": f"{shape}/{p.fmt}/{p.compensation}"}
+
+
+def ranked(recs, **match) -> list[dict]:
+    ok = [r for r in recs if r.get("median_us") and all(r.get(k) == v for k, v in
+                                                         match.items())]
+    return sorted(ok, key=lambda r: r["median_us"])
+
+
+def phase2_tasks(p1: list[dict]) -> list[dict]:
+    from resgen.search.linear_sm90 import Act, LinearSm90Variant
+    from resgen.search.variant import LinearProblem
+
+    out = []
+    for shape, (n, k) in SHAPES.items():
+        for mode in ("none", "full"):
+            rs = [r for r in p1 if r["shape"] == shape and r["mode"] == mode]
+            fused = ranked(rs, kind="layer", act="fused")
+            picks = [r["variant"] for r in fused[:3]]
+            nopdl = ranked(rs, kind="layer", act="fused", pdl=False)
+            if nopdl and nopdl[0]["variant"] not in picks:
+                picks.append(nopdl[0]["variant"])
+            gemm = ranked(rs, kind="gemm")
+            xop = gemm[0]["variant"] if gemm else None
+            for m in MS_PHASE2:
+                p = LinearProblem("nvfp4", mode, m, n, k)
+                for key in picks:
+                    v = adapt(LinearSm90Variant.from_key(key), p)
+                    if v is not None:
+                        out.append(task("2", shape, p, "layer", v))
+                if xop is not None:
+                    v = adapt(LinearSm90Variant.from_key(xop), p)
+                    if v is not None:
+                        out.append(task("2", shape, p, "layer", v))
+                        out.append(task("2", shape, p, "gemm", v))
+            p128 = LinearProblem("nvfp4", mode, 128, n, k)
+            for key in picks[:1] + ([xop] if xop else []):
+                v = adapt(LinearSm90Variant.from_key(key), p128)
+                if v is not None:
+                    out.append(task("2", shape, p128, "layer", v))
+            # MXFP4 with the best NVFP4 configurations
+            for m in (1, 16):
+                p = LinearProblem("mxfp4", mode, m, n, k)
+                for key in picks[:3] + ([xop] if xop else []):
+                    v = adapt(LinearSm90Variant.from_key(key), p)
+                    if v is not None:
+                        out.append(task("2", shape, p, "layer", v))
+        # K-Ext 0.125: its own candidates (K + extension = 18 or 54 K groups), PDL ones
         for m in (1, 16):
-            p = LinearProblem("nvfp4", mode, m, n, k)
-            b = best([e for e in REPORT["entries"] if e["shape"] == shape and e["m"] == m
-                      and e["mode"] == mode and e["fmt"] == "nvfp4"
-                      and not e.get("quantizer")])
-            if b is not None and left() > 0:
-                run_entry(shape, p, LinearSm90Variant.from_key(b["variant"]),
-                          with_quantizer=True)
-    for mode in ("none", "full"):
-        for m in (1, 16):
-            p = LinearProblem("mxfp4", mode, m, n, k)
-            nt = 1 if m == 1 else min(4, -(-p.rows // 8))
-            for v in ranked.get(mode, [])[:2]:
-                vv = dataclasses.replace(v, n_tiles=nt)
-                if left() > 0 and FAMILY.why_invalid(vv, p, ARCH) is None:
-                    run_entry(shape, p, vv)
+            p = LinearProblem("nvfp4", "0.125", m, n, k)
+            cands = [v for kind, v in phase1_tasks(p) if kind == "layer" and
+                     (v.pdl or not v.fused)]
+            for v in cands[:6] + [v for v in cands[6:] if not v.fused][:1]:
+                out.append(task("2", shape, p, "layer", v))
+    # distinct (kind, problem, variant) only
+    seen, uniq = set(), []
+    for t in out:
+        key = (t["kind"], t["problem"], t["variant"])
+        if key not in seen:
+            seen.add(key)
+            uniq.append(t)
+    order = {m: i for i, m in enumerate((1,) + MS_PHASE2 + (128,))}
+    klass = {("nvfp4", "none"): 0, ("nvfp4", "full"): 0, ("mxfp4", "none"): 1,
+             ("mxfp4", "full"): 1, ("nvfp4", "0.125"): 2}
+    return sorted(uniq, key=lambda t: (t["m"] == 128, klass[(t["fmt"], t["mode"])],
+                                       order.get(t["m"], 99)))
+
+
+# ----------------------------------------------------------------------------- report
 
 
 def environment() -> dict:
     from resgen.search.record import current_environment
+    from resgen.search.timing import DEFAULT_POLICY
 
     env = dataclasses.asdict(current_environment())
     env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
     env["policy"] = DEFAULT_POLICY.as_dict()
     env["policy_label"] = DEFAULT_POLICY.label
-    env["timed_op"] = ("entries with quantizer=false: GEMM + fold + epilogue on a prepared "
-                       "activation operand; quantizer=true: quant_sm90 + GEMM")
+    env["timed_op"] = ("kind=layer: the whole layer from bf16 activations (fused: one launch; "
+                       "xop: quant_sm90 + GEMM); kind=gemm: GEMM + fold + epilogue on a "
+                       "prepared operand; pdl=true: back-to-back launches overlap")
     return env
 
 
 def table() -> list[str]:
-    ents = [e for e in REPORT["entries"] if e.get("median_us") and not e.get("quantizer")]
-    qents = [e for e in REPORT["entries"] if e.get("median_us") and e.get("quantizer")]
-    bases = {(b["shape"], b["m"], b["baseline"]): b.get("median_us")
-             for b in REPORT["baselines"]}
-    lines = [f"{'shape':8} {'fmt':5} {'mode':4} {'M':>3} {'us':>7} {'%floor':>6} "
-             f"{'xBF16':>6} {'xFP8':>5} {'ext/pl':>6} {'q+g us':>7}  best variant (GEMM only)"]
-    sums: dict[tuple, float] = {}
-    qsums: dict[tuple, float] = {}
-    for shape, (n, k) in SHAPES.items():
-        floor = {"nvfp4": B.floor_us(B.nvfp4_weight_bytes(n, k)),
-                 "mxfp4": B.floor_us(B.mxfp4_weight_bytes(n, k))}
-        for fmt in ("nvfp4", "mxfp4"):
-            for m in (1, 4, 16, 64):
-                plain = None
-                for mode in ("none", "full"):
-                    b = best([e for e in ents if e["shape"] == shape and e["fmt"] == fmt
-                              and e["mode"] == mode and e["m"] == m])
-                    if b is None:
+    import baselines as B
+
+    recs = REPORT["tasks"]
+    base = {(b["baseline"], b["shape"], b["m"]): b.get("median_us") for b in REPORT["baselines"]}
+    lines = [f"{'shape':7} {'fmt':5} {'mode':5} {'M':>3} {'layer':>7} {'%fl':>4} {'xBF16':>5} "
+             f"{'xFP8':>5} {'pdl':>7} {'xBF16':>5} {'gemm':>7} {'ext/pl':>6}  best layer "
+             f"variant (non-PDL)"]
+    sums: dict[tuple, list[float]] = {}
+    for fmt in ("nvfp4", "mxfp4"):
+        for mode in ("none", "full", "0.125"):
+            for m in (1,) + tuple(sorted(MS_PHASE2)) + (128,):
+                for shape, (n, k) in SHAPES.items():
+                    sel = dict(shape=shape, fmt=fmt, mode=mode, m=m)
+                    lay = ranked(recs, kind="layer", pdl=False, **sel)
+                    pdl = ranked(recs, kind="layer", **sel)
+                    gemm = ranked(recs, kind="gemm", **sel)
+                    if not lay and not pdl:
                         continue
-                    us = b["median_us"]
-                    bf = bases.get((shape, m, "cublas_bf16"))
-                    f8 = bases.get((shape, m, "cublas_fp8"))
+                    floor = B.floor_us(B.nvfp4_weight_bytes(n, k) if fmt == "nvfp4"
+                                       else B.mxfp4_weight_bytes(n, k))
+                    bf = base.get(("cublas_bf16", shape, m))
+                    f8 = base.get(("cublas_fp8", shape, m))
+                    lu = lay[0]["median_us"] if lay else math.nan
+                    pu = pdl[0]["median_us"] if pdl else math.nan
+                    gu = gemm[0]["median_us"] if gemm else math.nan
                     ratio = ""
-                    if mode == "none":
-                        plain = us
-                    elif plain:
-                        ratio = f"{us / plain:.3f}"
-                    sums.setdefault((fmt, mode, m), 0.0)
-                    sums[(fmt, mode, m)] += us
-                    qb = best([e for e in qents if e["shape"] == shape and e["fmt"] == fmt
-                               and e["mode"] == mode and e["m"] == m])
-                    qus = qb["median_us"] if qb else math.nan
-                    if qb:
-                        qsums.setdefault((fmt, mode, m), 0.0)
-                        qsums[(fmt, mode, m)] += qus
+                    if mode != "none":
+                        pl = ranked(recs, kind="layer", pdl=False, shape=shape, fmt=fmt,
+                                    mode="none", m=m)
+                        if pl and lay:
+                            ratio = f"{lu / pl[0]['median_us']:.3f}"
+                    s = sums.setdefault((fmt, mode, m), [0.0, 0.0, 0.0, 0.0, 0])
+                    s[0] += lu
+                    s[1] += pu
+                    s[2] += bf or math.nan
+                    s[3] += f8 or math.nan
+                    s[4] += 1
+                    name = lay[0]["name"] if lay else pdl[0]["name"]
                     lines.append(
-                        f"{shape:8} {fmt:5} {mode:4} {m:>3} {us:7.2f} "
-                        f"{100 * floor[fmt] / us:5.0f}% "
-                        f"{(bf / us if bf else math.nan):6.2f} {(f8 / us if f8 else math.nan):5.2f} "
-                        f"{ratio:>6} {qus:7.2f}  {b['name'].split(':', 1)[1]}")
-    for (fmt, mode, m), s in sorted(sums.items()):
-        bf = sum(bases.get((sh, m, "cublas_bf16")) or math.nan for sh in SHAPES)
-        f8 = sum(bases.get((sh, m, "cublas_fp8")) or math.nan for sh in SHAPES)
-        q = qsums.get((fmt, mode, m))
-        qtxt = (f"; with quantizer {q:.2f} us, x{bf / q:.2f} / x{f8 / q:.2f}"
-                if q is not None else "")
-        lines.append(f"sum of 4 shapes {fmt} {mode} M={m}: GEMM {s:.2f} us, x{bf / s:.2f} vs "
-                     f"cuBLAS BF16 ({bf:.2f} us), x{f8 / s:.2f} vs FP8{qtxt} "
-                     f"(targets: x3.5 / x2.0)")
+                        f"{shape:7} {fmt:5} {mode:5} {m:>3} {lu:7.2f} {100 * floor / lu:4.0f} "
+                        f"{(bf or math.nan) / lu:5.2f} {(f8 or math.nan) / lu:5.2f} "
+                        f"{pu:7.2f} {(bf or math.nan) / pu:5.2f} {gu:7.2f} {ratio:>6}  "
+                        f"{name}")
+    lines.append("")
+    for (fmt, mode, m), (lu, pu, bf, f8, cnt) in sorted(sums.items(),
+                                                        key=lambda kv: (kv[0][0], kv[0][1],
+                                                                        kv[0][2])):
+        if cnt != len(SHAPES):
+            continue
+        lines.append(f"sum {fmt} {mode:5} M={m:>3}: layer {lu:7.2f} us x{bf / lu:4.2f} BF16 "
+                     f"x{f8 / lu:4.2f} FP8 | with PDL {pu:7.2f} us x{bf / pu:4.2f} BF16 "
+                     f"x{f8 / pu:4.2f} FP8 (BF16 {bf:.2f}, FP8 {f8:.2f}; targets x3.5 / x2.0)")
+    for shape in SHAPES:
+        for m in (1, 16):
+            for rows, label in ((m, "plain"), (2 * m, "M-Ext")):
+                t = base.get(("triton_mxfp4", shape, rows))
+                mine = ranked(recs, kind="layer", shape=shape, fmt="mxfp4",
+                              mode="none" if label == "plain" else "full", m=m)
+                if t and mine:
+                    lines.append(f"triton mxfp4 {shape:7} M={m:>2} {label}: {t:7.2f} us, ours "
+                                 f"{mine[0]['median_us']:6.2f} us -> x{t / mine[0]['median_us']:.2f}"
+                                 f" (target x5 for M-Ext)")
     return lines
 
 
+def write(path: Path) -> None:
+    path.write_text(json.dumps(REPORT, indent=1, default=str))
+
+
 def main() -> None:
+    import torch
+
     OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / "linear_sm90_check.json"
     try:
         REPORT["environment"] = environment()
     except Exception as e:
         REPORT["errors"].append(f"environment: {type(e).__name__}: {e}")
-    path = OUT / "linear_sm90_check.json"
+
+    def watchdog():
+        while time.time() < T0 + BUDGET_S + GRACE_S + 30:
+            time.sleep(2)
+        REPORT["errors"].append("watchdog: run exceeded budget + grace; partial results")
+        write(path)
+        os._exit(4)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    from resgen.search.variant import LinearProblem
+
+    ncpu = os.cpu_count() or 4
+    nw = int(os.environ.get("RESGEN_BENCH_WORKERS", str(max(2, min(14, ncpu - 2)))))
+    lock = f"/tmp/resgen_linear_bench_{os.getpid()}.lock"
+    pool = Pool(nw, lock)
+    stop = threading.Event()
+    bt = threading.Thread(target=baselines, args=(lock, stop), daemon=True)
+    torch.cuda.init()
+    bt.start()
+    tasks1 = []
     for shape, (n, k) in SHAPES.items():
-        try:
-            shape_block(shape, n, k)
-        except Exception as e:
-            REPORT["errors"].append(f"{shape}: {type(e).__name__}: {e}\n"
-                                    f"{traceback.format_exc()[-2000:]}")
-        done = [e for e in REPORT["entries"] if e["shape"] == shape]
-        print(f"[{time.time() - T0:6.1f} s] {shape}: {len(done)} entries, "
-              f"{sum(1 for e in done if 'error' in e)} failed", flush=True)
-        path.write_text(json.dumps(REPORT, indent=1, default=str))     # partial results
+        for mode in ("none", "full"):
+            p = LinearProblem("nvfp4", mode, 1, n, k)
+            tasks1 += [task("1", shape, p, kind, v) for kind, v in phase1_tasks(p)]
+    print(f"[{time.time() - T0:6.1f} s] phase 1: {len(tasks1)} tasks on {nw} workers",
+          flush=True)
+    r1 = pool.run(tasks1, slots_per_group=-(-nw // 8))
+    REPORT["tasks"] += r1
+    write(path)
+    print(f"[{time.time() - T0:6.1f} s] phase 1 done: "
+          f"{sum(1 for r in r1 if r.get('median_us'))} timed, "
+          f"{sum(1 for r in r1 if r.get('error'))} failed/skipped", flush=True)
+    tasks2 = phase2_tasks(r1)
+    print(f"[{time.time() - T0:6.1f} s] phase 2: {len(tasks2)} tasks", flush=True)
+    r2 = pool.run(tasks2, slots_per_group=max(1, -(-nw // 20)))
+    REPORT["tasks"] += r2
+    write(path)
+    stop.set()
+    bt.join(timeout=60)
+    pool.close()
     REPORT["seconds"] = round(time.time() - T0, 1)
     lines = table()
     REPORT["table"] = lines
-    path.write_text(json.dumps(REPORT, indent=1, default=str))
-    failed = [e for e in REPORT["entries"] if "error" in e]
-    nondet = [e for e in REPORT["entries"] if e.get("bit_identical_rerun") is False]
+    write(path)
+    recs = REPORT["tasks"]
+    failed = [r for r in recs if r.get("error") and not r["error"].startswith("skipped")]
+    skipped = [r for r in recs if str(r.get("error", "")).startswith("skipped")]
+    eager = [r for r in recs if r.get("timing_mode") == "eager"]
     print(f"linear_sm90_mma on {REPORT.get('environment', {}).get('gpu_name', '?')}: "
-          f"{len(REPORT['entries'])} entries, {len(failed)} failed, {len(nondet)} "
-          f"non-deterministic, {sum(1 for c in REPORT['compiles'] if not c['ok'])} compile "
-          f"errors, {REPORT['seconds']} s")
-    for e in failed[:8]:
-        print(f"  FAILED {e['shape']} {e['fmt']} {e['mode']} M={e['m']} {e['name']}: "
-              f"{e['error'][:150]}")
-    for err in REPORT["errors"][:4]:
+          f"{len(recs)} tasks, {sum(1 for r in recs if r.get('median_us'))} timed, "
+          f"{len(failed)} failed, {len(skipped)} skipped (budget), {len(eager)} timed eagerly "
+          f"(graph capture failed), {REPORT['seconds']} s")
+    for r in failed[:10]:
+        print(f"  FAILED {r['shape']} {r['fmt']} {r['mode']} M={r['m']} {r['kind']} "
+              f"{r['name']}: {r['error'][:160]}")
+    for b in REPORT["baselines"]:
+        if b.get("error") or b.get("check"):
+            print(f"  BASELINE {b['baseline']} {b['shape']} M={b['m']}: "
+                  f"{(b.get('error') or b.get('check'))[:160]}")
+    for err in REPORT["errors"][:6]:
         print("  ERROR", err[:300])
     print("\n".join(lines))
     print(f"JSON: {path}")

@@ -135,7 +135,8 @@ class LinearSm90Launcher:
                  masks: torch.Tensor | None = None) -> torch.Tensor:
         """out: bf16 [>= m, N], rows 0..m-1 written.
 
-        xop variants: xop bf16 [>= rows, Kp] contiguous, alpha_x the operand's NVFP4 scale.
+        xop variants: xop bf16 [>= rows rounded up to the token tile, Kp] contiguous (make_xop
+        and quant_sm90 pad to it), alpha_x the operand's NVFP4 scale.
         fused variants: xop is x itself, bf16 [m, K] contiguous; alpha_x the STATIC NVFP4
         activation scale (float32 [1]); masks uint8 [K / 8] for K-Ext."""
         import cuda.bindings.driver as cuda
@@ -161,8 +162,10 @@ class LinearSm90Launcher:
         else:
             if xop.dtype != torch.bfloat16 or xop.dim() != 2 or xop.shape[1] != g.kp:
                 raise ValueError(f"xop must be bf16 [rows, {g.kp}]")
-            if xop.shape[0] < rows:
-                raise ValueError("xop must hold the rows")
+            t_pad = -(-rows // g.tok) * g.tok
+            if xop.shape[0] < t_pad:
+                raise ValueError(f"xop must hold {t_pad} rows (the rows rounded up to the "
+                                 f"token tile of {g.tok}: the kernel reads whole tiles)")
             if masks is not None:
                 raise ValueError("masks are only used by fused K-Ext variants")
         if not xop.is_contiguous() or not out.is_contiguous():

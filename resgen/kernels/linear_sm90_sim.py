@@ -244,17 +244,16 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
                         xw = []
                         for nt in range(G.n_tiles):
                             r = row0 + 8 * nt + g
+                            # unpredicated, as the kernel: rows past the real ones feed
+                            # only columns that are never stored
                             if G.fused:
-                                rloc = 8 * nt + g
+                                rloc = (8 * nt + g) % G.tok
                                 a = G.xs_row(rloc) + G.xs_col(wk, it, u, i, t)
-                                ok = (rloc < G.tok) & (r < rows)
                                 mem = tmem
                             else:
                                 a = G.x_off(r, grp * 4 + i, t)
-                                ok = r < rows
                                 mem = xmem
-                            words = mem.words(torch.where(ok, a, torch.zeros_like(a)), 8)
-                            xw.append([torch.where(ok, w, torch.zeros_like(w)) for w in words])
+                            xw.append(mem.words(a, 8))
                         for mt in range(G.m_tiles):
                             s0, s1 = _scale(sv[mt][i // 2], i, G.fmt)
                             for j in range(4):

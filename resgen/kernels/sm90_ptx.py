@@ -15,12 +15,18 @@ atomics and fences are not.
                                   .nc there: ptxas treats .nc data as constant for the kernel's
                                   lifetime and hoists such loads above the wait (seen in SASS)
     ld_dep_f32(addr), ld_dep_u16(addr), ld_dep_u32(addr)   the same, scalars
+    ld_nc_v4(addr), ld_dep_v4u(addr)   the two above without a predicate (a predicated load needs
+                                  its outputs zeroed first: 2 CS2R per load in SASS)
     ld_cg_f32(addr)               ld.global.cg.f32 (L2 only: partial sums other CTAs wrote)
     ld_f32(addr)                  ld.global.nc.f32 (kernel-constant scalars)
     cp_async_16(saddr, gaddr)     cp.async.cg.shared.global 16 bytes (L2 only), cp_async_8 (.ca, 8)
     ld_shared_v4(saddr), ld_shared_v2(saddr)   ordered after cp.async.wait_group (side effects)
     ld_shared_v4_pred(saddr, pred)  the same under a predicate, zeros when off
     st_shared_v4(saddr, w0, w1, w2, w3)        st.shared.v4.u32 (ordered before a barrier)
+    opaque64(*vals) -> vals       the 64-bit values passed through a side-effecting asm: nothing
+                                  computed from the results is CSE'd with (or kept live from)
+                                  what was computed from the inputs before it
+    opaque32(*vals) -> vals       the same for 32-bit integers
     grid_dep_launch()             griddepcontrol.launch_dependents (PDL: the next kernel in the
                                   stream may start its prologue)
     grid_dep_wait(*addrs) -> addrs  griddepcontrol.wait, then the addresses passed through: every
@@ -47,9 +53,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 __all__ = ["ld_stream_v4", "ld_stream_v2", "ld_cached_v4", "ld_cg_f32", "ld_f32",
-           "ld_dep_v4", "ld_dep_f32", "ld_dep_u16", "ld_dep_u32",
+           "ld_dep_v4", "ld_dep_f32", "ld_dep_u16", "ld_dep_u32", "ld_nc_v4", "ld_dep_v4u",
            "cp_async_16", "cp_async_8", "ld_shared_v4", "ld_shared_v2", "ld_shared_v4_pred",
-           "st_shared_v4", "grid_dep_launch", "grid_dep_wait", "prefetch_l2_bulk", "prmt", "mul_bf16x2",
+           "st_shared_v4", "grid_dep_launch", "grid_dep_wait", "opaque64", "opaque32", "prefetch_l2_bulk", "prmt", "mul_bf16x2",
            "mma_bf16_16816", "cvt_bf16x2", "st_u16", "st_u32", "st_f32", "red_add_f32", "red_add_f32_pred",
            "atom_add_u32", "fence_gpu"]
 
@@ -113,6 +119,20 @@ def ld_dep_v4(addr, pred, *, loc=None, ip=None) -> tuple:
               " mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;\n"
               " @p ld.global.v4.u32 {$0,$1,$2,$3}, [$4];\n}",
               "=&r,=&r,=&r,=&r,l,r", loc=loc, ip=ip)
+    return _unpack(st, 4, Uint32, T.i32(), loc, ip)
+
+
+@dsl_user_op
+def ld_nc_v4(addr, *, loc=None, ip=None) -> tuple:
+    st = _asm(_struct(4, "i32"), [_i64(addr, loc, ip)],
+              "ld.global.nc.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,l", loc=loc, ip=ip)
+    return _unpack(st, 4, Uint32, T.i32(), loc, ip)
+
+
+@dsl_user_op
+def ld_dep_v4u(addr, *, loc=None, ip=None) -> tuple:
+    st = _asm(_struct(4, "i32"), [_i64(addr, loc, ip)],
+              "ld.global.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,l", loc=loc, ip=ip)
     return _unpack(st, 4, Uint32, T.i32(), loc, ip)
 
 
@@ -193,6 +213,26 @@ def st_shared_v4(saddr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
     _asm(None, [Int32(saddr).ir_value(loc=loc, ip=ip)] + [_u32(w, loc, ip) for w in (w0, w1, w2, w3)],
          "st.shared.v4.u32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r,~{memory}", effects=True,
          loc=loc, ip=ip)
+
+
+@dsl_user_op
+def opaque64(*vals, loc=None, ip=None) -> tuple:
+    n = len(vals)
+    body = "".join(f"\n mov.b64 ${i}, ${n + i};" for i in range(n))
+    cons = ",".join(["=l"] * n + ["l"] * n)
+    st = _asm(_struct(n, "i64"), [_i64(a, loc, ip) for a in vals], "{" + body + "\n}", cons,
+              effects=True, loc=loc, ip=ip)
+    return _unpack(st, n, Int64, T.i64(), loc, ip)
+
+
+@dsl_user_op
+def opaque32(*vals, loc=None, ip=None) -> tuple:
+    n = len(vals)
+    body = "".join(f"\n mov.b32 ${i}, ${n + i};" for i in range(n))
+    cons = ",".join(["=r"] * n + ["r"] * n)
+    st = _asm(_struct(n, "i32"), [Int32(a).ir_value(loc=loc, ip=ip) for a in vals],
+              "{" + body + "\n}", cons, effects=True, loc=loc, ip=ip)
+    return _unpack(st, n, Int32, T.i32(), loc, ip)
 
 
 @dsl_user_op

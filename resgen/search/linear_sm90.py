@@ -408,8 +408,8 @@ def _compensation(problem: LinearProblem):
     return problem.ratio if problem.ratio is not None else problem.compensation
 
 
-_SETS: dict[tuple, list] = {}
-_SETS_KEEP = 2          # input-set lists kept for reuse by the next variants of a problem
+_WEIGHTS: dict[tuple, list] = {}
+_WEIGHTS_KEEP = 3       # weight-set lists kept for reuse by the next variants / M buckets
 
 
 def _static_alpha(qw, device) -> torch.Tensor | None:
@@ -421,24 +421,34 @@ def _static_alpha(qw, device) -> torch.Tensor | None:
     return torch.as_tensor(qw.input_scale, dtype=torch.float32, device=device).reshape(1)
 
 
-def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n_sets: int,
-                seed: int, fused: bool = False) -> list:
-    """[(qweight, Sm90Weight, x, operand, alpha_x)] * n_sets, cached for the few most recent
-    problems: preparing big weights costs more than timing a variant. operand: the xop
-    (bf16 [T_pad, Kp], from make_xop) or, for fused variants, x itself as bf16 [m, K]."""
+def _weight_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
+    """[(qweight, Sm90Weight)] * n_sets for the problem's layer (M plays no part), cached for
+    the few most recent layers: preparing big weights costs more than timing a variant."""
     from ..kernels.layouts import prepare_sm90_weight
-    from ..kernels.linear_sm90 import make_xop
 
-    key = (problem.key(), packing, t_multiple, str(device), n_sets, seed, fused)
-    if key in _SETS:
-        return _SETS[key]
-    while len(_SETS) >= _SETS_KEEP:
-        _SETS.pop(next(iter(_SETS)))
+    key = (replace(problem, m=1).key(), packing, str(device), n_sets, seed)
+    if key in _WEIGHTS:
+        return _WEIGHTS[key]
+    while len(_WEIGHTS) >= _WEIGHTS_KEEP:
+        _WEIGHTS.pop(next(iter(_WEIGHTS)))
     gen = torch.Generator(device=device).manual_seed(seed)
     sets = []
     for _ in range(max(1, n_sets)):
         qw = random_layer(problem, device, gen)
-        wt = prepare_sm90_weight(qw, packing)
+        sets.append((qw, prepare_sm90_weight(qw, packing)))
+    _WEIGHTS[key] = sets
+    return sets
+
+
+def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n_sets: int,
+                seed: int, fused: bool = False) -> list:
+    """[(qweight, Sm90Weight, x, operand, alpha_x)] * n_sets. operand: the xop (bf16
+    [T_pad, Kp], from make_xop) or, for fused variants, x itself as bf16 [m, K]."""
+    from ..kernels.linear_sm90 import make_xop
+
+    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + problem.m)
+    sets = []
+    for qw, wt in _weight_sets(problem, packing, device, n_sets, seed):
         x = torch.randn(problem.m, problem.k, generator=gen, device=device)
         if fused:
             sets.append((qw, wt, x, x.to(torch.bfloat16).contiguous(),
@@ -446,7 +456,6 @@ def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n
         else:
             xop, ax = make_xop(x, qw, _compensation(problem), t_multiple=t_multiple)
             sets.append((qw, wt, x, xop, ax))
-    _SETS[key] = sets
     return sets
 
 

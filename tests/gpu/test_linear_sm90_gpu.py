@@ -1,7 +1,10 @@
-"""linear_sm90_mma on an H200: every variant of a small problem's space, a covering subset of
-the others, the Qwen3-8B shapes; fresh random inputs, NaN-poisoned outputs,
-||out - ref|| / ||ref|| <= 3e-3 vs resgen.reference.linear, bit-identical reruns for
-deterministic variants, repeated calls (semaphores / workspace reset) and CUDA-graph replay."""
+"""linear_sm90_mma on an H200: a covering subset of the space of small problems (every field value
+of the space at least once, both formats, every compensation), the nib / 2-group variants
+outside the space, fused quantization at partial tiles and K-Ext, the Qwen3-8B shapes; fresh
+random inputs, NaN-poisoned outputs, ||out - ref|| / ||ref|| <= 3e-3 vs resgen.reference.linear,
+bit-identical reruns for deterministic variants, repeated calls (semaphores / workspace reset),
+CUDA-graph replay, and two PDL layers chained through their activations (the second must wait
+for the first's output)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import pytest
 import torch
 
 from resgen.search import build
-from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant, Packing, Pipeline, Reduction
+from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant, Packing, Pipeline,
+                                       Reduction)
 from resgen.search.variant import LinearProblem
 
 pytestmark = [pytest.mark.gpu,
@@ -26,13 +30,13 @@ def _compiled(v: LinearSm90Variant, p: LinearProblem):
     if key not in _COMPILED:
         out = build.compile_variant(FAMILY, v, p, ARCH)
         assert out.ok, out.error
-        assert out.spill_bytes == 0
+        assert out.spill_bytes == 0, f"{v.name()}: {out.spill_bytes} bytes of local memory"
         _COMPILED[key] = out.compiled
     return _COMPILED[key]
 
 
 def _check_variant(v: LinearSm90Variant, base: LinearProblem, ms=(1, 3), determinism=True):
-    assert FAMILY.why_invalid(v, base, ARCH) is None
+    assert FAMILY.why_invalid(v, base, ARCH) is None, FAMILY.why_invalid(v, base, ARCH)
     fn = _compiled(v, base)
     for m in ms:
         p = dataclasses.replace(base, m=m)
@@ -61,50 +65,77 @@ def _cover(space):
     return chosen
 
 
-SMALL_FULL = LinearProblem("nvfp4", "full", 16, 128, 512)
-
-
-@pytest.mark.parametrize("v", FAMILY.space(SMALL_FULL, ARCH), ids=lambda v: v.name())
-def test_every_variant_small_mext(v):
-    _check_variant(v, SMALL_FULL, ms=(1, 16))
-
-
 COVER_PROBLEMS = [LinearProblem(fmt, comp, 16, 256, 1024)
                   for fmt in ("nvfp4", "mxfp4") for comp in ("none", "full", "0.125", "1.0")]
 
 
 @pytest.mark.parametrize("p", COVER_PROBLEMS, ids=lambda p: f"{p.fmt}-{p.compensation}")
 def test_covering_variants(p):
+    """m = 16 is the compiled row count (fused tiles); 1 and 7 run the same kernels with
+    fewer rows, 40 with more token tiles than compiled for."""
     for v in _cover(list(FAMILY.space(p, ARCH))):
-        _check_variant(v, p, ms=(1, 7, 16))
+        _check_variant(v, p, ms=(1, 7, 16, 40))
+
+
+OUTSIDE_SPACE = [
+    LinearSm90Variant(4, 1, 2, 2, 2, Pipeline.DIRECT, 1, 0, 1, Reduction.NONE, Packing.NIB),
+    LinearSm90Variant(2, 2, 1, 2, 2, Pipeline.CP_ASYNC, 2, 0, 2, Reduction.WORKSPACE,
+                      Packing.NIB, Act.FUSED, True),
+    LinearSm90Variant(1, 4, 4, 1, 1, Pipeline.REGS, 1, 2, 1, Reduction.NONE, Packing.NIB),
+    LinearSm90Variant(4, 2, 1, 8, 1, Pipeline.CP_ASYNC, 2, 0, 1, Reduction.NONE),
+]
+
+
+@pytest.mark.parametrize("v", OUTSIDE_SPACE, ids=lambda v: v.name())
+@pytest.mark.parametrize("comp", ["none", "full"])
+def test_variants_outside_the_space(v, comp):
+    _check_variant(v, LinearProblem("nvfp4", comp, 16, 256, 2048), ms=(1, 16))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("comp", ["none", "full", "0.25", "0.5"])
+def test_fused_partial_tiles_and_long_k(fmt, comp):
+    """Fused kernels compiled for one token (1- or 2-row operand tiles) run with several
+    tokens (many partial n8 tiles in z); K = 12288 with a K range split over CTAs."""
+    p = LinearProblem(fmt, comp, 1, 512, 12288)
+    v = LinearSm90Variant(1, 4, 1, 1, 1, Pipeline.CP_ASYNC, 3, 0, 2, Reduction.WORKSPACE,
+                          Packing.SPLIT, Act.FUSED, True)
+    if FAMILY.why_invalid(v, p, ARCH) is not None:      # K + ext not split by 2 x 4
+        v = dataclasses.replace(v, warps_k=2, split_k=3)
+    _check_variant(v, p, ms=(1, 3, 5))
 
 
 QWEN = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 
 
 @pytest.mark.parametrize("n, k", QWEN)
-@pytest.mark.parametrize("fmt, comp, m", [("nvfp4", "full", 4), ("mxfp4", "none", 1),
-                                          ("nvfp4", "none", 16)])
+@pytest.mark.parametrize("fmt, comp, m", [("nvfp4", "full", 4), ("mxfp4", "0.125", 2)])
 def test_qwen_shapes(n, k, fmt, comp, m):
+    """The default (xop) and two fused PDL variants per shape; bench/gpu_linear_check.py checks
+    every variant it times on these shapes too."""
     p = LinearProblem(fmt, comp, m, n, k)
     nt = min(4, -(-p.rows // 8))
     cands = [FAMILY.default(p, ARCH),
-             LinearSm90Variant(warps_m=1, warps_k=4, n_tiles=nt, pipeline=Pipeline.CP_ASYNC,
-                               stages=3, split_k=2, reduce=Reduction.WORKSPACE),
-             LinearSm90Variant(warps_m=2, warps_k=2, m_tiles=2, n_tiles=nt,
-                               pipeline=Pipeline.DIRECT, stages=1, split_k=2,
-                               reduce=Reduction.ATOMIC, packing=Packing.NIB),
+             LinearSm90Variant(warps_m=1, warps_k=8, n_tiles=nt, pipeline=Pipeline.CP_ASYNC,
+                               stages=3, act=Act.FUSED, pdl=True),
+             LinearSm90Variant(warps_m=1, warps_k=2, n_tiles=nt, pipeline=Pipeline.DIRECT,
+                               stages=1, l2_prefetch=3, split_k=3,
+                               reduce=Reduction.WORKSPACE, act=Act.FUSED, pdl=True),
              LinearSm90Variant(warps_m=4, warps_k=2, n_tiles=nt, pipeline=Pipeline.REGS,
-                               stages=1)]
+                               stages=1, act=Act.FUSED, pdl=True)]
+    ran = 0
     for v in cands:
         if FAMILY.why_invalid(v, p, ARCH) is None:
-            _check_variant(v, p, ms=(m,), determinism=v.reduce == Reduction.WORKSPACE)
+            _check_variant(v, p, ms=(m,), determinism=v.reduce != Reduction.ATOMIC)
+            ran += 1
+    assert ran >= 2
 
 
-def test_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cuda_graph_replay_matches_eager(pdl):
     p = LinearProblem("nvfp4", "full", 3, 4096, 4096)
-    v = LinearSm90Variant(warps_m=1, warps_k=4, pipeline=Pipeline.CP_ASYNC, stages=4,
-                          split_k=2, reduce=Reduction.WORKSPACE)
+    v = LinearSm90Variant(warps_m=1, warps_k=4, pipeline=Pipeline.CP_ASYNC, stages=3,
+                          split_k=2, reduce=Reduction.WORKSPACE, act=Act.FUSED, pdl=pdl)
     r = FAMILY.runner(_compiled(v, p), v, p, "cuda", n_sets=2, seed=0)
     r.rotate(1)
     eager = r().clone()
@@ -117,11 +148,74 @@ def test_cuda_graph_replay_matches_eager():
     g = torch.cuda.CUDAGraph()
     r.out.fill_(float("nan"))
     with torch.cuda.graph(g):
-        r()
+        for i in range(4):
+            r.rotate(i)
+            r()
     g.replay()
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_pdl_layers_chained_through_activations(graph):
+    """Layer 2 (fused, PDL) quantizes layer 1's BF16 output. Layer 1 lets it launch at its
+    own start; layer 2 must still read x only after griddepcontrol.wait. Any early read shows
+    up as a mismatch with the same two layers run with a synchronize in between."""
+    from resgen.kernels.linear_sm90 import LinearSm90Launcher
+    from resgen.search.linear_sm90 import geometry_of, random_layer
+
+    m, d = 4, 4096
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    p1 = LinearProblem("nvfp4", "none", m, d, d)
+    p2 = LinearProblem("nvfp4", "full", m, d, d)
+    v1 = LinearSm90Variant(1, 8, 1, 1, 1, Pipeline.CP_ASYNC, 3, 0, 1, Reduction.NONE,
+                           Packing.SPLIT, Act.FUSED, True)
+    v2 = LinearSm90Variant(2, 4, 1, 1, 1, Pipeline.DIRECT, 1, 4, 1, Reduction.NONE,
+                           Packing.SPLIT, Act.FUSED, True)
+    from resgen.kernels.layouts import prepare_sm90_weight
+
+    q1, q2 = random_layer(p1, "cuda", gen), random_layer(p2, "cuda", gen)
+    w1, w2 = prepare_sm90_weight(q1, "split"), prepare_sm90_weight(q2, "split")
+    l1 = LinearSm90Launcher(_compiled(v1, p1), geometry_of(v1, p1), 0, 0, "cuda")
+    l2 = LinearSm90Launcher(_compiled(v2, p2), geometry_of(v2, p2), 0, 0, "cuda")
+    a1 = torch.as_tensor(q1.input_scale, dtype=torch.float32, device="cuda").reshape(1)
+    a2 = torch.as_tensor(q2.input_scale, dtype=torch.float32, device="cuda").reshape(1)
+    xs = [(torch.randn(m, d, generator=gen, device="cuda")).to(torch.bfloat16)
+          for _ in range(3)]
+    h = torch.empty(m, d, dtype=torch.bfloat16, device="cuda")
+    ys = [torch.empty(m, d, dtype=torch.bfloat16, device="cuda") for _ in xs]
+
+    def chain():
+        for x, y in zip(xs, ys):
+            l1(w1, x, m, m, a1, h)          # h is rewritten while the next l2 may be waiting
+            l2(w2, h, m, 2 * m, a2, y)
+
+    want = []
+    for x in xs:
+        hh = torch.empty_like(h)
+        l1(w1, x, m, m, a1, hh)
+        torch.cuda.synchronize()
+        yy = torch.empty_like(h)
+        l2(w2, hh, m, 2 * m, a2, yy)
+        torch.cuda.synchronize()
+        want.append(yy)
+    if graph:
+        chain()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain()
+        for y in ys:
+            y.fill_(float("nan"))
+        for _ in range(5):
+            g.replay()
+    else:
+        for _ in range(5):
+            chain()
+    torch.cuda.synchronize()
+    for y, w in zip(ys, want):
+        assert torch.equal(y.view(torch.int16), w.view(torch.int16))
 
 
 @pytest.mark.parametrize("packing", ["split", "nib"])

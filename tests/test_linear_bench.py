@@ -1,0 +1,119 @@
+"""bench/gpu_linear_check.py on the CPU: the candidate plan (every task a valid variant of its
+problem, the fused / PDL / xop kinds present, priorities) and the worker pool's bookkeeping
+(claims, results, a hung and a dying worker replaced, budget skips) with a stub worker."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import gpu_linear_check as B  # noqa: E402
+from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant  # noqa: E402
+from resgen.search.variant import LinearProblem  # noqa: E402
+
+
+def _phase1():
+    tasks = []
+    for shape, (n, k) in B.SHAPES.items():
+        for mode in ("none", "full"):
+            p = LinearProblem("nvfp4", mode, 1, n, k)
+            tasks += [B.task("1", shape, p, kind, v) for kind, v in B.phase1_tasks(p)]
+    return tasks
+
+
+def test_plan_tasks_are_valid_and_cover_the_kinds():
+    t1 = _phase1()
+    rng = random.Random(0)
+    for t in t1:
+        t["median_us"] = rng.uniform(5, 20)
+    t2 = B.phase2_tasks(t1)
+    for t in t1 + t2:
+        p = LinearProblem.from_key(t["problem"])
+        v = LinearSm90Variant.from_key(t["variant"])
+        assert FAMILY.why_invalid(v, p, "sm_90a") is None, (t["name"], p.key())
+        assert t["act"] == v.act.value and t["pdl"] == v.pdl
+        if t["kind"] == "gemm":
+            assert not v.fused
+    kinds = {(t["kind"], t["act"], t["pdl"]) for t in t1}
+    assert {("layer", "fused", True), ("layer", "fused", False), ("gemm", "xop", True),
+            ("layer", "xop", False)} <= kinds
+    per_layer = {(t["shape"], t["mode"]) for t in t1}
+    assert len(per_layer) == 8
+    ms = {(t["fmt"], t["mode"], t["m"]) for t in t2}
+    for m in B.MS_PHASE2:
+        assert ("nvfp4", "none", m) in ms and ("nvfp4", "full", m) in ms
+    assert ("mxfp4", "full", 16) in ms and ("nvfp4", "0.125", 1) in ms
+    assert t2[0]["fmt"] == "nvfp4" and t2[0]["mode"] in ("none", "full")
+    assert t2[-1]["m"] == 128 or t2[-1]["mode"] == "0.125"
+    ids = [t["id"] for t in t1 + t2]
+    assert len(ids) == len(set(ids))
+
+
+def stub_worker(idx, q_in, q_out, lock_path, deadline):
+    """Behaves as the bench worker; a task's "name" says what to do."""
+    while True:
+        task = q_in.get()
+        if task is None:
+            break
+        q_out.put(("claim", idx, task["id"]))
+        rec = dict(task)
+        if time.time() > deadline:
+            rec["error"] = "skipped: time budget"
+            q_out.put(("done", idx, rec))
+            continue
+        if task["name"] == "die":
+            os._exit(7)
+        q_out.put(("start", idx, task["id"]))
+        if task["name"] == "hang":
+            time.sleep(3600)
+        if task["name"] == "lost":
+            q_out.put(("done", idx, dict(rec, error="broke the context")))
+            q_out.put(("lost", idx, "CUDA context broken"))
+            os._exit(3)
+        time.sleep(0.01)
+        rec["median_us"] = 1.0 + task["id"]
+        q_out.put(("done", idx, rec))
+
+
+@pytest.mark.slow
+def test_pool_replaces_hung_and_dead_workers(monkeypatch, tmp_path):
+    monkeypatch.setattr(B, "HANG_S", 3.0)
+    monkeypatch.setattr(B, "BUDGET_S", time.time() - B.T0 + 60.0)
+    monkeypatch.setattr(B, "GRACE_S", 10.0)
+    monkeypatch.setattr(B, "REPORT", {"tasks": [], "baselines": [], "errors": []})
+    tasks = [{"id": i, "group": f"g{i % 3}", "name": "ok"} for i in range(24)]
+    tasks[5]["name"] = "hang"
+    tasks[11]["name"] = "die"
+    tasks[17]["name"] = "lost"
+    pool = B.Pool(3, str(tmp_path / "lock"), target=stub_worker)
+    try:
+        out = pool.run(tasks, slots_per_group=1)
+    finally:
+        pool.close()
+    assert [r["id"] for r in out] == list(range(24))
+    assert "hung" in out[5]["error"] and "died" in out[11]["error"]
+    assert out[17]["error"] == "broke the context"
+    ok = [r for r in out if r["name"] == "ok"]
+    assert all(r.get("median_us") == 1.0 + r["id"] for r in ok)
+    assert len(B.REPORT["errors"]) == 3
+
+
+@pytest.mark.slow
+def test_pool_skips_tasks_past_the_budget(monkeypatch, tmp_path):
+    monkeypatch.setattr(B, "REPORT", {"tasks": [], "baselines": [], "errors": []})
+    monkeypatch.setattr(B, "BUDGET_S", time.time() - B.T0 - 1.0)     # already over
+    monkeypatch.setattr(B, "GRACE_S", 20.0)
+    tasks = [{"id": i, "group": "g", "name": "ok"} for i in range(4)]
+    pool = B.Pool(2, str(tmp_path / "lock"), target=stub_worker)
+    try:
+        out = pool.run(tasks, slots_per_group=2)
+    finally:
+        pool.close()
+    assert all(r["error"] == "skipped: time budget" for r in out)
