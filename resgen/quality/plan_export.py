@@ -24,7 +24,8 @@ PLAN_METADATA_KEY = "resgen_plan"
 
 
 def export_plan(config: StudyConfig, out: str | Path, *, budget: float, fmt: str = "nvfp4",
-                score: str = "error", weights: str = "amax", study: Study | None = None) -> str:
+                score: str = "mean_abs", weights: str = "amax",
+                study: Study | None = None) -> str:
     """Calibrate, score, solve and write the checkpoint; returns the printed table.
 
     study: an already calibrated Study to reuse (its config wins); None builds one.
