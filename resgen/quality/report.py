@@ -233,6 +233,26 @@ def summarize(results: list[dict]) -> dict:
                                   f"without making mxfp4 worse",
                         "measured": {"nvfp4": g_nv, "mxfp4": g_mx, "mxfp4_amax": g_mx0},
                         "met": g_nv >= 0.7 and ok_mx})
+    # Planner vs the best uniform K-Ext ratio (either selection score, same weights) among
+    # those with the fewest effective bits that are still >= the plan's.
+    for r in results:
+        m = r["method"]
+        if m["comp"] != "plan":
+            continue
+        uniform = [u for u in results if u["method"]["fmt"] == m["fmt"]
+                   and u["method"]["comp"] in (0.125, 0.25, 0.5)
+                   and u["method"]["weights"] == m["weights"]
+                   and u["method"]["input_scale"] == m["input_scale"]
+                   and u.get("effective_bits", 0) >= r["effective_bits"] - 1e-9]
+        if not uniform:
+            continue
+        bits = min(u["effective_bits"] for u in uniform)
+        u = min((u for u in uniform if u["effective_bits"] == bits), key=lambda x: x["ppl"])
+        targets.append({"target": f"{m['label']} ({r['effective_bits']:.3f} bits) beats the best "
+                                  f"uniform ratio {u['method']['comp']} (sel={u['method']['score']}"
+                                  f", {u['effective_bits']:.3f} bits)",
+                        "measured": {"plan_ppl": r["ppl"], "uniform_ppl": u["ppl"]},
+                        "met": r["ppl"] < u["ppl"]})
     return {"reference_ppl": ref["ppl"], "rows": rows, "targets": targets}
 
 
@@ -274,8 +294,9 @@ def to_markdown(doc: dict) -> str:
     for tg in s["targets"]:
         meas = tg["measured"]
         if isinstance(meas, dict):
-            meas = ", ".join(f"{k} {_f(v, '{:.1%}') if k != 'multiple' else _f(v, '{:.2f}x')}"
-                             for k, v in meas.items())
+            meas = ", ".join(f"{k} " + (_f(v, "{:.2f}x") if k == "multiple" else
+                                         _f(v, "{:.3f}") if k.endswith("ppl") else
+                                         _f(v, "{:.1%}")) for k, v in meas.items())
         else:
             meas = f"{meas:.1%}"
         lines.append(f"| {tg['target']} | {meas} | {'yes' if tg['met'] else '**no**'} |")
