@@ -232,3 +232,19 @@ def test_study_plan_export_on_a_tiny_model(tiny, tmp_path):
     assert res["effective_bits"] == pytest.approx(meta["effective_bits"])
     with pytest.raises(ValueError):
         Study(cfg, model=model, log=lambda s: None)          # no tokens for a preloaded model
+
+
+def test_planner_is_compared_with_the_best_uniform_ratio_at_no_fewer_bits():
+    res = _fake_results()
+    nmse = {"layers.0.self_attn.q_proj": 0.8, "layers.0.mlp.down_proj": 0.8}
+    for comp, score, bits, ppl in [(0.125, "mean_abs", 4.54, 18.0), (0.125, "error", 4.54, 17.5),
+                                   (0.25, "mean_abs", 5.0, 16.0)]:
+        res.append({"method": Method("nvfp4", comp, score=score).to_json(), "ppl": ppl,
+                    "effective_bits": bits, "layer_nmse": nmse})
+    res.append({"method": Method("nvfp4", "plan", score="error", budget=4.5).to_json(),
+                "ppl": 17.7, "effective_bits": 4.5, "layer_nmse": nmse})
+    s = report.summarize(res)
+    t = [x for x in s["targets"] if x["target"].startswith("NVFP4 plan")]
+    assert len(t) == 1
+    # The comparison is the error-score 0.125 run (best at the fewest bits >= 4.5), which wins.
+    assert t[0]["measured"] == {"plan_ppl": 17.7, "uniform_ppl": 17.5} and not t[0]["met"]
