@@ -117,3 +117,54 @@ def test_pool_skips_tasks_past_the_budget(monkeypatch, tmp_path):
     finally:
         pool.close()
     assert all(r["error"] == "skipped: time budget" for r in out)
+
+
+def fake_worker(idx, q_in, q_out, lock_path, deadline):
+    """A worker that times nothing: a median derived from the task (fused PDL fastest)."""
+    while True:
+        task = q_in.get()
+        if task is None:
+            break
+        q_out.put(("claim", idx, task["id"]))
+        rec = dict(task)
+        base = 3.0 + (task["id"] % 17) * 0.5 + task["m"] * 0.1
+        rec["median_us"] = base * (0.8 if task["pdl"] else 1.0) * (0.9 if task["act"] ==
+                                                                    "fused" else 1.0)
+        rec["timing_mode"] = "graph"
+        q_out.put(("done", idx, rec))
+
+
+@pytest.mark.slow
+def test_main_end_to_end_with_a_fake_worker(monkeypatch, tmp_path):
+    """The whole script's flow (plan, both phases, report, table) with workers that time
+    nothing and baselines replaced by fixed numbers."""
+    import json
+
+    monkeypatch.setattr(B, "REPORT", {"tasks": [], "baselines": [], "errors": []})
+    monkeypatch.setattr(B, "OUT", tmp_path)
+    monkeypatch.setattr(B, "worker_main", fake_worker)
+    monkeypatch.setattr(B, "environment", lambda: {"gpu_name": "fake"})
+
+    def fake_baselines(lock, stop):
+        for m in B.BASE_MS:
+            for shape in B.SHAPES:
+                for name, us in (("cublas_bf16", 50.0), ("cublas_fp8", 25.0)):
+                    B.REPORT["baselines"].append({"baseline": name, "shape": shape, "m": m,
+                                                  "median_us": us})
+        for shape in B.SHAPES:
+            for rows in (1, 2, 16, 32):
+                B.REPORT["baselines"].append({"baseline": "triton_mxfp4", "shape": shape,
+                                              "m": rows, "median_us": 80.0})
+
+    monkeypatch.setattr(B, "baselines", fake_baselines)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setenv("RESGEN_BENCH_WORKERS", "3")
+    B.main()
+    monkeypatch.undo()
+    rep = json.loads((tmp_path / "linear_sm90_check.json").read_text())
+    assert rep["tasks"] and all(t.get("median_us") for t in rep["tasks"])
+    sums = [ln for ln in rep["table"] if ln.startswith("sum nvfp4")]
+    assert any("none  M=  1" in ln for ln in sums) and any("full  M= 16" in ln for ln in sums)
+    assert any(ln.startswith("triton mxfp4") for ln in rep["table"])

@@ -106,15 +106,17 @@ def operand_words(block: fd.Block) -> list[Uint32]:
     return [fd.pack_bf16x2_exact(v[2 * i], v[2 * i + 1]) for i in range(len(v) // 2)]
 
 
-def base_operand(xs: Sequence[Float32], fmt: str, alpha, mext: bool):
-    """One block of x (len(xs) = the format's block, one thread): (base operand words,
-    residue operand words or None). alpha: the NVFP4 tensor scale (Float32) / None (MXFP4)."""
+def base_operand(xs: Sequence[Float32], fmt: str, alpha, mext: bool, store_base, store_res):
+    """One block of x (len(xs) = the format's block, one thread): quantize it, hand the base
+    operand words to store_base, then (M-Ext) quantize its residue and hand those words to
+    store_res. The base words are stored before the residue is quantized so that they are
+    not live across it (ptxas spilled them otherwise). alpha: the NVFP4 tensor scale
+    (Float32) / None (MXFP4)."""
     blk = fd.quantize_block(list(xs), fmt, alpha, 1)
-    base = operand_words(blk)
-    if not mext:
-        return base, None
-    rblk = fd.quantize_block(fd.residues(list(xs), blk), fmt, alpha, 1)
-    return base, operand_words(rblk)
+    store_base(operand_words(blk))
+    if mext:
+        rblk = fd.quantize_block(fd.residues(list(xs), blk), fmt, alpha, 1)
+        store_res(operand_words(rblk))
 
 
 def selected_residues(xs: Sequence[Float32], fmt: str, alpha, mask, ksel: int) -> list:
