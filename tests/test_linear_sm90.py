@@ -676,16 +676,20 @@ class _TorchQuantizer:
     def outputs(self, m, row_multiple=1, device="cpu"):
         return {"row_multiple": row_multiple}
 
-    def __call__(self, x, outs, alpha=None):
+    def __call__(self, x, outs, alpha=None, masks=None):
         assert x.dtype == torch.bfloat16
         assert (alpha is not None) == (self.config.alpha == "static")
+        assert (masks is not None) == (self.comp not in ("none", "full"))
+        if masks is not None:
+            assert torch.equal(masks.cpu(), self.qw.selection.masks)
         xop, ax = make_xop(x.float(), self.qw, self.comp, t_multiple=outs["row_multiple"])
         self.calls += 1
         return self._Op(xop, alpha if alpha is not None else ax)
 
 
-@pytest.mark.parametrize("fmt", F.FORMATS)
-def test_runner_with_a_quantizer_in_front(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt, comp", [("nvfp4", "full"), ("mxfp4", "full"),
+                                       ("nvfp4", "0.25")])
+def test_runner_with_a_quantizer_in_front(fmt, comp, monkeypatch):
     from resgen.kernels import linear_sm90 as H
 
     registry = {}
@@ -696,10 +700,14 @@ def test_runner_with_a_quantizer_in_front(fmt, monkeypatch):
         return orig(self, t, align)
 
     monkeypatch.setattr(H.LinearSm90Launcher, "_ptr", record)
-    p = LinearProblem(fmt, "full", 2, 64, 1024)
+    p = LinearProblem(fmt, comp, 2, 64, 1024)
     v = LinearSm90Variant(warps_m=4, warps_k=1, stages=3)
+    if p.ratio is not None:
+        v = dataclasses.replace(v, warps_m=2, warps_k=1, stages=2)
+    assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
     r = FAMILY.runner(_SimulatedKernel(geometry_of(v, p), registry), v, p, "cpu", n_sets=1)
-    q = _TorchQuantizer(r.sets[0][0], "full", "static" if fmt == "nvfp4" else "none")
+    c = comp if p.ratio is None else p.ratio
+    q = _TorchQuantizer(r.sets[0][0], c, "static" if fmt == "nvfp4" else "none")
     r.attach_quantizer(q)
     res = r.check_quantized()
     assert res.ok, res.detail

@@ -520,17 +520,22 @@ class LinearSm90Runner:
             if qkernel.config.alpha == "static":
                 alpha = torch.as_tensor(qw.input_scale, dtype=torch.float32,
                                         device=self.device).reshape(1)
-            self.qsets.append((x.to(torch.bfloat16).contiguous(), outs, alpha))
+            masks = (qw.selection.masks.to(self.device) if qw.selection is not None
+                     and self.problem.ratio is not None else None)
+            self.qsets.append((x.to(torch.bfloat16).contiguous(), outs, alpha, masks))
 
-    def _quantized_call(self, xb, outs, alpha, wt, out) -> torch.Tensor:
-        op = self.quantizer(xb, outs, alpha=alpha)
+    def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
+        if masks is None:
+            op = self.quantizer(xb, outs, alpha=alpha)
+        else:
+            op = self.quantizer(xb, outs, alpha=alpha, masks=masks)
         return self.launcher(wt, op.xop, xb.shape[0], self.rows, op.alpha, out)
 
     def __call__(self) -> torch.Tensor:
         qw, wt, _, xop, ax = self.sets[self.cur]
         if self.quantizer is not None:
-            xb, outs, alpha = self.qsets[self.cur]
-            return self._quantized_call(xb, outs, alpha, wt, self.out)
+            xb, outs, alpha, masks = self.qsets[self.cur]
+            return self._quantized_call(xb, outs, alpha, masks, wt, self.out)
         return self.launcher(wt, xop, self.m, self.rows, ax, self.out, self._masks_for(qw))
 
     def check_quantized(self) -> CheckResult:
@@ -541,12 +546,12 @@ class LinearSm90Runner:
         if self.quantizer is None:
             raise ValueError("no quantizer attached")
         qw, wt, _, _, _ = self.sets[0]
-        _, outs, alpha = self.qsets[0]
+        _, outs, alpha, masks = self.qsets[0]
         xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
               * 3).to(torch.bfloat16)
         out = torch.full((self.m, self.problem.n), float("nan"), dtype=torch.bfloat16,
                          device=self.device)
-        self._quantized_call(xb, outs, alpha, wt, out)
+        self._quantized_call(xb, outs, alpha, masks, wt, out)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return compare(out, reference.linear(xb.float(), qw, self.comp))
