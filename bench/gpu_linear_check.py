@@ -16,9 +16,10 @@ What is measured (shapes qkv 6144x4096, o 4096x4096, gate/up 24576x4096, down 40
   weight prologue overlaps this layer's tail. Their times come from back-to-back launches of
   the same layer, i.e. the overlap a decode step gets when the kernel before also lets its
   dependents launch early; the table shows them in their own column.
-Plan: phase 1, M = 1, NVFP4 plain and M-Ext, ~25 candidates per shape and mode drawn from the
-family's space; phase 2 the best fused configurations (and the best xop one) at M = 2 .. 64
-(128 for the best), MXFP4 plain / M-Ext at M = 1 and 16, K-Ext 0.125 at M = 1 and 16.
+Plan: phase 1, M = 1, NVFP4 plain and M-Ext, ~30 candidates per shape and mode (the fused
+patterns with and without PDL, the xop default alone and behind the quantizer, xop patterns);
+phase 2 the same at M = 16, MXFP4 at M = 1 with M = 1's best, K-Ext 0.125 at M = 1; phase 3
+M = 2, 4, 8, 32, 64 with the best of M = 1 and M = 16, M = 128, MXFP4 and K-Ext at M = 16.
 Baselines in the same process and run (interleaved with the candidates): cuBLAS BF16
 (torch.matmul), cuBLAS FP8 (torch._scaled_mm, per-tensor, activation quantized per call) at
 every M, Triton tl.dot_scaled MXFP4 x BF16 (bench/baselines.py; guarded) at M = 1 and 16.
@@ -29,7 +30,7 @@ Candidates compile in RESGEN_BENCH_WORKERS spawned processes (default: CPU cores
 14); one process at a time holds the GPU (file lock). A process whose kernel hangs longer than
 RESGEN_BENCH_HANG_S (60) is killed and replaced; a broken CUDA context replaces the process;
 every failure is recorded, nothing stops the run. Tasks not started before the time budget
-RESGEN_BENCH_BUDGET_S (360) are skipped; the run is killed at the budget + 120 s with the partial
+RESGEN_BENCH_BUDGET_S (340) are skipped; the run is killed at the budget + 120 s with the partial
 JSON written. Prints a short table last; writes $OUT/linear_sm90_check.json.
 """
 
@@ -52,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ARCH = "sm_90a"
 OUT = Path(os.environ.get("OUT", "bench/results/h200"))
-BUDGET_S = float(os.environ.get("RESGEN_BENCH_BUDGET_S", "360"))
+BUDGET_S = float(os.environ.get("RESGEN_BENCH_BUDGET_S", "340"))
 HANG_S = float(os.environ.get("RESGEN_BENCH_HANG_S", "60"))
 GRACE_S = 120.0
 SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
@@ -133,8 +134,10 @@ def adapt(v, p):
 
 
 def phase1_tasks(p) -> list[tuple[str, object]]:
-    """(kind, variant) candidates for a problem at its own M."""
-    from resgen.search.linear_sm90 import FAMILY, Act
+    """(kind, variant) candidates for a problem at its own M: every fused pattern with and
+    without PDL (adapted to the rows where it does not fit as is), the default xop variant
+    alone and behind the quantizer, and the xop patterns with PDL."""
+    from resgen.search.linear_sm90 import FAMILY, Act, LinearSm90Variant, Packing
 
     fused, gemm = _patterns()
     nt = _nt_for(p)
@@ -142,6 +145,13 @@ def phase1_tasks(p) -> list[tuple[str, object]]:
     for pat in fused:
         for pdl in (True, False):
             v = _make(pat, nt, Act.FUSED, pdl, p)
+            if v is None and p.rows > 8:
+                wm, wk, mt, pl, st, l2, sk, red = pat
+                try:
+                    v = adapt(LinearSm90Variant(wm, wk, mt, 1, 1, pl, st, max(l2, 0), sk, red,
+                                                Packing.SPLIT, Act.FUSED, pdl), p)
+                except ValueError:
+                    v = None
             if v is not None:
                 out.append(("layer", v))
     d = FAMILY.default(p, ARCH)
@@ -504,67 +514,99 @@ def ranked(recs, **match) -> list[dict]:
     return sorted(ok, key=lambda r: r["median_us"])
 
 
-def phase2_tasks(p1: list[dict]) -> list[dict]:
-    from resgen.search.linear_sm90 import Act, LinearSm90Variant
-    from resgen.search.variant import LinearProblem
+def _picks(recs: list[dict], shape: str, mode: str) -> tuple[list[str], str | None]:
+    """Best fused configurations of a (shape, mode) run (top 2 and the best without PDL)
+    and the best xop one."""
+    rs = [r for r in recs if r["shape"] == shape and r["mode"] == mode and r["fmt"] == "nvfp4"]
+    picks = [r["variant"] for r in ranked(rs, kind="layer", act="fused")[:2]]
+    nopdl = ranked(rs, kind="layer", act="fused", pdl=False)
+    if nopdl and nopdl[0]["variant"] not in picks:
+        picks.append(nopdl[0]["variant"])
+    gemm = ranked(rs, kind="gemm")
+    return picks, (gemm[0]["variant"] if gemm else None)
 
-    out = []
-    for shape, (n, k) in SHAPES.items():
-        for mode in ("none", "full"):
-            rs = [r for r in p1 if r["shape"] == shape and r["mode"] == mode]
-            fused = ranked(rs, kind="layer", act="fused")
-            picks = [r["variant"] for r in fused[:3]]
-            nopdl = ranked(rs, kind="layer", act="fused", pdl=False)
-            if nopdl and nopdl[0]["variant"] not in picks:
-                picks.append(nopdl[0]["variant"])
-            gemm = ranked(rs, kind="gemm")
-            xop = gemm[0]["variant"] if gemm else None
-            for m in MS_PHASE2:
-                p = LinearProblem("nvfp4", mode, m, n, k)
-                for key in picks:
-                    v = adapt(LinearSm90Variant.from_key(key), p)
-                    if v is not None:
-                        out.append(task("2", shape, p, "layer", v))
-                if xop is not None:
-                    v = adapt(LinearSm90Variant.from_key(xop), p)
-                    if v is not None:
-                        out.append(task("2", shape, p, "layer", v))
-                        out.append(task("2", shape, p, "gemm", v))
-            p128 = LinearProblem("nvfp4", mode, 128, n, k)
-            top = [picks[0]] if picks else []
-            if picks:                          # the best configuration with PDL toggled
-                v0 = LinearSm90Variant.from_key(picks[0])
-                top.append(dataclasses.replace(v0, pdl=not v0.pdl).key())
-            for key in top + ([xop] if xop else []):
-                v = adapt(LinearSm90Variant.from_key(key), p128)
-                if v is not None:
-                    out.append(task("2", shape, p128, "layer", v))
-            # MXFP4 with the best NVFP4 configurations
-            for m in (1, 16):
-                p = LinearProblem("mxfp4", mode, m, n, k)
-                for key in picks + ([xop] if xop else []):
-                    v = adapt(LinearSm90Variant.from_key(key), p)
-                    if v is not None:
-                        out.append(task("2", shape, p, "layer", v))
-        # K-Ext 0.125: its own candidates (K + extension = 18 or 54 K groups), PDL ones
-        for m in (1, 16):
-            p = LinearProblem("nvfp4", "0.125", m, n, k)
-            cands = [v for kind, v in phase1_tasks(p) if kind == "layer" and
-                     (v.pdl or not v.fused)]
-            for v in cands[:6] + [v for v in cands[6:] if not v.fused][:1]:
-                out.append(task("2", shape, p, "layer", v))
-    # distinct (kind, problem, variant) only
+
+def _adapted(out: list, shape: str, p, keys, kinds=("layer",)) -> None:
+    from resgen.search.linear_sm90 import LinearSm90Variant
+
+    for key in keys:
+        v = adapt(LinearSm90Variant.from_key(key), p)
+        if v is not None:
+            for kind in kinds:
+                if kind == "layer" or not v.fused:
+                    out.append(task("2", shape, p, kind, v))
+
+
+def _unique(out: list[dict]) -> list[dict]:
     seen, uniq = set(), []
     for t in out:
         key = (t["kind"], t["problem"], t["variant"])
         if key not in seen:
             seen.add(key)
             uniq.append(t)
-    order = {m: i for i, m in enumerate((1,) + MS_PHASE2 + (128,))}
+    return uniq
+
+
+def phase2_tasks(p1: list[dict]) -> list[dict]:
+    """M = 16 as broadly as M = 1 (its winners need not be M = 1's), MXFP4 at M = 1 with
+    M = 1's best configurations, K-Ext 0.125 at M = 1 with its own candidates."""
+    from resgen.search.variant import LinearProblem
+
+    out = []
+    for shape, (n, k) in SHAPES.items():
+        for mode in ("none", "full"):
+            p = LinearProblem("nvfp4", mode, 16, n, k)
+            out += [task("2", shape, p, kind, v) for kind, v in phase1_tasks(p)]
+        for mode in ("none", "full"):
+            picks, xop = _picks(p1, shape, mode)
+            _adapted(out, shape, LinearProblem("mxfp4", mode, 1, n, k),
+                     picks + ([xop] if xop else []))
+        out += _kext_tasks(shape, LinearProblem("nvfp4", "0.125", 1, n, k))
+    return _unique(out)
+
+
+def _kext_tasks(shape, p) -> list[dict]:
+    """K-Ext: its own candidates (K + extension = 18 or 54 K groups), PDL ones first."""
+    cands = [v for kind, v in phase1_tasks(p) if kind == "layer" and (v.pdl or not v.fused)]
+    return [task("2", shape, p, "layer", v)
+            for v in cands[:6] + [v for v in cands[6:] if not v.fused][:1]]
+
+
+def phase3_tasks(p1: list[dict], p2: list[dict]) -> list[dict]:
+    """The other M with the best configurations of M = 1 and M = 16 (fused and xop: layer and
+    GEMM), M = 128 with the best M = 16 ones, MXFP4 and K-Ext 0.125 at M = 16."""
+    import dataclasses as dc
+
+    from resgen.search.linear_sm90 import LinearSm90Variant
+    from resgen.search.variant import LinearProblem
+
+    out = []
+    for shape, (n, k) in SHAPES.items():
+        for mode in ("none", "full"):
+            picks1, xop1 = _picks(p1, shape, mode)
+            picks16, xop16 = _picks(p2, shape, mode)
+            keys = list(dict.fromkeys(picks1 + picks16))
+            xops = list(dict.fromkeys([x for x in (xop1, xop16) if x]))
+            for m in MS_PHASE2:
+                if m == 16:
+                    continue
+                p = LinearProblem("nvfp4", mode, m, n, k)
+                _adapted(out, shape, p, keys)
+                _adapted(out, shape, p, xops, kinds=("layer", "gemm"))
+            p128 = LinearProblem("nvfp4", mode, 128, n, k)
+            top = picks16[:1]
+            if top:                            # the best configuration with PDL toggled
+                v0 = LinearSm90Variant.from_key(top[0])
+                top.append(dc.replace(v0, pdl=not v0.pdl).key())
+            _adapted(out, shape, p128, top + xops[-1:])
+            _adapted(out, shape, LinearProblem("mxfp4", mode, 16, n, k),
+                     picks16 + xops[-1:])
+        out += _kext_tasks(shape, LinearProblem("nvfp4", "0.125", 16, n, k))
+    order = {m: i for i, m in enumerate(MS_PHASE2 + (128,))}
     klass = {("nvfp4", "none"): 0, ("nvfp4", "full"): 0, ("mxfp4", "none"): 1,
              ("mxfp4", "full"): 1, ("nvfp4", "0.125"): 2}
-    return sorted(uniq, key=lambda t: (t["m"] == 128, klass[(t["fmt"], t["mode"])],
-                                       order.get(t["m"], 99)))
+    return sorted(_unique(out), key=lambda t: (t["m"] == 128, klass[(t["fmt"], t["mode"])],
+                                               order.get(t["m"], 99)))
 
 
 # ----------------------------------------------------------------------------- report
@@ -712,8 +754,13 @@ def main() -> None:
           f"{sum(1 for r in r1 if r.get('error'))} failed/skipped", flush=True)
     tasks2 = phase2_tasks(r1)
     print(f"[{time.time() - T0:6.1f} s] phase 2: {len(tasks2)} tasks", flush=True)
-    r2 = pool.run(tasks2, slots_per_group=max(1, -(-nw // 20)))
+    r2 = pool.run(tasks2, slots_per_group=max(1, -(-nw // 16)))
     REPORT["tasks"] += r2
+    write(path)
+    tasks3 = phase3_tasks(r1, r2)
+    print(f"[{time.time() - T0:6.1f} s] phase 3: {len(tasks3)} tasks", flush=True)
+    r3 = pool.run(tasks3, slots_per_group=max(1, -(-nw // 16)))
+    REPORT["tasks"] += r3
     write(path)
     stop.set()
     bt.join(timeout=60)

@@ -34,7 +34,10 @@ def test_plan_tasks_are_valid_and_cover_the_kinds():
     for t in t1:
         t["median_us"] = rng.uniform(5, 20)
     t2 = B.phase2_tasks(t1)
-    for t in t1 + t2:
+    for t in t2:
+        t["median_us"] = rng.uniform(5, 20)
+    t3 = B.phase3_tasks(t1, t2)
+    for t in t1 + t2 + t3:
         p = LinearProblem.from_key(t["problem"])
         v = LinearSm90Variant.from_key(t["variant"])
         assert FAMILY.why_invalid(v, p, "sm_90a") is None, (t["name"], p.key())
@@ -46,13 +49,17 @@ def test_plan_tasks_are_valid_and_cover_the_kinds():
             ("layer", "xop", False)} <= kinds
     per_layer = {(t["shape"], t["mode"]) for t in t1}
     assert len(per_layer) == 8
-    ms = {(t["fmt"], t["mode"], t["m"]) for t in t2}
-    for m in B.MS_PHASE2:
+    ms = {(t["fmt"], t["mode"], t["m"]) for t in t2 + t3}
+    for m in B.MS_PHASE2 + (128,):
         assert ("nvfp4", "none", m) in ms and ("nvfp4", "full", m) in ms
-    assert ("mxfp4", "full", 16) in ms and ("nvfp4", "0.125", 1) in ms
-    assert t2[0]["fmt"] == "nvfp4" and t2[0]["mode"] in ("none", "full")
-    assert t2[-1]["m"] == 128 or t2[-1]["mode"] == "0.125"
-    ids = [t["id"] for t in t1 + t2]
+    for key in (("mxfp4", "full", 1), ("mxfp4", "none", 16), ("nvfp4", "0.125", 1),
+                ("nvfp4", "0.125", 16)):
+        assert key in ms
+    m16 = [t for t in t2 if t["m"] == 16 and t["mode"] == "full" and t["shape"] == "o"]
+    assert len({t["variant"] for t in m16}) >= 15           # M = 16 searched broadly
+    assert t3[0]["fmt"] == "nvfp4" and t3[0]["mode"] in ("none", "full")
+    assert t3[-1]["m"] == 128
+    ids = [t["id"] for t in t1 + t2 + t3]
     assert len(ids) == len(set(ids))
 
 
