@@ -209,6 +209,12 @@ def worker_main(idx: int, q_in, q_out, lock_path: str, deadline: float) -> None:
             rec["error"] = "skipped: time budget"
             q_out.put(("done", idx, rec))
             continue
+        off = [k for k in ("pdl", "fused") if os.path.exists(f"{lock_path}.skip_{k}")
+               and (task["pdl"] if k == "pdl" else task["act"] == "fused")]
+        if off:
+            rec["error"] = f"skipped: {off[0]} variants hung or crashed repeatedly"
+            q_out.put(("done", idx, rec))
+            continue
         try:
             p = LinearProblem.from_key(task["problem"])
             v = LinearSm90Variant.from_key(task["variant"])
@@ -279,6 +285,7 @@ class Pool:
         self.procs = [self._spawn(i) for i in range(n)]
         self.inflight: dict[int, tuple[int, float]] = {}
         self.claimed: dict[int, int] = {}
+        self.broken: dict[str, int] = {}
         self.respawns = 0
 
     def _spawn(self, i: int):
@@ -287,6 +294,16 @@ class Pool:
                                    T0 + BUDGET_S))
         p.start()
         return p
+
+    def _breaker(self, task: dict) -> None:
+        """Two hung / crashed PDL tasks (or three fused ones) switch the rest of that kind
+        off: a systematic failure must not eat the budget 60 s at a time."""
+        for kind, hit, limit in (("pdl", task.get("pdl"), 2),
+                                 ("fused", task.get("act") == "fused", 3)):
+            if hit:
+                self.broken[kind] = self.broken.get(kind, 0) + 1
+                if self.broken[kind] >= limit:
+                    Path(f"{self.lock}.skip_{kind}").touch()
 
     def _replace(self, i: int, why: str) -> None:
         REPORT["errors"].append(f"worker {i}: {why}")
@@ -334,6 +351,7 @@ class Pool:
                 for i, (tid, t0) in list(self.inflight.items()):
                     if now - t0 > HANG_S:
                         got[tid] = dict(byid[tid], error=f"hung > {HANG_S:.0f} s: killed")
+                        self._breaker(byid[tid])
                         self._replace(i, f"task {tid} hung")
                 for i in dead:
                     if not self.procs[i].is_alive():
@@ -342,6 +360,7 @@ class Pool:
                         tid = self.claimed.get(i)
                         if tid is not None and tid in byid and tid not in got:
                             got[tid] = dict(byid[tid], error="worker died while running it")
+                            self._breaker(byid[tid])
                         self._replace(i, f"died (exit code {self.procs[i].exitcode})")
                 continue
             if kind == "claim":
@@ -354,6 +373,9 @@ class Pool:
                 if obj["id"] in want:
                     got[obj["id"]] = obj
             elif kind == "lost":
+                tid = self.claimed.get(i)
+                if tid in byid:
+                    self._breaker(byid[tid])
                 self.inflight.pop(i, None)
                 self.procs[i].join(timeout=5)
                 self._replace(i, obj)

@@ -95,7 +95,8 @@ def test_pool_replaces_hung_and_dead_workers(monkeypatch, tmp_path):
     monkeypatch.setattr(B, "BUDGET_S", time.time() - B.T0 + 60.0)
     monkeypatch.setattr(B, "GRACE_S", 10.0)
     monkeypatch.setattr(B, "REPORT", {"tasks": [], "baselines": [], "errors": []})
-    tasks = [{"id": i, "group": f"g{i % 3}", "name": "ok"} for i in range(24)]
+    tasks = [{"id": i, "group": f"g{i % 3}", "name": "ok", "pdl": False, "act": "xop"}
+             for i in range(24)]
     tasks[5]["name"] = "hang"
     tasks[11]["name"] = "die"
     tasks[17]["name"] = "lost"
@@ -117,7 +118,8 @@ def test_pool_skips_tasks_past_the_budget(monkeypatch, tmp_path):
     monkeypatch.setattr(B, "REPORT", {"tasks": [], "baselines": [], "errors": []})
     monkeypatch.setattr(B, "BUDGET_S", time.time() - B.T0 - 1.0)     # already over
     monkeypatch.setattr(B, "GRACE_S", 20.0)
-    tasks = [{"id": i, "group": "g", "name": "ok"} for i in range(4)]
+    tasks = [{"id": i, "group": "g", "name": "ok", "pdl": False, "act": "xop"}
+             for i in range(4)]
     pool = B.Pool(2, str(tmp_path / "lock"), target=stub_worker)
     try:
         out = pool.run(tasks, slots_per_group=2)
@@ -175,3 +177,43 @@ def test_main_end_to_end_with_a_fake_worker(monkeypatch, tmp_path):
     sums = [ln for ln in rep["table"] if ln.startswith("sum nvfp4")]
     assert any("none  M=  1" in ln for ln in sums) and any("full  M= 16" in ln for ln in sums)
     assert any(ln.startswith("triton mxfp4") for ln in rep["table"])
+
+
+@pytest.mark.slow
+def test_repeated_pdl_hangs_switch_pdl_off(monkeypatch, tmp_path):
+    monkeypatch.setattr(B, "HANG_S", 2.0)
+    monkeypatch.setattr(B, "BUDGET_S", time.time() - B.T0 + 60.0)
+    monkeypatch.setattr(B, "GRACE_S", 10.0)
+    monkeypatch.setattr(B, "REPORT", {"tasks": [], "baselines": [], "errors": []})
+    tasks = [{"id": i, "group": "g", "name": "hang" if i < 2 else "ok", "pdl": i % 2 == 0
+              or i < 2, "act": "xop"} for i in range(8)]
+    pool = B.Pool(1, str(tmp_path / "lock"), target=breaker_worker)
+    try:
+        out = pool.run(tasks, slots_per_group=1)
+    finally:
+        pool.close()
+    assert "hung" in out[0]["error"] and "hung" in out[1]["error"]
+    for r in out[2:]:
+        if r["pdl"]:
+            assert r["error"].startswith("skipped: pdl")
+        else:
+            assert r.get("median_us")
+
+
+def breaker_worker(idx, q_in, q_out, lock_path, deadline):
+    """stub_worker that honours the skip flags like the bench worker."""
+    while True:
+        task = q_in.get()
+        if task is None:
+            break
+        q_out.put(("claim", idx, task["id"]))
+        rec = dict(task)
+        if task["pdl"] and os.path.exists(f"{lock_path}.skip_pdl"):
+            rec["error"] = "skipped: pdl variants hung or crashed repeatedly"
+            q_out.put(("done", idx, rec))
+            continue
+        q_out.put(("start", idx, task["id"]))
+        if task["name"] == "hang":
+            time.sleep(3600)
+        rec["median_us"] = 1.0
+        q_out.put(("done", idx, rec))

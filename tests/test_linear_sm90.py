@@ -259,7 +259,6 @@ def test_make_xop_rejects_mismatched_inputs():
 
 # ----------------------------------------------------------------------------- variants
 
-from resgen.kernels.linear_sm90_geom import Geometry  # noqa: E402
 from resgen.kernels.linear_sm90_sim import simulate_kernel  # noqa: E402
 from resgen.search import family as family_registry  # noqa: E402
 from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant,  # noqa: E402

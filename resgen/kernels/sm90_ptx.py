@@ -47,7 +47,7 @@ atomics and fences are not.
 
 from __future__ import annotations
 
-from cutlass import Boolean, Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op

@@ -38,7 +38,6 @@ memory by ldmatrix, output through shared memory, wgmma.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Sequence
