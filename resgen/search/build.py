@@ -39,6 +39,9 @@ def _template_dir(family: KernelFamily) -> Path | None:
     return Path(d) if d is not None else None
 
 
+COMPILE_KEY_ATTR = "resgen_compile_key"
+
+
 @dataclass(frozen=True)
 class Rendered:
     path: Path
@@ -120,5 +123,11 @@ def compile_variant(family: KernelFamily, variant: VariantBase, problem: Problem
                                         compile_options(family))
     except Exception as e:
         return CompileOutcome(False, r.fingerprint, error=format_error(e))
+    try:
+        # Runners can then refuse a kernel compiled for another compile key (e.g. a fused
+        # linear kernel whose operand tile was sized for fewer tokens).
+        setattr(res.fn, COMPILE_KEY_ATTR, r.compile_problem.key())
+    except (AttributeError, TypeError):
+        pass
     return CompileOutcome(True, r.fingerprint, res.seconds, res.registers, res.spill_bytes,
                           None, res.fn)

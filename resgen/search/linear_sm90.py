@@ -470,6 +470,15 @@ class LinearSm90Runner:
     def __init__(self, compiled, variant, problem, device, n_sets, seed):
         from ..kernels.linear_sm90 import LinearSm90Launcher
 
+        from .build import COMPILE_KEY_ATTR
+
+        made_for = getattr(compiled, COMPILE_KEY_ATTR, None)
+        if made_for is not None and made_for != FAMILY.compile_key(variant, problem).key():
+            # The host geometry (grid, operand tile) comes from `problem`; a kernel compiled
+            # for another key would silently skip rows (seen on the H200 when a fused kernel
+            # compiled for one token was run with three).
+            raise ValueError(f"{variant.name()} was compiled for {made_for}, not for "
+                             f"{FAMILY.compile_key(variant, problem).key()}")
         self.variant, self.problem = variant, problem
         self.geom = geometry_of(variant, problem)
         self.device = torch.device(device)
