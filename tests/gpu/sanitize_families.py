@@ -1,0 +1,59 @@
+"""Run one variant of every Hopper kernel family once on a small problem, for
+`compute-sanitizer --tool memcheck` (it checks every launch of this process):
+
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_families.py
+
+Each family's default variant (plus a fused-quantization linear variant) is compiled with the
+pipeline, run through its runner's check() (fresh inputs, poisoned outputs, reference), and
+the result printed; the exit code is non-zero if a check fails.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from resgen.search import build
+from resgen.search.family import get_family
+from resgen.search.linear_sm90 import Act
+from resgen.search.quant_sm90 import QuantProblem
+from resgen.search.variant import AttentionProblem, LinearProblem
+
+ARCH = "sm_90a"
+
+
+def main() -> int:
+    lp = LinearProblem("nvfp4", "full", 3, 256, 1024)
+    lin = get_family("linear_sm90_mma")
+    fused = [v for v in lin.space(lp, ARCH) if v.act == Act.FUSED
+             and lin.why_invalid(v, lp, ARCH) is None][:1]
+    cases = [(lin, lin.default(lp, ARCH), lp), *[(lin, v, lp) for v in fused]]
+    qf = get_family("quant_sm90")
+    qp = QuantProblem.for_linear(lp, kp_align=256)
+    cases.append((qf, qf.default(qp, ARCH), qp))
+    wg = get_family("linear_sm90_wgmma")
+    wp = LinearProblem("nvfp4", "full", 40, 256, 1024)
+    cases.append((wg, wg.default(wp, ARCH), wp))
+    af = get_family("attention_sm90")
+    ap = AttentionProblem(batch=2, q_heads=8, kv_heads=2, head_dim=128, kv_len=300)
+    cases.append((af, af.default(ap, ARCH), ap))
+    failed = 0
+    for fam, v, p in cases:
+        t0 = time.time()
+        out = build.compile_variant(fam, v, p, ARCH)
+        if not out.ok:
+            print(f"{fam.NAME} {v.name()}: COMPILE FAILED {out.error[:300]}")
+            failed += 1
+            continue
+        res = fam.runner(out.compiled, v, p, "cuda", n_sets=1, seed=1).check()
+        torch.cuda.synchronize()
+        failed += not res.ok
+        print(f"{fam.NAME:18s} {v.name()}: ok={res.ok} rel={res.rel_err:.2e} "
+              f"{res.detail} ({time.time() - t0:.1f} s)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
