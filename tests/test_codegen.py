@@ -281,3 +281,33 @@ def test_compile_only_every_registered_template_family(module):
             assert out.ok, f"{fam.NAME} {v.name()} on {arch}: {out.error}"
             assert out.fingerprint == variant_fingerprint(fam, v, p, arch)
             assert out.spill_bytes in (None, 0), f"{v.name()} spills {out.spill_bytes} bytes"
+
+
+def test_fingerprint_covers_imported_kernel_modules(tmp_path, monkeypatch):
+    """Editing a device helper a kernel imports (directly or through another helper) changes
+    the fingerprint, like editing its template; unrelated modules do not."""
+    import hashlib
+
+    from resgen.kernels import codegen as cg
+
+    (tmp_path / "helper_a.py").write_text("from . import helper_b\nX = 1\n")
+    (tmp_path / "helper_b.py").write_text("Y = 2\n")
+    (tmp_path / "unrelated.py").write_text("Z = 3\n")
+    monkeypatch.setattr(cg, "_KERNELS_DIR", tmp_path)
+    src = ("import cutlass\nfrom resgen.kernels.helper_a import (X,\n    X as X2)\n"
+           "def f():\n    return X\n")
+
+    def digest():
+        cg._module_closure.cache_clear()
+        return cg.kernel_modules_digest(src)
+
+    d0 = digest()
+    (tmp_path / "unrelated.py").write_text("Z = 4\n")
+    assert digest() == d0
+    (tmp_path / "helper_b.py").write_text("Y = 5\n")
+    d1 = digest()
+    assert d1 != d0
+    (tmp_path / "helper_a.py").write_text("from . import helper_b\nX = 6\n")
+    assert digest() != d1
+    assert cg.kernel_modules_digest("import os\n") == hashlib.sha256().hexdigest()
+    cg._module_closure.cache_clear()

@@ -12,9 +12,12 @@ problem: nothing read from a tuning database is rendered without passing through
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -138,13 +141,72 @@ def cute_dsl_version() -> str:
             return "absent"
 
 
+_KERNELS_DIR = Path(__file__).resolve().parent
+_PKG = "resgen.kernels"
+
+
+def _kernel_imports(source: str, package: str = _PKG) -> set[str]:
+    """Names of the resgen.kernels modules a Python source imports (absolute or relative)."""
+    found: set[str] = set()
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return found
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name[len(_PKG) + 1:] for a in node.names if a.name.startswith(_PKG + ".")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level == 1 and package == _PKG:      # from .x import y / from . import x
+                base = f"{_PKG}.{base}" if base else _PKG
+            if base == _PKG:
+                found |= {a.name for a in node.names}
+            elif base.startswith(_PKG + "."):
+                found.add(base[len(_PKG) + 1:])
+    return {m.split(".")[0] for m in found if (_KERNELS_DIR / f"{m.split('.')[0]}.py").is_file()}
+
+
+@functools.lru_cache(maxsize=None)
+def _module_closure(mods: frozenset[str]) -> str:
+    """sha256 over the given resgen.kernels modules and everything they import, transitively
+    (cached: module files do not change under a running process)."""
+    todo, seen = sorted(mods), set()
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        todo.extend(_kernel_imports((_KERNELS_DIR / f"{mod}.py").read_text()) - seen)
+    h = hashlib.sha256()
+    for mod in sorted(seen):
+        h.update(mod.encode())
+        h.update((_KERNELS_DIR / f"{mod}.py").read_bytes())
+    return h.hexdigest()
+
+
+_IMPORT_LINE = re.compile(
+    r"^[ \t]*(?:from[ \t]+resgen\.kernels\S*[ \t]+import[ \t]+(?:\([^)]*\)|[^\n]*)"
+    r"|import[ \t]+resgen\.kernels[^\n]*)", re.MULTILINE)
+
+
+def kernel_modules_digest(source: str) -> str:
+    """sha256 of every resgen.kernels module the rendered source imports, transitively: the
+    device helpers (decode, quantization math, PTX wrappers, index maps) are part of what
+    produced the kernel, so editing one invalidates stored results like editing a template.
+    (Only the import statements of the rendered source are parsed: it is called per stored
+    row by the runtime and the table audit.)"""
+    imports = "\n".join(m.group(0).strip() for m in _IMPORT_LINE.finditer(source))
+    return _module_closure(frozenset(_kernel_imports(imports)))
+
+
 def fingerprint(source: str, template: str, options: str, arch: str,
                 template_dir: Path | None = None) -> str:
-    """sha256 over what produced a kernel: rendered source, template files, compile options,
-    arch, resgen and CuTe DSL versions. Stored with every result; editing a template changes it."""
+    """sha256 over what produced a kernel: rendered source, template files, the resgen.kernels
+    modules the source imports (transitively), compile options, arch, resgen and CuTe DSL
+    versions. Stored with every result; editing a template or a device helper changes it."""
     h = hashlib.sha256()
-    for part in (source, template_digest(template, template_dir), options, arch, __version__,
-                 cute_dsl_version()):
+    for part in (source, template_digest(template, template_dir), kernel_modules_digest(source),
+                 options, arch, __version__, cute_dsl_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()

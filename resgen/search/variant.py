@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import typing
@@ -61,8 +62,13 @@ def _to_jsonable(v: Any) -> Any:
     return v
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _parse_field(cls, f: dataclasses.Field, raw: Any) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     tp = hints[f.name]
     origin = typing.get_origin(tp)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
