@@ -1,0 +1,369 @@
+"""Latency of residue-compensated FP4 linear layers relative to plain FP4 against M, one panel per
+Qwen3-8B shape (the paper's Fig. 18 style), from the committed H200 results:
+
+    python bench/plot_linear.py      # writes bench/results/h200/linear_relative_latency.{svg,md}
+
+Inputs (options --decode / --prefill / --out-dir override the defaults):
+- decode, M = 1..128, family linear_sm90_mma: bench/results/h200/final_linear_sm90_check.json.
+  Used: records of its "tasks" list with kind == "layer" (the whole layer from BF16 activations,
+  activation quantization included: fused one-launch variants and xop = quant_sm90 + GEMM),
+  pdl == false, timing_mode != "eager" (all others are "graph") and a median_us; per
+  (shape, fmt, mode, m) the smallest median_us. This is exactly the "layer" column of that
+  file's "table" (the ratio is its "ext/pl" column). Not used: kind == "gemm"
+  (GEMM-only on a prepared operand) and pdl == true (back-to-back launches overlapping, a
+  different timed quantity; the prefill family has no such column).
+- prefill, M = 128..2048, family linear_sm90_wgmma:
+  bench/results/h200/final_linear_sm90_wgmma_prefill.json. Used: records of its "entries" list
+  with quantizer == true (quant_sm90 + GEMM: the whole layer), check.ok and a median_us; per
+  (shape, fmt, mode, m) the smallest median_us (the whole-layer columns of its "table"). Not
+  used: quantizer == false (GEMM-only variant selection).
+y = best(mode) / best(plain, mode "none") for the same shape, format, M and file (kernel
+family), so plain = 1.0 and lower is faster. At M = 128 both families were measured; both points
+are drawn (decode: filled circles, prefill: open squares) with a dotted line at the change.
+modes: "full" = M-Ext (full residue as extra rows, 2M rows), "0.125".."1.0" = K-Ext with that
+fraction of channels compensated (K grows by that fraction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import svgplot as sp  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "h200"
+DECODE_JSON = RESULTS / "final_linear_sm90_check.json"
+PREFILL_JSON = RESULTS / "final_linear_sm90_wgmma_prefill.json"
+OUT_NAME = "linear_relative_latency"
+
+SHAPES = ("qkv", "o", "gate_up", "down")          # panel order
+M_TICKS = tuple(2 ** i for i in range(12))        # 1 .. 2048
+FAMILY_SPLIT_M = 128                              # decode family for M <= 128, prefill for >=
+
+
+@dataclass(frozen=True)
+class Family:
+    tag: str          # "decode" | "prefill"
+    kernel: str       # the kernel family's registry name
+    marker: str       # svgplot marker of its points
+    m_lo: int
+    m_hi: int
+
+
+DECODE = Family("decode", "linear_sm90_mma", "circle", 1, FAMILY_SPLIT_M)
+PREFILL = Family("prefill", "linear_sm90_wgmma", "open-square", FAMILY_SPLIT_M, 1 << 30)
+
+# (fmt, mode) -> (legend label, colour), in legend order. Other compensated modes found in the
+# files get a generic label and the remaining colours.
+KNOWN = {("nvfp4", "full"): ("NVFP4 M-Ext (full residue)", "#d62728"),
+         ("nvfp4", "0.125"): ("NVFP4 K-Ext 0.125", "#1f77b4"),
+         ("nvfp4", "0.25"): ("NVFP4 K-Ext 0.25", "#2ca02c"),
+         ("nvfp4", "0.5"): ("NVFP4 K-Ext 0.5", "#9467bd"),
+         ("nvfp4", "1.0"): ("NVFP4 K-Ext 1.0", "#ff7f0e"),
+         ("mxfp4", "full"): ("MXFP4 M-Ext (full residue)", "#8c564b")}
+SPARE_COLORS = ("#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+
+Key = tuple[str, str, str, int]                   # (shape, fmt, mode, m)
+
+
+def _us(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) and x > 0 else None
+
+
+def _keep_min(best: dict[Key, float], key: Key, us: float) -> None:
+    if key not in best or us < best[key]:
+        best[key] = us
+
+
+def decode_best(report: dict) -> dict[Key, float]:
+    """Best whole-layer, non-PDL, graph-timed median (us) per (shape, fmt, mode, m) of a
+    gpu_linear_check.py report (see the module docstring for the fields)."""
+    tasks = report.get("tasks") if isinstance(report, dict) else None
+    if not isinstance(tasks, list):
+        raise ValueError("decode report: expected a dict with a 'tasks' list "
+                         "(bench/gpu_linear_check.py output)")
+    best: dict[Key, float] = {}
+    for t in tasks:
+        us = _us(t.get("median_us"))
+        if (t.get("kind") == "layer" and t.get("pdl") is False
+                and t.get("timing_mode") != "eager" and us is not None):
+            _keep_min(best, (t["shape"], t["fmt"], str(t["mode"]), int(t["m"])), us)
+    return best
+
+
+def prefill_best(report: dict) -> dict[Key, float]:
+    """Best whole-layer (quantizer + GEMM) median (us) per (shape, fmt, mode, m) of a
+    gpu_prefill_check.py report, over entries whose correctness check passed."""
+    entries = report.get("entries") if isinstance(report, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError("prefill report: expected a dict with an 'entries' list "
+                         "(bench/gpu_prefill_check.py output)")
+    best: dict[Key, float] = {}
+    for e in entries:
+        us = _us(e.get("median_us"))
+        if e.get("quantizer") is True and (e.get("check") or {}).get("ok") and us is not None:
+            _keep_min(best, (e["shape"], e["fmt"], str(e["mode"]), int(e["m"])), us)
+    return best
+
+
+def ratios(best: dict[Key, float]) -> dict[Key, float]:
+    """best[compensated] / best[plain] of the same (shape, fmt, m); keys without a plain
+    measurement are left out."""
+    out = {}
+    for (shape, fmt, mode, m), us in best.items():
+        plain = best.get((shape, fmt, "none", m))
+        if mode != "none" and plain:
+            out[(shape, fmt, mode, m)] = us / plain
+    return out
+
+
+def shape_dims(*reports: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of each shape, read from the records' canonical problem keys."""
+    dims: dict[str, tuple[int, int]] = {}
+    for rep in reports:
+        for r in (rep.get("tasks") or []) + (rep.get("entries") or []):
+            try:
+                p = json.loads(r["problem"])
+                dims.setdefault(r["shape"], (int(p["n"]), int(p["k"])))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return dims
+
+
+def series_styles(*ratio_maps: dict[Key, float]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(fmt, mode) -> (label, colour) for every compensated mode present, KNOWN ones first."""
+    present = {(fmt, mode) for r in ratio_maps for (_, fmt, mode, _) in r}
+    styles = {k: v for k, v in KNOWN.items() if k in present}
+    for i, (fmt, mode) in enumerate(sorted(present - set(KNOWN))):
+        styles[(fmt, mode)] = (f"{fmt.upper()} {mode}", SPARE_COLORS[i % len(SPARE_COLORS)])
+    return styles
+
+
+def panel_series(shape: str, fam_ratios: list[tuple[Family, dict[Key, float]]],
+                 styles: dict[tuple[str, str], tuple[str, str]]) -> list[sp.Series]:
+    """One line per (fmt, mode, family) measured for `shape`; the data-series key is
+    'fmt/mode/family'."""
+    out = []
+    for (fmt, mode), (label, color) in styles.items():
+        for fam, rat in fam_ratios:
+            pts = sorted((m, r) for (s, f, md, m), r in rat.items()
+                         if s == shape and f == fmt and md == mode and fam.m_lo <= m <= fam.m_hi)
+            if pts:
+                # dashed when it skips M values: only the drawn points were measured
+                gap = any(b[0] > 2 * a[0] for a, b in zip(pts, pts[1:]))
+                out.append(sp.Series(f"{label}, {fam.tag}", pts, color,
+                                     dash="5 3" if gap else "", marker=fam.marker,
+                                     key=f"{fmt}/{mode}/{fam.tag}"))
+    return out
+
+
+FRAME = sp.Frame(width=460, height=300, ml=52, mr=14, mt=30, mb=44)
+SUBTITLE = (
+    "y = whole-layer latency (BF16 activations in, activation quantization included) / plain FP4 "
+    "of the same format, shape, M and kernel family; lower is faster.",
+    "decode, M ≤ 128, linear_sm90_mma (filled circles): final_linear_sm90_check.json 'tasks', "
+    "kind=layer, pdl=false, timing_mode graph: min median_us (its table's 'layer' column).",
+    "prefill, M ≥ 128, linear_sm90_wgmma (open squares): final_linear_sm90_wgmma_prefill.json "
+    "'entries', quantizer=true, check.ok: min median_us.",
+    "Not used: GEMM-only (kind=gemm, quantizer=false) and PDL (pdl=true) timings.",
+    "Dotted vertical line: kernel family change (both measured at M = 128). Dashed coloured line: "
+    "the M values between its points were not measured.",
+)
+
+
+def _env_line(dec: dict, pre: dict) -> str:
+    e, p = dec.get("environment") or {}, pre.get("environment") or {}
+    return (f"{e.get('gpu_name', '?')} ({e.get('arch', '?')}), torch {e.get('torch', '?')}, "
+            f"CuTe DSL {e.get('cute_dsl', '?')}, timing {e.get('policy_label', '?')}; decode run "
+            f"{str(e.get('date', '?'))[:16]}, prefill run {str(p.get('date', '?'))[:16]} UTC; "
+            f"python bench/plot_linear.py")
+
+
+def render_svg(dec: dict, pre: dict) -> str:
+    """The figure: a title, the data-source subtitle, a shared legend, 2 x 2 panels."""
+    d_rat, p_rat = ratios(decode_best(dec)), ratios(prefill_best(pre))
+    fam_ratios = [(DECODE, d_rat), (PREFILL, p_rat)]
+    styles = series_styles(d_rat, p_rat)
+    dims = shape_dims(dec, pre)
+    shapes = [s for s in SHAPES if s in dims] + sorted(set(dims) - set(SHAPES))
+    cols = 2
+    width = cols * FRAME.width + 20
+    body = [sp.text(14, 24, "FP4 linear layers on H200 (Hopper kernels, Qwen3-8B shapes): "
+                    "latency relative to plain FP4", size=15, weight="bold")]
+    y = 44
+    for line in SUBTITLE:
+        body.append(sp.text(14, y, line, size=10, fill="#333"))
+        y += 14
+    entries = [sp.Series("plain FP4 (= 1.0)", [], "#000", dash="5 3", marker="none")]
+    entries += [sp.Series(label, [], color, marker="none") for label, color in styles.values()]
+    entries += [sp.Series(f"{f.tag}: {f.kernel}", [], "#666", marker=f.marker)
+                for f in (DECODE, PREFILL)]
+    leg, leg_h = sp.legend(24, y + 8, entries, width - 40)
+    body += leg
+    top = y + 8 + leg_h
+    axes = sp.Axes(ylabel="latency / plain FP4", xlabel="M (tokens, log scale)",
+                   xticks=M_TICKS, xfmt=lambda x: f"{int(x)}", ymin=0.0, headroom=1.08,
+                   ystep=0.5, yfmt=lambda v: f"{v:.1f}x", ygrid=True,
+                   hlines=(sp.HLine(1.0, "#000", "5 3"),),
+                   vlines=(sp.VLine(FAMILY_SPLIT_M, "#555", "2 3", "decode (mma)",
+                                    "prefill (wgmma)"),))
+    origins = sp.grid_origins(len(shapes), cols, FRAME.width, FRAME.height, left=10, top=top)
+    for shape, (x0, y0) in zip(shapes, origins):
+        n, k = dims[shape]
+        body += sp.panel(x0, y0, f"{shape}  (N={n}, K={k})",
+                         panel_series(shape, fam_ratios, styles), axes, FRAME)
+    rows = (len(shapes) + cols - 1) // cols
+    height = top + rows * FRAME.height + 24
+    return sp.document(body, width, height, _env_line(dec, pre))
+
+
+def _cell(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _range(vals: list[float], digits: int = 2) -> str:
+    return f"{min(vals):.{digits}f}–{max(vals):.{digits}f}" if vals else "n/a"
+
+
+def render_md(dec: dict, pre: dict) -> str:
+    """The same ratios as a markdown table (plain latencies in us for scale) and the findings
+    computed from them."""
+    d_best, p_best = decode_best(dec), prefill_best(pre)
+    d_rat, p_rat = ratios(d_best), ratios(p_best)
+    styles = series_styles(d_rat, p_rat)
+    modes = list(styles)
+    dims = shape_dims(dec, pre)
+    shapes = [s for s in SHAPES if s in dims] + sorted(set(dims) - set(SHAPES))
+    fams = [(DECODE, d_best, d_rat), (PREFILL, p_best, p_rat)]
+    out = [f"# {OUT_NAME}: FP4 linear latency relative to plain FP4 (H200, Qwen3-8B shapes)", "",
+           "Generated by `python bench/plot_linear.py` (figure: "
+           f"[{OUT_NAME}.svg]({OUT_NAME}.svg)).", "",
+           "Each ratio is the best whole-layer median latency of the compensated mode divided by "
+           "the best whole-layer median of plain FP4 (mode `none`) of the same format, shape, M "
+           "and kernel family (lower is faster). Whole layer = BF16 activations in, activation "
+           "quantization included.", "",
+           f"- decode, M <= {FAMILY_SPLIT_M}, `{DECODE.kernel}`: `{DECODE_JSON.name}`, `tasks` "
+           "with `kind=layer`, `pdl=false`, `timing_mode` graph; min `median_us` (the file's "
+           "table column `layer`).",
+           f"- prefill, M >= {FAMILY_SPLIT_M}, `{PREFILL.kernel}`: `{PREFILL_JSON.name}`, "
+           "`entries` with `quantizer=true` and `check.ok`; min `median_us`.",
+           "- Not used: GEMM-only timings (`kind=gemm`, `quantizer=false`) and PDL timings "
+           "(`pdl=true`).", "",
+           "| shape | M | family | plain NVFP4 us | " + " | ".join(styles[m][0] for m in modes)
+           + " | plain MXFP4 us |",
+           "| --- | ---: | --- | ---: | " + " | ".join("---:" for _ in modes) + " | ---: |"]
+    for shape in shapes:
+        for fam, best, rat in fams:
+            ms = sorted({m for (s, _, _, m) in best if s == shape and fam.m_lo <= m <= fam.m_hi})
+            for m in ms:
+                cells = [_cell(rat.get((shape, f, md, m))) for f, md in modes]
+                out.append(f"| {shape} | {m} | {fam.tag} | "
+                           f"{_cell(best.get((shape, 'nvfp4', 'none', m)), 1)} | "
+                           + " | ".join(cells)
+                           + f" | {_cell(best.get((shape, 'mxfp4', 'none', m)), 1)} |")
+    out += ["", "## What it shows", ""] + findings(d_best, p_best, dims)
+    return "\n".join(out) + "\n"
+
+
+def findings(d_best: dict[Key, float], p_best: dict[Key, float],
+             dims: dict[str, tuple[int, int]]) -> list[str]:
+    """A few sentences whose numbers are all computed from the data."""
+    d_rat, p_rat = ratios(d_best), ratios(p_best)
+
+    def sel(rat, fmt, mode, pred):
+        return [r for (_, f, md, m), r in rat.items() if f == fmt and md == mode and pred(m)]
+
+    def tflops(best, pred):
+        return [2.0 * m * dims[s][0] * dims[s][1] / us * 1e-6
+                for (s, f, md, m), us in best.items()
+                if f == "nvfp4" and md == "none" and pred(m) and s in dims]
+
+    lines = []
+    small = sel(d_rat, "nvfp4", "full", lambda m: m <= 8)
+    m1 = sel(d_rat, "nvfp4", "full", lambda m: m == 1)
+    mx1 = sel(d_rat, "mxfp4", "full", lambda m: m == 1)
+    if small:
+        lines.append(f"- Decode, M = 1..8: NVFP4 M-Ext costs {_range(small)}x plain (median "
+                     f"{statistics.median(small):.3f}; M = 1 alone {_range(m1)}x); MXFP4 M-Ext "
+                     f"at M = 1 {_range(mx1)}x. The paper's B200 kernels show 3.1-7.8% median "
+                     "M-Ext overhead for M = 1..64.")
+    m16 = sel(d_rat, "nvfp4", "full", lambda m: m == 16)
+    mx16 = sel(d_rat, "mxfp4", "full", lambda m: m == 16)
+    if m16:
+        lines.append(f"- Decode, M = 16: NVFP4 M-Ext {_range(m16)}x, MXFP4 M-Ext "
+                     f"{_range(mx16)}x: from here the 2M rows of M-Ext are no longer hidden "
+                     "behind the weight read in the decode family.")
+    large = sel(d_rat, "nvfp4", "full", lambda m: 32 <= m <= FAMILY_SPLIT_M)
+    below = sorted((m, s) for (s, f, md, m), r in d_rat.items()
+                   if f == "nvfp4" and md == "full" and r < 1.0 and m >= 32)
+    if large:
+        text = f"- Decode, M = 32..{FAMILY_SPLIT_M}: NVFP4 M-Ext {_range(large)}x."
+        if below:
+            slow = [d_best[k] / p_best[k] for k in d_best
+                    if k[1:3] == ("nvfp4", "none") and k in p_best]
+            text += (" Ratios below 1 (" + ", ".join(f"{s} M={m}" for m, s in below)
+                     + ") do not mean M-Ext is free: it does strictly more work (2M rows), so "
+                     "they show the decode family's plain configurations are poorly tuned at "
+                     "that M")
+            text += (f" (at M = {FAMILY_SPLIT_M} its plain layer is {_range(slow)}x slower than "
+                     "the prefill family's)." if slow else ".")
+        lines.append(text)
+    big = lambda m: m >= 2 * FAMILY_SPLIT_M  # noqa: E731
+    pm = sel(p_rat, "nvfp4", "full", big)
+    if pm:
+        parts = [f"K-Ext {md} {_range(sel(p_rat, 'nvfp4', md, big))}x"
+                 for md in ("0.125", "0.25", "0.5", "1.0") if sel(p_rat, "nvfp4", md, big)]
+        k1_vs_m = [p_best[(s, f, "1.0", m)] / p_best[(s, f, "full", m)]
+                   for (s, f, md, m) in p_best if md == "full" and f == "nvfp4" and big(m)
+                   and (s, f, "1.0", m) in p_best]
+        lines.append(f"- Prefill, M = {2 * FAMILY_SPLIT_M}..2048: NVFP4 M-Ext {_range(pm)}x "
+                     f"plain (it doubles the rows); {', '.join(parts)}. The K-Ext cost grows "
+                     "with the compensated fraction of K; K-Ext 1.0 / M-Ext = "
+                     f"{_range(k1_vs_m)}.")
+    p128 = sel(p_rat, "nvfp4", "full", lambda m: m == FAMILY_SPLIT_M)
+    k128 = sel(p_rat, "nvfp4", "0.125", lambda m: m == FAMILY_SPLIT_M)
+    if p128:
+        tf = tflops(p_best, lambda m: m == FAMILY_SPLIT_M)
+        tf_big = tflops(p_best, lambda m: m >= 8 * FAMILY_SPLIT_M)
+        lines.append(f"- Prefill, M = {FAMILY_SPLIT_M}: M-Ext {_range(p128)}x, K-Ext 0.125 "
+                     f"{_range(k128)}x; plain reaches {_range(tf, 0)} TFLOP/s (dense "
+                     f"equivalent) at this M against {_range(tf_big, 0)} at M >= "
+                     f"{8 * FAMILY_SPLIT_M}, so part of the added work fits in idle compute.")
+    kd = [(s, m, r, d_rat.get((s, "nvfp4", "full", m)))
+          for (s, f, md, m), r in d_rat.items() if f == "nvfp4" and md == "0.125"]
+    if kd:
+        worse = sum(1 for *_, r, mx in kd if mx is not None and r > mx)
+        both = sum(1 for *_, mx in kd if mx is not None)
+        lines.append(f"- K-Ext 0.125 in the decode family (M = "
+                     f"{', '.join(str(m) for m in sorted({m for _, m, *_ in kd}))}): "
+                     f"{_range([r for _, _, r, _ in kd])}x plain, above M-Ext in {worse} of "
+                     f"{both} (shape, M) points.")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--decode", type=Path, default=DECODE_JSON)
+    ap.add_argument("--prefill", type=Path, default=PREFILL_JSON)
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    a = ap.parse_args(argv)
+    dec, pre = json.loads(a.decode.read_text()), json.loads(a.prefill.read_text())
+    svg, md = render_svg(dec, pre), render_md(dec, pre)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    for ext, text in (("svg", svg), ("md", md)):
+        path = a.out_dir / f"{OUT_NAME}.{ext}"
+        path.write_text(text)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
