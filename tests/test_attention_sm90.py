@@ -355,6 +355,20 @@ def test_hbm_bytes_accounting():
 cute = pytest.importorskip("cutlass.cute", reason="CuTe DSL not installed")
 
 
+def test_host_shape_has_the_device_cfg_fields():
+    """AttnShape copies AttnCfg's fields (the host module must import without CuTe DSL)."""
+    from resgen.kernels.attention_sm90 import AttnShape
+    from resgen.kernels.attention_sm90_device import AttnCfg
+
+    def spec(cls):
+        return [(f.name, f.type, f.default) for f in dataclasses.fields(cls)]
+
+    assert spec(AttnShape) == spec(AttnCfg)
+    sh = AttnShape(head_dim=128, group=4, page_size=32, num_warps=4, kc=32, compensation=True,
+                   packing="pair", pv="f16", reduction="none")
+    assert sh.cfg().threads == 128 and sh.cfg().__dict__ == sh.__dict__
+
+
 def _compile(v: AttentionSm90Variant, p: AttentionProblem):
     from resgen.search.build import compile_variant
     out = compile_variant(FAMILY, v, p, ARCH)

@@ -51,7 +51,12 @@ def helpers_digest() -> str:
 
 @dataclass(frozen=True)
 class AttnShape:
-    """Compile-time shape + variant fields of a decode-attention kernel."""
+    """Compile-time shape + variant fields of a decode-attention kernel.
+
+    The same fields as resgen.kernels.attention_sm90_device.AttnCfg, kept as a copy on purpose:
+    that module imports CuTe DSL (an optional extra) at import time, and shapes, template
+    parameters and HBM accounting must work without it. A test checks the two field lists
+    agree."""
 
     head_dim: int
     group: int

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -420,23 +420,33 @@ def _static_alpha(qw, device) -> torch.Tensor | None:
     return torch.as_tensor(qw.input_scale, dtype=torch.float32, device=device).reshape(1)
 
 
+def _cached_weight_sets(cache: dict[tuple, list], keep: int, prepare: Callable[[Any, str], Any],
+                        problem: LinearProblem, packing: str, device, n_sets: int,
+                        seed: int) -> list:
+    """[(qweight, prepare(qweight, packing))] * n_sets for the layer of `problem` (M plays no
+    part), held in `cache` for the `keep` most recent layers (oldest dropped first). Shared by
+    the linear_sm90_mma and linear_sm90_wgmma runners, each with its own cache and layout."""
+    key = (replace(problem, m=1).key(), packing, str(device), n_sets, seed)
+    if key in cache:
+        return cache[key]
+    while len(cache) >= keep:
+        cache.pop(next(iter(cache)))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sets = []
+    for _ in range(max(1, n_sets)):
+        qw = random_layer(problem, device, gen)
+        sets.append((qw, prepare(qw, packing)))
+    cache[key] = sets
+    return sets
+
+
 def _weight_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
     """[(qweight, Sm90Weight)] * n_sets for the problem's layer (M plays no part), cached for
     the few most recent layers: preparing big weights costs more than timing a variant."""
     from ..kernels.layouts import prepare_sm90_weight
 
-    key = (replace(problem, m=1).key(), packing, str(device), n_sets, seed)
-    if key in _WEIGHTS:
-        return _WEIGHTS[key]
-    while len(_WEIGHTS) >= _WEIGHTS_KEEP:
-        _WEIGHTS.pop(next(iter(_WEIGHTS)))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    sets = []
-    for _ in range(max(1, n_sets)):
-        qw = random_layer(problem, device, gen)
-        sets.append((qw, prepare_sm90_weight(qw, packing)))
-    _WEIGHTS[key] = sets
-    return sets
+    return _cached_weight_sets(_WEIGHTS, _WEIGHTS_KEEP, prepare_sm90_weight, problem, packing,
+                               device, n_sets, seed)
 
 
 def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n_sets: int,
@@ -458,7 +468,80 @@ def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n
     return sets
 
 
-class LinearSm90Runner:
+class _LinearRunnerCommon:
+    """What the linear_sm90_mma and linear_sm90_wgmma runners share: the state every runner
+    sets first, input-set rotation, attaching a quantizer and the whole-layer check behind it.
+    A subclass provides sets ([(qweight, weight, x, xop, alpha_x)]), out, launcher, cur and
+    _quantized_call(xb, outs, alpha, masks, wt, out)."""
+
+    variant: Any
+    problem: LinearProblem
+    geom: Any
+    device: torch.device
+    gen: torch.Generator
+    comp: Any
+    m: int
+    rows: int
+    sets: list
+    quantizer: Any
+    qsets: list
+    cur: int
+
+    def _init_common(self, variant, problem: LinearProblem, geometry: Callable[[Any, Any], Any],
+                     device, seed: int) -> None:
+        self.variant, self.problem = variant, problem
+        self.geom = geometry(variant, problem)
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.comp = _compensation(problem)
+        self.m, self.rows = problem.m, problem.rows
+
+    def bytes_per_set(self) -> int:
+        _, wt, _, xop, _ = self.sets[0]
+        return wt.nbytes() + xop.numel() * 2
+
+    def rotate(self, i: int) -> None:
+        self.cur = i % len(self.sets)
+
+    def _attach_quantizer(self, qkernel: Any, row_multiple: int) -> None:
+        """Per input set: bf16 activations, the quantizer's outputs (xop rows padded to
+        row_multiple), its static alpha (or None) and the K-Ext masks (or None)."""
+        self.quantizer = qkernel
+        self.qsets = []
+        for qw, _, x, _, _ in self.sets:
+            outs = qkernel.outputs(self.m, row_multiple=row_multiple, device=self.device)
+            alpha = None
+            if qkernel.config.alpha == "static":
+                alpha = torch.as_tensor(qw.input_scale, dtype=torch.float32,
+                                        device=self.device).reshape(1)
+            masks = None
+            if qw.selection is not None and self.problem.ratio is not None:
+                masks = qw.selection.masks.to(self.device)
+            self.qsets.append((x.to(torch.bfloat16).contiguous(), outs, alpha, masks))
+
+    def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_quantized(self) -> CheckResult:
+        """Fresh bf16 activations through the attached quantizer and the GEMM vs
+        resgen.reference.linear on the same bf16 values."""
+        from .. import reference
+
+        if self.quantizer is None:
+            raise ValueError("no quantizer attached")
+        qw, wt, _, _, _ = self.sets[0]
+        _, outs, alpha, masks = self.qsets[0]
+        xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
+              * 3).to(torch.bfloat16)
+        out = torch.full((self.m, self.problem.n), float("nan"), dtype=torch.bfloat16,
+                         device=self.device)
+        self._quantized_call(xb, outs, alpha, masks, wt, out)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return compare(out, reference.linear(xb.float(), qw, self.comp))
+
+
+class LinearSm90Runner(_LinearRunnerCommon):
     """n_sets complete input sets (weights + activations), one compiled variant.
 
     The timed call: for "xop" variants the GEMM (+ fold + epilogue; + convert kernel for
@@ -479,12 +562,7 @@ class LinearSm90Runner:
             # compiled for one token was run with three).
             raise ValueError(f"{variant.name()} was compiled for {made_for}, not for "
                              f"{FAMILY.compile_key(variant, problem).key()}")
-        self.variant, self.problem = variant, problem
-        self.geom = geometry_of(variant, problem)
-        self.device = torch.device(device)
-        self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
-        self.comp = _compensation(problem)
-        self.m, self.rows = problem.m, problem.rows
+        self._init_common(variant, problem, geometry_of, device, seed)
         self.fused = variant.fused
         self.sets = _input_sets(problem, variant.packing.value, self.geom.tok, self.device,
                                 n_sets, seed, self.fused)
@@ -500,13 +578,6 @@ class LinearSm90Runner:
                                            device=self.device)
         self.cur = 0
 
-    def bytes_per_set(self) -> int:
-        _, wt, _, xop, _ = self.sets[0]
-        return wt.nbytes() + xop.numel() * 2
-
-    def rotate(self, i: int) -> None:
-        self.cur = i % len(self.sets)
-
     def _masks_for(self, qw) -> torch.Tensor | None:
         if not (self.fused and qw.selection is not None):
             return None
@@ -520,17 +591,7 @@ class LinearSm90Runner:
         activations, then the GEMM on its operand; two launches per call."""
         if self.fused:
             raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
-        self.quantizer = qkernel
-        self.qsets = []
-        for qw, _, x, _, _ in self.sets:
-            outs = qkernel.outputs(self.m, row_multiple=self.geom.tok, device=self.device)
-            alpha = None
-            if qkernel.config.alpha == "static":
-                alpha = torch.as_tensor(qw.input_scale, dtype=torch.float32,
-                                        device=self.device).reshape(1)
-            masks = (qw.selection.masks.to(self.device) if qw.selection is not None
-                     and self.problem.ratio is not None else None)
-            self.qsets.append((x.to(torch.bfloat16).contiguous(), outs, alpha, masks))
+        self._attach_quantizer(qkernel, self.geom.tok)
 
     def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
         if masks is None:
@@ -545,24 +606,6 @@ class LinearSm90Runner:
             xb, outs, alpha, masks = self.qsets[self.cur]
             return self._quantized_call(xb, outs, alpha, masks, wt, self.out)
         return self.launcher(wt, xop, self.m, self.rows, ax, self.out, self._masks_for(qw))
-
-    def check_quantized(self) -> CheckResult:
-        """Fresh bf16 activations through the attached quantizer and the GEMM vs
-        resgen.reference.linear on the same bf16 values."""
-        from .. import reference
-
-        if self.quantizer is None:
-            raise ValueError("no quantizer attached")
-        qw, wt, _, _, _ = self.sets[0]
-        _, outs, alpha, masks = self.qsets[0]
-        xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
-              * 3).to(torch.bfloat16)
-        out = torch.full((self.m, self.problem.n), float("nan"), dtype=torch.bfloat16,
-                         device=self.device)
-        self._quantized_call(xb, outs, alpha, masks, wt, out)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return compare(out, reference.linear(xb.float(), qw, self.comp))
 
     def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
         """Run the kernel on x: [m', K] with set `set_index`'s weight; NaN-poisoned output.

@@ -21,13 +21,14 @@ N, K(+ext) and M are run-time arguments: one compile per (format, M-Ext or not, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
 import torch
 
 from .family import CheckResult, register
-from .linear_sm90 import Packing, compare, random_layer
+from .linear_sm90 import (Packing, _cached_weight_sets, _compensation, _LinearRunnerCommon,
+                          compare, kp_of)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Raster", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily", "FAMILY",
@@ -58,14 +59,6 @@ class LinearSm90WgmmaVariant(VariantBase):
     @property
     def deterministic(self) -> bool:
         return True         # no split-K: every output is one FP32 reduction in fixed order
-
-
-def kp_of(problem: LinearProblem) -> int:
-    """Kp: the padded reduction length (K, or K + ext, rounded up to 256)."""
-    from ..kernels.layouts import K_ALIGN, pad_to
-
-    block = 16 if problem.fmt == "nvfp4" else 32
-    return pad_to(problem.k_ext(block), K_ALIGN)
 
 
 def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
@@ -246,10 +239,6 @@ def compile_once(variant: LinearSm90WgmmaVariant, problem: LinearProblem, arch: 
 # ----------------------------------------------------------------------------- runner
 
 
-def _compensation(problem: LinearProblem):
-    return problem.ratio if problem.ratio is not None else problem.compensation
-
-
 _WEIGHTS: dict[tuple, list] = {}
 _WEIGHTS_KEEP = 2       # prepared weight lists kept for the next variants / M of a layer
 
@@ -259,18 +248,8 @@ def _weights(problem: LinearProblem, packing: str, device, n_sets: int, seed: in
     recent layers: preparing big weights costs more than timing a variant."""
     from ..kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
 
-    key = (replace(problem, m=1).key(), packing, str(device), n_sets, seed)
-    if key in _WEIGHTS:
-        return _WEIGHTS[key]
-    while len(_WEIGHTS) >= _WEIGHTS_KEEP:
-        _WEIGHTS.pop(next(iter(_WEIGHTS)))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = []
-    for _ in range(max(1, n_sets)):
-        qw = random_layer(problem, device, gen)
-        out.append((qw, prepare_wgmma_weight(qw, packing)))
-    _WEIGHTS[key] = out
-    return out
+    return _cached_weight_sets(_WEIGHTS, _WEIGHTS_KEEP, prepare_wgmma_weight, problem, packing,
+                               device, n_sets, seed)
 
 
 def _input_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
@@ -286,7 +265,7 @@ def _input_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed:
     return sets
 
 
-class LinearSm90WgmmaRunner:
+class LinearSm90WgmmaRunner(_LinearRunnerCommon):
     """n_sets complete input sets (weights + activation operand), one compiled variant.
 
     The timed call is the GEMM (+ fold + epilogue) on a prepared activation operand, or, after
@@ -295,12 +274,7 @@ class LinearSm90WgmmaRunner:
     def __init__(self, compiled, variant, problem, device, n_sets, seed):
         from ..kernels.linear_sm90_wgmma import WgmmaLauncher
 
-        self.variant, self.problem = variant, problem
-        self.geom = geometry_of(variant, problem)
-        self.device = torch.device(device)
-        self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
-        self.comp = _compensation(problem)
-        self.m, self.rows = problem.m, problem.rows
+        self._init_common(variant, problem, geometry_of, device, seed)
         self.sets = _input_sets(problem, variant.packing.value, self.device, n_sets, seed)
         self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
         self.quantizer = None
@@ -308,28 +282,10 @@ class LinearSm90WgmmaRunner:
         self.launcher = WgmmaLauncher(compiled, self.geom, self.device)
         self.cur = 0
 
-    def bytes_per_set(self) -> int:
-        _, wt, _, xop, _ = self.sets[0]
-        return wt.nbytes() + xop.numel() * 2
-
-    def rotate(self, i: int) -> None:
-        self.cur = i % len(self.sets)
-
     def attach_quantizer(self, qkernel: Any) -> None:
         """Time the whole layer: the fused quantizer (a compiled quant_sm90 QuantKernel writing
         the xop with kp_align 256) on bf16 activations, then the GEMM on its operand."""
-        self.quantizer = qkernel
-        self.qsets = []
-        for qw, _, x, _, _ in self.sets:
-            outs = qkernel.outputs(self.m, row_multiple=8, device=self.device)
-            alpha = None
-            if qkernel.config.alpha == "static":
-                alpha = torch.as_tensor(qw.input_scale, dtype=torch.float32,
-                                        device=self.device).reshape(1)
-            masks = None
-            if qw.selection is not None and self.problem.ratio is not None:
-                masks = qw.selection.masks.to(self.device)
-            self.qsets.append((x.to(torch.bfloat16).contiguous(), outs, alpha, masks))
+        self._attach_quantizer(qkernel, 8)
 
     def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
         op = self.quantizer(xb, outs, alpha=alpha, masks=masks)
@@ -341,24 +297,6 @@ class LinearSm90WgmmaRunner:
             xb, outs, alpha, masks = self.qsets[self.cur]
             return self._quantized_call(xb, outs, alpha, masks, wt, self.out)
         return self.launcher(wt, xop, self.m, self.rows, ax, self.out)
-
-    def check_quantized(self) -> CheckResult:
-        """Fresh bf16 activations through the attached quantizer and the GEMM vs
-        resgen.reference.linear on the same bf16 values."""
-        from .. import reference
-
-        if self.quantizer is None:
-            raise ValueError("no quantizer attached")
-        qw, wt, _, _, _ = self.sets[0]
-        _, outs, alpha, masks = self.qsets[0]
-        xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
-              * 3).to(torch.bfloat16)
-        out = torch.full((self.m, self.problem.n), float("nan"), dtype=torch.bfloat16,
-                         device=self.device)
-        self._quantized_call(xb, outs, alpha, masks, wt, out)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return compare(out, reference.linear(xb.float(), qw, self.comp))
 
     def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
         """Quantize x in torch, run the kernel on set `set_index`'s weight; poisoned output."""
