@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--op", default=None)
     s.add_argument("--import", dest="imports", action="append", default=[])
 
-    b = sub.add_parser("bench", help="winners vs torch.matmul BF16 and _scaled_mm FP8 (GPU)")
+    b = sub.add_parser("bench", help="dispatched winners, whole layer, vs torch.matmul BF16, "
+                                     "_scaled_mm FP8, Triton MXFP4 and the HBM floor (GPU)")
     b.add_argument("--model", required=True, type=_csv(str))
     b.add_argument("--db", type=Path, default=None)
     b.add_argument("--tp", type=_pos_int, default=1)
@@ -602,6 +603,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 raise RuntimeError(out.error)
             n_sets = policy.sets_for(working_set_bytes(fam, v, p))
             runner = fam.runner(out.compiled, v, p, "cuda", n_sets=n_sets, seed=0)
+            if hasattr(runner, "as_layer"):
+                runner.as_layer()          # the whole layer, as the tuner timed it
             chk = runner.check()
             rec["check"] = {"ok": chk.ok, "rel_err": chk.rel_err}
             if chk.ok:
@@ -609,14 +612,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             del runner
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
-        key = (p.m, p.n, p.k)
+        key = (p.m, p.n, p.k, p.fmt == "mxfp4")
         if key not in base_cache:
             base_cache[key] = _bench_baselines(bl, p, policy)
         rec.update(base_cache[key])
         rows.append(rec)
         r_us, b_us, f_us = rec.get("resgen_us"), rec.get("bf16_us"), rec.get("fp8_us")
-        table.append([p.fmt, p.compensation, p.m, f"{p.n}x{p.k}", _fmt(r_us), _fmt(b_us),
-                      _fmt(f_us), _ratio(b_us, r_us), _ratio(f_us, r_us),
+        t_us = rec.get("triton_us")
+        wbytes = (bl.nvfp4_weight_bytes if p.fmt == "nvfp4" else bl.mxfp4_weight_bytes)(p.n, p.k)
+        rec["floor_us"] = bl.floor_us(wbytes)
+        pct = f"{100 * rec['floor_us'] / r_us:.0f}" if r_us else "-"
+        table.append([p.fmt, p.compensation, p.m, f"{p.n}x{p.k}", _fmt(r_us), pct, _fmt(b_us),
+                      _fmt(f_us), _ratio(b_us, r_us), _ratio(f_us, r_us), _ratio(t_us, r_us),
                       rec.get("variant", rec.get("error", ""))[:48]])
         torch.cuda.empty_cache()
     out_path = args.out or (Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT")
@@ -625,10 +632,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_path.write_text(json.dumps({"environment": env.as_dict(), "policy": policy.as_dict(),
                                     "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                                     "rows": rows}, indent=1))
-    print(_table(["fmt", "comp", "M", "NxK", "resgen us", "bf16 us", "fp8 us", "x bf16",
-                  "x fp8", "variant"], table))
+    print(_table(["fmt", "comp", "M", "NxK", "resgen us", "%floor", "bf16 us", "fp8 us",
+                  "x bf16", "x fp8", "x triton", "variant"], table))
+    for line in _bench_sums(rows):
+        print(line)
     print(f"-> {out_path}")
     return 0
+
+
+def _bench_sums(rows: list[dict[str, Any]]) -> list[str]:
+    """Per (format, compensation, M): the layers' summed whole-layer times against the summed
+    baselines (the decode targets are sums over a model's projection shapes)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        pr = r["problem"]
+        groups.setdefault((pr["fmt"], pr["compensation"], pr["m"]), []).append(r)
+    out = []
+    for (fmt, comp, m), rs in groups.items():
+        if not all(r.get("resgen_us") for r in rs):
+            out.append(f"sum {fmt} {comp} M={m}: incomplete ({len(rs)} layers)")
+            continue
+        ours = sum(r["resgen_us"] for r in rs)
+        line = f"sum {fmt} {comp} M={m} over {len(rs)} layers: {ours:.2f} us"
+        for key, name in (("bf16_us", "cuBLAS BF16"), ("fp8_us", "cuBLAS FP8"),
+                          ("triton_us", "Triton MXFP4"), ("floor_us", "HBM floor")):
+            if all(r.get(key) for r in rs):
+                tot = sum(r[key] for r in rs)
+                line += (f"; {name} {tot:.2f} us (x{tot / ours:.2f})" if key != "floor_us"
+                         else f"; {name} {tot:.2f} us ({100 * tot / ours:.0f}%)")
+        out.append(line)
+    return out
 
 
 def _fmt(x: float | None) -> str:
@@ -660,9 +693,44 @@ def _bench_baselines(bl: Any, p: Any, policy: Any) -> dict[str, Any]:
         out["fp8_us"] = measure(_FnRunner([bl.cublas_fp8(x, w) for x, w in zip(xp, ws)]),
                                 policy, n_sets).median_us
         out["fp8_rows"] = m16
+        if p.fmt == "mxfp4" and getattr(bl, "TRITON_AVAILABLE", False):
+            out.update(_bench_triton(bl, xs[0], p, policy))
         del xs, ws, xp
     except Exception as e:
         out["baseline_error"] = f"{type(e).__name__}: {e}"[:500]
+    return out
+
+
+def _bench_triton(bl: Any, x: Any, p: Any, policy: Any) -> dict[str, Any]:
+    """Triton MXFP4 x BF16 (bench/baselines.py triton_mxfp4, every form): each form is first
+    checked against x @ dequantized weights (rel err <= 1e-2; a wrong form is recorded and not
+    timed), then timed; triton_us is the fastest correct form."""
+    import torch
+
+    from . import formats
+    from .search.timing import measure
+
+    forms: dict[str, Any] = {}
+    n_sets = policy.sets_for(p.n * p.k // 2)
+    qs = [formats.quantize(torch.randn(p.n, p.k, device="cuda"), "mxfp4") for _ in range(n_sets)]
+    ref = x.float() @ formats.dequantize(qs[0]).T
+    for form in bl.TRITON_FORMS:
+        rec: dict[str, Any] = {}
+        try:
+            y = bl.triton_mxfp4(x, qs[0].codes, qs[0].scales, form=form)().float()
+            rel = float((y - ref).norm() / ref.norm())
+            rec["rel_err"] = rel
+            if rel == rel and rel <= 1e-2:
+                fns = [bl.triton_mxfp4(x, q.codes, q.scales, form=form) for q in qs]
+                rec["us"] = measure(_FnRunner(fns), policy, n_sets).median_us
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {e}"[:300]
+        forms[form] = rec
+    timed = {f: r["us"] for f, r in forms.items() if "us" in r}
+    out: dict[str, Any] = {"triton_forms": forms}
+    if timed:
+        best = min(timed, key=timed.get)
+        out["triton_us"], out["triton_form"] = timed[best], best
     return out
 
 

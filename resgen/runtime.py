@@ -12,6 +12,9 @@ cache database). A row is acceptable only if
 - `why_invalid(variant, real problem, arch)` is None: a bucketed entry is re-checked against
   the REAL problem, and if the bucket's best valid variant does not exist, the next bucket is
   tried (buckets at or above the real value first, nearest first; then those below).
+Within a bucket the acceptable rows compete only under one measurement policy, the newest
+(version, then name) present: a policy version can change what is timed (tune v2 times linear
+layers whole, v1 timed the GEMM alone), so medians of different versions are not compared.
 Otherwise the family's default is returned and a warning is logged once per (op, bucket).
 A missing, corrupt, foreign or newer-schema file is skipped with one warning: never a crash.
 
@@ -92,6 +95,7 @@ class _Row:
     space_index: int
     fingerprint: str
     tie_rel: float
+    policy: tuple[int, str] = (0, "")      # (version, name) of the measurement policy
 
     def as_pick(self) -> dict[str, Any]:
         return {"median_us": self.median_us, "space_index": self.space_index, "row": self}
@@ -123,7 +127,9 @@ class _Table:
                 fam = get_family(r["family"])
                 problem = fam.PROBLEM.from_key(r["workload_key"])
                 variant = fam.VARIANT.from_key(r["variant_key"])
-                tie = float(json.loads(r["policy"] or "{}").get("tie_rel", 0.01))
+                pol = json.loads(r["policy"] or "{}")
+                tie = float(pol.get("tie_rel", 0.01))
+                policy = (int(pol.get("version", 0)), str(pol.get("name", "")))
                 if not (r["median_us"] or 0) > 0:
                     raise ValueError("non-positive median")
             except Exception as e:       # unknown family, bad key, bad policy: skip the row
@@ -138,7 +144,7 @@ class _Table:
                 nb = canonical_json(without_buckets(problem))
                 self.entries[type(problem).OP][nb].append(entry)
             entry.rows.append(_Row(r["family"], variant, float(r["median_us"]),
-                                   int(r["space_index"]), r["fingerprint"], tie))
+                                   int(r["space_index"]), r["fingerprint"], tie, policy))
 
 
 class Dispatcher:
@@ -255,6 +261,9 @@ class Dispatcher:
         for _, _, path, entry in cands:
             ok = [r for r in entry.rows if r.family in by_name
                   and self._acceptable(by_name[r.family], r, entry.problem, problem)]
+            if ok:      # medians compare only under one policy: the newest one present
+                newest = max(r.policy for r in ok)
+                ok = [r for r in ok if r.policy == newest]
             win = pick_winner([r.as_pick() for r in ok],
                               min((r.tie_rel for r in ok), default=0.01))
             if win is not None:

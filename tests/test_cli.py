@@ -196,3 +196,19 @@ def test_python_dash_m_resgen(tmp_path):
                         str(tmp_path / "a.sqlite")], capture_output=True, text=True,
                        env=subprocess_env(), timeout=120)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+def test_bench_sums_add_layers_per_format_mode_and_m():
+    from resgen.cli import _bench_sums
+
+    def row(m, us, bf16, fp8=None, tri=None, floor=1.0):
+        r = {"problem": {"fmt": "mxfp4", "compensation": "full", "m": m}, "resgen_us": us,
+             "bf16_us": bf16, "floor_us": floor}
+        r.update({k: v for k, v in (("fp8_us", fp8), ("triton_us", tri)) if v})
+        return r
+
+    lines = _bench_sums([row(1, 2.0, 6.0, tri=10.0), row(1, 3.0, 9.0, tri=15.0),
+                         row(16, 4.0, 8.0), row(16, None, 8.0)])
+    assert lines[0] == ("sum mxfp4 full M=1 over 2 layers: 5.00 us; cuBLAS BF16 15.00 us "
+                        "(x3.00); Triton MXFP4 25.00 us (x5.00); HBM floor 2.00 us (40%)")
+    assert lines[1] == "sum mxfp4 full M=16: incomplete (2 layers)"

@@ -712,3 +712,44 @@ def test_runner_with_a_quantizer_in_front(fmt, comp, monkeypatch):
     assert res.ok, res.detail
     r()
     assert q.calls == 2
+
+
+@pytest.mark.parametrize("act", ["xop", "fused"])
+def test_as_layer_puts_the_quantizer_in_front_of_xop_variants_only(act, monkeypatch):
+    """as_layer() (what the tuner and `resgen bench` time): xop variants get the layer
+    quantizer, the check covers the GEMM and then the whole layer; fused ones stay as they
+    are (they quantize in their own prologue)."""
+    import resgen.search.linear_sm90 as LS
+    from resgen.kernels import linear_sm90 as H
+
+    registry = {}
+    orig = H.LinearSm90Launcher._ptr
+
+    def record(self, t, align):
+        registry[t.data_ptr()] = t
+        return orig(self, t, align)
+
+    monkeypatch.setattr(H.LinearSm90Launcher, "_ptr", record)
+    p = LinearProblem("nvfp4", "full", 2, 64, 1024)
+    v = LinearSm90Variant(warps_m=4, warps_k=1, stages=3, act=Act(act))
+    assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
+    r = FAMILY.runner(_SimulatedKernel(geometry_of(v, p), registry), v, p, "cpu", n_sets=1)
+    made = []
+
+    def fake_layer_quantizer(problem, arch="sm_90a"):
+        assert problem == p
+        made.append(_TorchQuantizer(r.sets[0][0], "full", "static"))
+        return made[-1]
+
+    monkeypatch.setattr(LS, "layer_quantizer", fake_layer_quantizer)
+    r.as_layer()
+    if act == "fused":
+        assert not made and r.quantizer is None
+        assert r.check().ok
+        return
+    assert r.quantizer is made[0]
+    res = r.check()
+    assert res.ok, res.detail
+    assert made[0].calls == 1                 # check() ran the whole-layer check too
+    r()
+    assert made[0].calls == 2                 # and the timed call is quantizer + GEMM

@@ -28,7 +28,7 @@ def _disp(*paths):
     return Dispatcher(paths=list(paths), device=DEV)
 
 
-def _store(path, problem, variant, median, *, fp=None, env=None, idx=None):
+def _store(path, problem, variant, median, *, fp=None, env=None, idx=None, policy=None):
     """Put one timed row straight into the database."""
     with TuningDB(path) as db:
         db.record(ResultRecord(
@@ -36,7 +36,7 @@ def _store(path, problem, variant, median, *, fp=None, env=None, idx=None):
             fingerprint=fp or variant_fingerprint(FAM, variant, problem, "sm_90a"),
             status=Status.OK, median_us=median, samples_us=[median],
             space_index=FAM.space(problem, "sm_90a").index(variant) if idx is None else idx,
-            policy={"tie_rel": 0.01}))
+            policy=policy or {"tie_rel": 0.01}))
 
 
 def test_lookup_returns_the_tuned_winner(tmp_path):
@@ -255,3 +255,18 @@ def test_runtime_uses_only_validated_variants(tmp_path):
     c.close()
     assert _disp(path).lookup(OP, p) == FakeVariant(tile=8, stages=2)
 
+
+
+def test_medians_compete_only_under_the_newest_policy(tmp_path):
+    """A faster row timed under an older policy version (which may have timed less work, e.g.
+    a GEMM without its quantizer) never beats the rows of the newest version present."""
+    path = tmp_path / "t.sqlite"
+    p = FakeProblem(m=16, k=4096)
+    a, b, c = FAM.space(p, "sm_90a")[:3]
+    old = {"tie_rel": 0.01, "name": "cold-l2-graph-tune", "version": 1}
+    new = {"tie_rel": 0.01, "name": "cold-l2-graph-tune", "version": 2}
+    _store(path, p, a, 5.0, policy=old)
+    _store(path, p, b, 9.0, policy=new)
+    assert _disp(path).lookup(OP, p) == b
+    _store(path, p, c, 8.0, policy=new)       # v2 rows compete among themselves
+    assert _disp(path).lookup(OP, p) == c

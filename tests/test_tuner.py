@@ -628,3 +628,31 @@ def test_winner_counts_every_stored_row_of_the_workload(tmp_path, monkeypatch):
     with TuningDB(tmp_path / "t.sqlite") as db:
         tuner = Tuner(db, env, TuneConfig(arch="sm_90a"), fakefam.fake_timer)
         assert tuner._known(FAM, p, {v.key() for v in _valid(p)}) == {}
+
+
+def test_runners_with_as_layer_are_timed_as_the_whole_op(tmp_path, monkeypatch):
+    """The tuner switches a runner with as_layer() to it before the check and the timing."""
+    calls: list[str] = []
+
+    class Layer(fakefam.FakeRunner):
+        layered = False
+
+        def as_layer(self):
+            calls.append(self.v.key())
+            self.layered = True
+
+        def check(self):
+            assert self.layered, "checked before as_layer()"
+            return super().check()
+
+    monkeypatch.setattr(FakeFamily, "runner",
+                        lambda self, c, v, p, d, n_sets=1, seed=0: Layer(v, p, c, n_sets))
+    seen = []
+
+    def timer(runner, policy, n_sets):
+        seen.append(runner.layered)
+        return summarize([fake_us(runner.v, runner.p)] * 3, policy, launches=8,
+                         n_sets=n_sets, mode="fake")
+
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[16], max_variants=4, timer=timer)
+    assert s.timed > 0 and len(calls) >= s.timed and seen and all(seen)

@@ -29,6 +29,7 @@ import cutlass.cute as cute
 
 from . import attention_sm90_maps as M
 from . import fp4_device as F4
+from .fp4_device import _asm, _asm_effect, _f32, _i64, _u32
 
 __all__ = ["AttnCfg", "LOG2E", "F16X2_128", "F16X2_2P14", "FP8_P_SCALE"]
 
@@ -86,32 +87,8 @@ class AttnCfg:
 # ----------------------------------------------------------------------------- inline PTX
 
 
-def _u32(v) -> Uint32:
-    return v if isinstance(v, Uint32) else Uint32(v)
-
-
-def _f32(v) -> Float32:
-    return v if isinstance(v, Float32) else Float32(v)
-
-
-def _i64(v) -> Int64:
-    return v if isinstance(v, Int64) else Int64(v)
-
-
 def _i32(v) -> Int32:
     return v if isinstance(v, Int32) else Int32(v)
-
-
-def _asm(ret_type, template: str, constraints: str, *operands):
-    return llvm.inline_asm(ret_type, [o.ir_value() for o in operands], template, constraints,
-                           has_side_effects=False, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-def _asm_effect(template: str, constraints: str, *operands) -> None:
-    llvm.inline_asm(None, [o.ir_value() for o in operands], template, constraints,
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def _asm_volatile(ret_type, template: str, constraints: str, *operands):
@@ -177,8 +154,7 @@ def ex2(x) -> Float32:
     return Float32(_asm(T.f32(), "ex2.approx.ftz.f32 $0, $1;", "=f,f", _f32(x)))
 
 
-def fmax(a, b) -> Float32:
-    return Float32(_asm(T.f32(), "max.f32 $0, $1, $2;", "=f,f,f", _f32(a), _f32(b)))
+fmax = F4.fmax      # max.f32
 
 
 def mma_f16(a, b, c) -> list:

@@ -49,7 +49,8 @@ from ..kernels.linear_sm90_geom import pow2_ceil
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Packing", "Pipeline", "Reduction", "Act", "LinearSm90Variant", "LinearSm90Family",
-           "FAMILY", "TOLERANCE", "geometry_of", "kp_of", "rows_of", "tok_rows_of"]
+           "FAMILY", "TOLERANCE", "geometry_of", "kp_of", "rows_of", "tok_rows_of",
+           "layer_quantizer"]
 
 TOLERANCE = 3e-3
 _MAX_REGS_EST = 240        # estimated live registers above which a variant would spill
@@ -403,6 +404,29 @@ def random_layer(problem: LinearProblem, device, gen: torch.Generator):
     return C.prepare_weight(w, problem.fmt, sel, input_scale=isc)
 
 
+_LAYER_QUANT: dict[tuple, Any] = {}
+
+
+def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a") -> Any:
+    """The quant_sm90 kernel a whole-layer timing puts in front of a GEMM that reads the exact
+    BF16 operand (xop, kp_align 256): the quantizer's default configuration, row-pair rows for
+    M-Ext, the K-Ext extension for a ratio, the problem's alpha (static NVFP4, dynamic NVFP4:
+    amax pass + quantizer, MXFP4: none). Compiled once per process per (fmt, compensation, K,
+    alpha) (about 0.1-0.7 s on a CPU)."""
+    from ..kernels.quant_sm90 import QuantConfig, compile_config
+
+    comp = problem.compensation
+    alpha = "none" if problem.fmt == "mxfp4" else ("static" if problem.static_scale
+                                                   else "dynamic")
+    key = (problem.fmt, comp, problem.k, alpha, arch)
+    if key not in _LAYER_QUANT:
+        cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=problem.k,
+                          layout="row_pair" if comp == "full" else "plain",
+                          write_codes=False, write_xop=True, alpha=alpha, kp_align=256)
+        _LAYER_QUANT[key] = compile_config(cfg, arch)[0]
+    return _LAYER_QUANT[key]
+
+
 def _compensation(problem: LinearProblem):
     return problem.ratio if problem.ratio is not None else problem.compensation
 
@@ -522,6 +546,23 @@ class _LinearRunnerCommon:
     def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
         raise NotImplementedError
 
+    def as_layer(self) -> None:
+        """Make the timed call and check() the WHOLE layer, BF16 activations in (BENCH.md),
+        so that every variant of op "linear" is timed on the same work: variants reading a
+        prepared operand (act "xop", every linear_sm90_wgmma variant) get the default
+        quant_sm90 kernel in front (layer_quantizer); fused variants already are the layer.
+        The tuner calls this on every runner that has it."""
+        if getattr(self, "fused", False):
+            return
+        self.attach_quantizer(layer_quantizer(self.problem))
+
+    def _layer_checked(self, gemm: CheckResult) -> CheckResult:
+        """check()'s result for the GEMM on a torch-quantized operand, followed, when a
+        quantizer is attached, by the whole-layer check (the worse of the two counts)."""
+        if self.quantizer is None or not gemm.ok:
+            return gemm
+        return self.check_quantized()
+
     def check_quantized(self) -> CheckResult:
         """Fresh bf16 activations through the attached quantizer and the GEMM vs
         resgen.reference.linear on the same bf16 values."""
@@ -638,7 +679,7 @@ class LinearSm90Runner(_LinearRunnerCommon):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ref = reference.linear(x, qw, self.comp)
-        return compare(out, ref)
+        return self._layer_checked(compare(out, ref))
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: float = TOLERANCE) -> CheckResult:

@@ -122,11 +122,13 @@ class LinearSm90WgmmaFamily:
 
     # ------------------------------------------------------------------ space
     _TILES = ((2, 1, 256), (2, 1, 128), (2, 2, 128), (2, 1, 192), (1, 2, 128), (1, 1, 256),
-              (2, 1, 64), (1, 1, 128), (1, 1, 64), (2, 2, 64))
+              (2, 1, 64), (1, 1, 128), (1, 1, 64), (2, 2, 64),
+              (2, 1, 32), (1, 1, 32), (2, 2, 32), (2, 1, 16), (1, 1, 16))
 
     def space(self, problem: LinearProblem, arch: str) -> Sequence[LinearSm90WgmmaVariant]:
         """Every valid candidate in a fixed order: tiles (consumers, m_wg, bn) whose token tile
-        does not exceed the rows by more than 2x (64 always allowed), 6 / 4 / 8 / 3 stages
+        does not exceed the rows by more than 2x (64 always allowed; the narrow 16 / 32 tiles,
+        for decode-sized M, only where the rows fill at most 4 of them), 6 / 4 / 8 / 3 stages
         (a stage is released one chunk after its wgmmas were issued, so S stages keep S - 2
         chunks of copies in flight), both rasters and packings."""
         rows = problem.rows
@@ -134,6 +136,8 @@ class LinearSm90WgmmaFamily:
         for packing in (Packing.SPLIT, Packing.NIB):
             for c, mw, bn in self._TILES:
                 if bn > 64 and bn > 2 * rows:
+                    continue
+                if bn < 64 and 4 * bn < rows:      # narrow token tiles only for few rows
                     continue
                 for st in (6, 4, 8, 3):
                     for raster in (Raster.TOK, Raster.CH):
@@ -319,4 +323,4 @@ class LinearSm90WgmmaRunner(_LinearRunnerCommon):
         out = self.run_on(x)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return compare(out, reference.linear(x, qw, self.comp))
+        return self._layer_checked(compare(out, reference.linear(x, qw, self.comp)))

@@ -109,7 +109,9 @@ DEFAULT_POLICY = MeasurementPolicy()
 # operands that are not in L2), one warm-up replay and five timed replays (BENCH.md: median of
 # at least 5). Medians within 2 % are ties (the fixed space order decides), twice the
 # benchmark policy's band because five samples are noisier than seven.
-TUNE_POLICY = MeasurementPolicy(name="cold-l2-graph-tune", target_replay_us=400.0,
+# Version 2 (2026-11-30): the tuner times linear layers whole (quantizer + GEMM for variants
+# that read a prepared operand, see resgen.search.tuner); version-1 rows timed the GEMM alone.
+TUNE_POLICY = MeasurementPolicy(name="cold-l2-graph-tune", version=2, target_replay_us=400.0,
                                 min_launches=8, max_launches=128, warmup_replays=1,
                                 repetitions=5, tie_rel=0.02)
 

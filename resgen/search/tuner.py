@@ -29,6 +29,11 @@ spends what is left of the budget on the rest of the search (the cover results a
 never re-timed). Past the budget both stages skip the workloads they have not started, so the
 run ends on time.
 
+What is timed is the whole op the runtime would run: a runner with an `as_layer()` method is
+switched to it before its check (the linear families: a variant that reads a prepared
+activation operand gets the quantizer in front, so it competes fairly with variants that
+quantize in their own prologue and with other families).
+
 Optional family hooks (resgen.search.family documents them): `prepare(problem, device, n_sets,
 seed)` builds the input sets (and check inputs / reference outputs) of a problem once; the
 tuner keeps them for every variant of that workload and passes them as
@@ -589,6 +594,9 @@ class Tuner:
                 try:
                     n_sets = cfg.policy.sets_for(working_set_bytes(family, v, problem))
                     runner = self._runner(family, out, v, problem, n_sets, s)
+                    as_layer = getattr(runner, "as_layer", None)
+                    if as_layer is not None:
+                        as_layer()          # time the whole op (e.g. quantizer + GEMM)
                     t = lap("prep", t)
                     chk = runner.check()
                     t = lap("check", t)
