@@ -753,3 +753,22 @@ def test_as_layer_puts_the_quantizer_in_front_of_xop_variants_only(act, monkeypa
     assert made[0].calls == 1                 # check() ran the whole-layer check too
     r()
     assert made[0].calls == 2                 # and the timed call is quantizer + GEMM
+
+
+def test_weight_sets_are_copies_in_their_own_memory():
+    """Input sets exist for cold-L2 rotation: set 0 is a random layer, the others copies of
+    its prepared weight in distinct memory; asking for more sets extends the cached list."""
+    from resgen.search.linear_sm90 import _weight_sets
+
+    p = LinearProblem("nvfp4", "0.25", 1, 64, 1024)
+    a = _weight_sets(p, "split", "cpu", 2, seed=5)
+    b = _weight_sets(p, "split", "cpu", 4, seed=5)
+    assert len(a) == 2 and len(b) == 4 and b[0][1] is a[0][1]
+    w0 = b[0][1]
+    for qw, wt in b[1:]:
+        assert qw is b[0][0]
+        assert wt.words.data_ptr() != w0.words.data_ptr()
+        assert wt.scales.data_ptr() != w0.scales.data_ptr()
+        assert torch.equal(wt.words, w0.words) and torch.equal(wt.scales, w0.scales)
+        assert wt.selection is w0.selection and wt.kw == w0.kw
+    assert _weight_sets(p, "split", "cpu", 3, seed=5) == b[:3]
