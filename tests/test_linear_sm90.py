@@ -772,3 +772,22 @@ def test_weight_sets_are_copies_in_their_own_memory():
         assert torch.equal(wt.words, w0.words) and torch.equal(wt.scales, w0.scales)
         assert wt.selection is w0.selection and wt.kw == w0.kw
     assert _weight_sets(p, "split", "cpu", 3, seed=5) == b[:3]
+
+
+def test_prior_puts_the_h200_winning_patterns_first():
+    """The ranked search tries, right after the default, what won whole-layer timings on the
+    H200: fused 4 x 2 register-pipeline CTAs for a wide M = 1 layer, fused 1 x 8 cp.async
+    for a long-K one, and the xop operand once the token count grows."""
+    def first(p):
+        return min(FAMILY.space(p, ARCH), key=lambda v: (FAMILY.prior(v, p), v.key()))
+
+    v = first(LinearProblem("nvfp4", "none", 1, 24576, 4096))
+    assert (v.warps_m, v.warps_k, v.pipeline, v.act, v.pdl) == (4, 2, Pipeline.REGS, Act.FUSED,
+                                                                False)
+    v = first(LinearProblem("nvfp4", "full", 1, 4096, 12288))
+    assert (v.warps_m, v.warps_k, v.pipeline, v.stages, v.act) == (1, 8, Pipeline.CP_ASYNC, 3,
+                                                                   Act.FUSED)
+    v = first(LinearProblem("nvfp4", "none", 16, 24576, 4096))
+    assert v.act == Act.XOP and v.n_tiles == 2 and v.split_k == 1
+    v = first(LinearProblem("nvfp4", "none", 1, 6144, 4096, static_scale=False))
+    assert v.act == Act.XOP                  # fused needs a static NVFP4 scale

@@ -479,3 +479,10 @@ def test_compile_refuses_a_register_pool_that_would_hang_setmaxnreg(monkeypatch,
     Res.registers = 168
     assert FAMILY.compile_module(tmp_path / "x.py", LinearSm90WgmmaVariant(2, 1, 64, 4), p,
                                  ARCH) is not None
+
+
+def test_prior_prefers_a_token_tile_close_to_the_rows():
+    for m, comp, bn in ((1, "none", 16), (16, "full", 32), (64, "none", 64), (2048, "none", 128)):
+        p = LinearProblem("nvfp4", comp, m, 24576, 4096)
+        best = min(FAMILY.space(p, ARCH), key=lambda v: (FAMILY.prior(v, p), v.key()))
+        assert best.bn == bn and best.consumers == 2 and best.stages == 6, (m, comp, best)

@@ -296,6 +296,49 @@ class LinearSm90Family:
             out.insert(0, d)
         return list(dict.fromkeys(out))
 
+    # (warps_m, warps_k, m_tiles, pipeline) in the order they won whole-layer timings on the
+    # H200 (bench/results/h200/final_linear_sm90_check.log): wide layers (N >= 16384) 4 x 2
+    # warps with the register double buffer; the others the most K slices per CTA.
+    _WIDE_FIRST = ((4, 2, 1, Pipeline.REGS), (2, 4, 1, Pipeline.CP_ASYNC),
+                   (1, 8, 1, Pipeline.CP_ASYNC), (1, 8, 1, Pipeline.DIRECT),
+                   (2, 2, 2, Pipeline.REGS), (4, 2, 1, Pipeline.CP_ASYNC))
+    _NARROW_FIRST = ((1, 8, 1, Pipeline.CP_ASYNC), (1, 8, 1, Pipeline.DIRECT),
+                     (2, 4, 1, Pipeline.CP_ASYNC), (1, 4, 1, Pipeline.CP_ASYNC),
+                     (4, 2, 1, Pipeline.REGS), (2, 2, 2, Pipeline.REGS))
+
+    def prior(self, variant: LinearSm90Variant, problem: LinearProblem) -> float:
+        """Lower first: the tuner's order for the candidates after the default and the seeds
+        (with a prior the search is "ranked", so a short budget still reaches the patterns
+        that won on the H200). Decode-sized token counts (<= 8 operand rows) prefer the fused
+        quantizer (one launch) where it can run, larger ones the xop operand; the warp layout
+        and pipeline by the H200 ranking above; the token tile covering all rows; no split-K
+        for wide layers (splits only where channel blocks leave SMs idle); stages 3; PDL
+        variants after their non-PDL twins."""
+        v, p = variant, problem
+        rows = p.rows
+        order = self._WIDE_FIRST if p.n >= 16384 else self._NARROW_FIRST
+        key = (v.warps_m, v.warps_k, v.m_tiles, v.pipeline)
+        s = float(order.index(key)) if key in order else float(len(order) + 2)
+        can_fuse = _why_not_fused(replace(v, act=Act.FUSED), p) is None
+        if can_fuse and rows <= 8:
+            s += 0.0 if v.fused else 3.0
+        elif v.fused:
+            s += 3.0
+        nt_full = min(8, pow2_ceil(-(-rows // 8)))
+        s += 0.0 if v.n_tiles == nt_full else 1.0
+        ctas = p.n // (16 * v.m_tiles * v.warps_m)
+        if v.split_k > 1:
+            s += 2.0 if ctas >= 264 else (0.5 if rows >= 32 else 1.5)
+        s += 0.5 if v.reduce == Reduction.ATOMIC else 0.0
+        if v.pipeline == Pipeline.CP_ASYNC:
+            s += 0.0 if v.stages == 3 else 0.6
+        if v.pipeline == Pipeline.DIRECT:
+            s += 0.0 if v.l2_prefetch == 2 else 0.4
+        if v.pipeline == Pipeline.REGS:
+            s += 0.0 if v.l2_prefetch == 0 else 0.4
+        s += 1.2 if v.pdl else 0.0
+        return s
+
     def default(self, problem: LinearProblem, arch: str) -> LinearSm90Variant:
         """The runtime's fallback (valid for any N % 16 == 0; activation operand from a
         quantizer, no PDL), chosen by what won on the H200 (run of 2026-11-30): wide layers

@@ -21,6 +21,7 @@ N, K(+ext) and M are run-time arguments: one compile per (format, M-Ext or not, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
@@ -29,6 +30,7 @@ import torch
 from .family import CheckResult, register
 from .linear_sm90 import (Packing, _cached_weight_sets, _compensation, _LinearRunnerCommon,
                           compare, kp_of)
+from ..kernels.linear_sm90_geom import pow2_ceil
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Raster", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily", "FAMILY",
@@ -147,6 +149,20 @@ class LinearSm90WgmmaFamily:
         if not out:
             out.append(self.default(problem, arch))
         return out
+
+    def prior(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> float:
+        """Lower first (the tuner's ranked search): a token tile close to the rows (at least
+        16, at most 128 for the first tries), two consumer warpgroups of one m64 block each,
+        6 stages, raster "tok", the split packing: what won at prefill sizes on the H200."""
+        v, p = variant, problem
+        want = min(128, max(16, pow2_ceil(p.rows)))
+        s = abs(math.log2(v.bn) - math.log2(want))
+        s += 0.0 if v.consumers == 2 else 0.5
+        s += 0.0 if v.m_wg == 1 else 0.4
+        s += {6: 0.0, 4: 0.2, 8: 0.3}.get(v.stages, 0.5)
+        s += 0.0 if v.raster == Raster.TOK else 0.3
+        s += 0.0 if v.packing == Packing.SPLIT else 1.0
+        return s
 
     def default(self, problem: LinearProblem, arch: str) -> LinearSm90WgmmaVariant:
         """Valid for any N % 64 == 0: two consumer warpgroups of 64 channels where N allows,
