@@ -656,3 +656,46 @@ def test_runners_with_as_layer_are_timed_as_the_whole_op(tmp_path, monkeypatch):
 
     (s,) = tune_fake(tmp_path / "t.sqlite", ms=[16], max_variants=4, timer=timer)
     assert s.timed > 0 and len(calls) >= s.timed and seen and all(seen)
+
+
+def test_cover_stage_starts_with_the_priors_first_choice(tmp_path, monkeypatch):
+    """With a prior, the one variant a short budget may get is the prior's best, not the
+    default (which stays the next candidate)."""
+    monkeypatch.setattr(FakeFamily, "prior", fakefam.fake_prior, raising=False)
+    p = FakeProblem(m=16, k=4096)
+    best = min(_valid(p), key=lambda v: (fakefam.fake_prior(FAM, v, p), v.key()))
+    assert best != FakeVariant()
+    env = make_env()
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        s = Tuner(db, env, TuneConfig(arch="sm_90a", coverage_attempts=3),
+                  fakefam.fake_timer).tune(FAM, p, stage="cover")
+    assert s.evaluated == 1 and s.winner == best.name()
+
+
+def test_warm_runs_before_the_gpu_lock_and_its_failure_is_not_fatal(tmp_path, monkeypatch):
+    seen: list[str] = []
+
+    def warm(self, v, p):
+        seen.append(v.key())
+        if v.stages == 2:
+            raise RuntimeError("helper compile failed")
+
+    monkeypatch.setattr(FakeFamily, "warm", warm, raising=False)
+    (s,) = tune_fake(tmp_path / "t.sqlite", ms=[16], max_variants=6)
+    assert len(seen) == s.compiled and s.timed > 0 and s.winner is not None
+    with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
+        st2 = [r["status"] for r in db.rows() if '"stages":2' in r["variant_key"]]
+    assert Status.OK in st2 and Status.RUN_FAILED not in st2   # warm() failing is no outcome
+
+
+def test_linear_families_warm_the_layer_quantizer(monkeypatch):
+    import resgen.search.linear_sm90 as L
+    from resgen.search import linear_sm90_wgmma as W
+
+    made = []
+    monkeypatch.setattr(L, "layer_quantizer", lambda p, arch="sm_90a": made.append(p))
+    p = LinearProblem("nvfp4", "full", 1, 4096, 4096)
+    L.FAMILY.warm(L.LinearSm90Variant(), p)
+    L.FAMILY.warm(L.LinearSm90Variant(act=L.Act.FUSED), p)       # quantizes in its prologue
+    W.FAMILY.warm(W.LinearSm90WgmmaVariant(), p)
+    assert made == [p, p]

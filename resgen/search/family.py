@@ -20,6 +20,8 @@ back to the behaviour in brackets, so families that lack them keep working uncha
   variant when n_sets x working_set_bytes exceeds TuneConfig.keep_inputs_bytes); a family
   may keep what workloads share (e.g. one weight for every M bucket of a shape) in its own
   bounded cache. [runner(...) without inputs: each runner prepares its own];
+- `warm(variant, problem) -> None`: CPU-only preparation the runner will need (e.g. compiling a
+  helper kernel), called by the tuner before it takes the GPU lock.
 - `prior(variant, problem) -> float`: lower first: the order in which candidates are tried
   when the budget is smaller than the space (e.g. a predicted time in microseconds); NaN or an
   exception means "no opinion" (tried last, space order) [the space order, or optuna];

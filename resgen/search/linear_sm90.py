@@ -296,6 +296,11 @@ class LinearSm90Family:
             out.insert(0, d)
         return list(dict.fromkeys(out))
 
+    def warm(self, variant: LinearSm90Variant, problem: LinearProblem) -> None:
+        """The tuner's pre-lock hook: compile the layer quantizer as_layer() will attach."""
+        if not variant.fused:
+            layer_quantizer(problem)
+
     # (warps_m, warps_k, m_tiles, pipeline) in the order they won whole-layer timings on the
     # H200 (bench/results/h200/final_linear_sm90_check.log): wide layers (N >= 16384) 4 x 2
     # warps with the register double buffer; the others the most K slices per CTA.

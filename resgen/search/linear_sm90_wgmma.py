@@ -150,6 +150,12 @@ class LinearSm90WgmmaFamily:
             out.append(self.default(problem, arch))
         return out
 
+    def warm(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> None:
+        """The tuner's pre-lock hook: compile the layer quantizer as_layer() will attach."""
+        from .linear_sm90 import layer_quantizer
+
+        layer_quantizer(problem)
+
     def prior(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> float:
         """Lower first (the tuner's ranked search): a token tile close to the rows (at least
         16, at most 128 for the first tries), two consumer warpgroups of one m64 block each,

@@ -8,7 +8,8 @@ policy, and store every outcome as its own row through a ResultStore (the dispat
 this layer does not import it), with the seconds each phase took (compile, wait for the GPU
 lock, prep, check, time).
 
-Candidate order: the family default first, then "seeds" (the best variants of workloads this
+Candidate order: the family default first (in the cover stage the prior's first choice goes
+before it when the family has a prior), then "seeds" (the best variants of workloads this
 process tuned earlier in the same compile class, e.g. the M = 1 winner when tuning M = 4:
 already compiled, and usually close), then the family's `prior(variant, problem)` order when
 it has one (lower first), else the space order. Search: exhaustive when the valid space fits
@@ -34,7 +35,8 @@ switched to it before its check (the linear families: a variant that reads a pre
 activation operand gets the quantizer in front, so it competes fairly with variants that
 quantize in their own prologue and with other families).
 
-Optional family hooks (resgen.search.family documents them): `prepare(problem, device, n_sets,
+Optional family hooks (resgen.search.family documents them): `warm(variant, problem)` does
+CPU-only work a runner will need before the GPU lock is taken; `prepare(problem, device, n_sets,
 seed)` builds the input sets (and check inputs / reference outputs) of a problem once; the
 tuner keeps them for every variant of that workload and passes them as
 `runner(..., inputs=...)`. `prior(variant, problem)` ranks candidates. Without them the tuner
@@ -364,7 +366,13 @@ class Tuner:
         try:
             if stage == "cover" and not cfg.compile_only:
                 s.search = "cover"
-                for v in self._ordered(family, problem, valid, head, index):
+                order = self._ordered(family, problem, valid, head, index)
+                if prior is not None:
+                    # The one variant a short budget may get: the prior's first choice (what
+                    # the family knows wins on the hardware), then the default and the seeds.
+                    best = self._ordered(family, problem, valid, [], index)[0]
+                    order = [best] + [v for v in order if v.key() != best.key()]
+                for v in order:
                     if len(results) >= cfg.coverage_attempts:
                         s.stopped_by = "attempts"
                         break
@@ -582,6 +590,17 @@ class Tuner:
             self._record(problem, v, out.fingerprint, idx, Status.COMPILED, phase_s=phases,
                          **stats)
             return None
+        warm = getattr(family, "warm", None)
+        if warm is not None:
+            # CPU work the runner will need (e.g. a helper kernel's compile), done before
+            # taking the GPU lock so that it overlaps other processes' GPU work. A failure is
+            # left for the runner to raise again under the lock, where it is recorded.
+            t = time.perf_counter()
+            try:
+                warm(v, problem)
+            except Exception as e:
+                log.debug("%s.warm failed for %s: %s", family.NAME, v.name(), e)
+            lap("compile", t)
         try:
             t = time.perf_counter()
             with gpu_lock(cfg.gpu_lock):
