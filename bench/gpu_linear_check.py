@@ -484,8 +484,10 @@ def _baselines(B, F, torch, locked, stop) -> None:
 
 
 def _triton(B, F, n, k, m) -> dict:
-    """tl.dot_scaled MXFP4 x BF16 (bench/baselines.py): checked against the dequantized
-    weights, then timed. Not run on a GPU before this bench: every failure is recorded."""
+    """Triton MXFP4 x BF16 (bench/baselines.py triton_mxfp4), every form: each checked against
+    the dequantized weights (rel err <= 1e-2) and timed only if right; the record keeps every
+    form's outcome and the fastest correct one as median_us (the bf16-LHS "rhs" form returned
+    wrong values on the H200 with Triton 3.6, rel err 1.4)."""
     import torch
 
     if not B.TRITON_AVAILABLE:
@@ -494,23 +496,37 @@ def _triton(B, F, n, k, m) -> dict:
     w = torch.randn(n, k, generator=g, device="cuda")
     q = F.quantize(w, "mxfp4")
     x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-    fn = B.triton_mxfp4(x, q.codes, q.scales)
-    y = fn().float()
     ref = x.float() @ F.dequantize(q).T
-    rel = float((y - ref).norm() / ref.norm())
-    out = {"rel_err": rel}
-    if not math.isfinite(rel) or rel > 1e-2:
-        out["check"] = f"rel err {rel:.3e} vs the dequantized weights"
+    pool = [q]                 # weight sets for the cold-L2 rotation, made as needed
+    forms: dict = {}
+    for form in B.TRITON_FORMS:
+        rec: dict = {}
+        try:
+            y = B.triton_mxfp4(x, q.codes, q.scales, form=form)().float()
+            rel = float((y - ref).norm() / ref.norm())
+            rec["rel_err"] = rel
+            if not math.isfinite(rel) or rel > 1e-2:
+                rec["check"] = f"rel err {rel:.3e} vs the dequantized weights"
+            else:
+                def sets(cnt, form=form):
+                    while len(pool) < cnt:
+                        pool.append(F.quantize(torch.randn(n, k, generator=g, device="cuda"),
+                                               "mxfp4"))
+                    return [B.triton_mxfp4(x, qq.codes, qq.scales, form=form)
+                            for qq in pool[:cnt]]
 
-    def sets(cnt):
-        fns = [fn]
-        for _ in range(cnt - 1):
-            qq = F.quantize(torch.randn(n, k, generator=g, device="cuda"), "mxfp4")
-            fns.append(B.triton_mxfp4(x, qq.codes, qq.scales))
-        return fns
-
-    t = _timed("triton", sets, n * k // 2 + n * k // 32)
-    out.update(median_us=t.median_us, timing_mode=t.mode)
+                t = _timed("triton", sets, n * k // 2 + n * k // 32)
+                rec.update(median_us=t.median_us, timing_mode=t.mode)
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {e}"[:300]
+        forms[form] = rec
+    out: dict = {"forms": forms}
+    ok = {f: r["median_us"] for f, r in forms.items() if "median_us" in r}
+    if ok:
+        best = min(ok, key=ok.get)
+        out.update(median_us=ok[best], form=best, rel_err=forms[best]["rel_err"])
+    else:
+        out["check"] = "no Triton form matched the dequantized weights"
     return out
 
 
