@@ -699,3 +699,21 @@ def test_linear_families_warm_the_layer_quantizer(monkeypatch):
     L.FAMILY.warm(L.LinearSm90Variant(act=L.Act.FUSED), p)       # quantizes in its prologue
     W.FAMILY.warm(W.LinearSm90WgmmaVariant(), p)
     assert made == [p, p]
+
+
+def test_summaries_merge_in_stage_order_whatever_the_arrival_order():
+    """Worker processes report stages in any order; the refine stage's winner must win (a
+    race seen under CPU load made the cover winner override it)."""
+    from resgen.search.tuner import WorkloadSummary, merge_summaries
+
+    cover = WorkloadSummary(family="f", problem_key="p", stage="cover", search="cover",
+                            evaluated=1, timed=1, winner="a", winner_us=2.0, indices=[0])
+    refine = WorkloadSummary(family="f", problem_key="p", stage="refine", search="optuna",
+                             evaluated=2, timed=2, winner="b", winner_us=1.0, indices=[0, 5])
+    other = WorkloadSummary(family="f", problem_key="q", stage="cover", search="cover")
+    for order in ([cover, other, refine], [refine, other, cover]):
+        merged = merge_summaries(order)
+        assert [m.problem_key for m in merged] == [order[0].problem_key, "q"]
+        (m,) = [m for m in merged if m.problem_key == "p"]
+        assert (m.stage, m.search, m.winner, m.evaluated) == ("cover+refine", "cover+optuna",
+                                                              "b", 2)

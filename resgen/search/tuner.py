@@ -198,13 +198,23 @@ class WorkloadSummary:
         return out
 
 
+_STAGE_ORDER = {"cover": 0, "full": 1, "refine": 2}
+
+
 def merge_summaries(summaries: Sequence[WorkloadSummary]) -> list[WorkloadSummary]:
-    """One summary per workload (family, problem key), stages merged in the order given."""
+    """One summary per workload (family, problem key), its stages merged in stage order
+    (cover before refine), whatever order the worker processes reported them in: the later
+    stage's winner is the workload's winner. Workloads keep the order of first appearance."""
+    ranked = sorted(enumerate(summaries),
+                    key=lambda t: (_STAGE_ORDER.get(t[1].stage, 1), t[0]))
+    first: dict[tuple[str, str], int] = {}
+    for i, s in enumerate(summaries):
+        first.setdefault((s.family, s.problem_key), i)
     out: dict[tuple[str, str], WorkloadSummary] = {}
-    for s in summaries:
+    for _, s in ranked:
         k = (s.family, s.problem_key)
         out[k] = out[k].merged(s) if k in out else s
-    return list(out.values())
+    return sorted(out.values(), key=lambda s: first[(s.family, s.problem_key)])
 
 
 def working_set_bytes(family: KernelFamily, variant: VariantBase, problem: ProblemBase) -> int:
