@@ -629,16 +629,7 @@ class _SimulatedKernel:
 def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, monkeypatch):
     """Runner + launcher plumbing (input sets, rotation, poisoned check, workspace and
     semaphore reuse across calls) with the simulation standing in for the GPU kernel."""
-    from resgen.kernels import linear_sm90 as H
-
-    registry = {}
-    orig = H.LinearSm90Launcher._ptr
-
-    def record(self, t, align):
-        registry[t.data_ptr()] = t
-        return orig(self, t, align)
-
-    monkeypatch.setattr(H.LinearSm90Launcher, "_ptr", record)
+    registry = _record_launcher_pointers(monkeypatch)
     p = LinearProblem(fmt, comp, 3, 64, 1024)
     v = LinearSm90Variant(**fields)
     assert FAMILY.why_invalid(v, p, ARCH) is None
@@ -658,6 +649,22 @@ def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, mo
     assert torch.equal(y1.view(torch.int16), emu.view(torch.int16))
     assert fake.calls == 4
     assert FAMILY.working_set_bytes(v, p) >= wt1.nbytes()
+
+
+def _record_launcher_pointers(monkeypatch) -> dict:
+    """data_ptr -> tensor for every tensor the LinearSm90Launcher passes to a kernel, so that
+    _SimulatedKernel can find the tensors behind the pointers it receives."""
+    from resgen.kernels import linear_sm90 as H
+
+    registry: dict = {}
+    orig = H.LinearSm90Launcher._ptr
+
+    def record(self, t, align):
+        registry[t.data_ptr()] = t
+        return orig(self, t, align)
+
+    monkeypatch.setattr(H.LinearSm90Launcher, "_ptr", record)
+    return registry
 
 
 class _TorchQuantizer:
@@ -689,16 +696,7 @@ class _TorchQuantizer:
 @pytest.mark.parametrize("fmt, comp", [("nvfp4", "full"), ("mxfp4", "full"),
                                        ("nvfp4", "0.25")])
 def test_runner_with_a_quantizer_in_front(fmt, comp, monkeypatch):
-    from resgen.kernels import linear_sm90 as H
-
-    registry = {}
-    orig = H.LinearSm90Launcher._ptr
-
-    def record(self, t, align):
-        registry[t.data_ptr()] = t
-        return orig(self, t, align)
-
-    monkeypatch.setattr(H.LinearSm90Launcher, "_ptr", record)
+    registry = _record_launcher_pointers(monkeypatch)
     p = LinearProblem(fmt, comp, 2, 64, 1024)
     v = LinearSm90Variant(warps_m=4, warps_k=1, stages=3)
     if p.ratio is not None:
@@ -720,16 +718,8 @@ def test_as_layer_puts_the_quantizer_in_front_of_xop_variants_only(act, monkeypa
     quantizer, the check covers the GEMM and then the whole layer; fused ones stay as they
     are (they quantize in their own prologue)."""
     import resgen.search.linear_sm90 as LS
-    from resgen.kernels import linear_sm90 as H
 
-    registry = {}
-    orig = H.LinearSm90Launcher._ptr
-
-    def record(self, t, align):
-        registry[t.data_ptr()] = t
-        return orig(self, t, align)
-
-    monkeypatch.setattr(H.LinearSm90Launcher, "_ptr", record)
+    registry = _record_launcher_pointers(monkeypatch)
     p = LinearProblem("nvfp4", "full", 2, 64, 1024)
     v = LinearSm90Variant(warps_m=4, warps_k=1, stages=3, act=Act(act))
     assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
