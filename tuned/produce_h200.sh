@@ -11,7 +11,8 @@
 # h200.sqlite.xz (the table to commit as tuned/h200.sqlite.xz), verify.txt, show.txt (every
 # winner) and audit.txt (tests/test_tuned_table.py run against the new table: coverage and
 # freshness). Environment: RESGEN_TUNE_BUDGET (seconds for the tuning itself, default 400),
-# RESGEN_TUNE_ARGS (extra `resgen tune` arguments, e.g. "--families linear_sm90_mma,...").
+# RESGEN_TUNE_ARGS (extra `resgen tune` arguments, e.g. "--families linear_sm90_mma,..."),
+# RESGEN_TUNE_RESUME_FROM (an exported table to continue from, e.g. tuned/h200.sqlite.xz).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/resgen-out}
@@ -23,6 +24,16 @@ export RESGEN_CACHE_DIR=/tmp/resgen-cache
 BUDGET=${RESGEN_TUNE_BUDGET:-400}
 WORK=/tmp/h200-work.sqlite          # resumed if this machine already tuned into it
 T0=$(date +%s)
+# Widening an earlier table on a fresh machine: RESGEN_TUNE_RESUME_FROM=tuned/h200.sqlite.xz
+# (or any exported table / work database in the carried tree) seeds the work database, so
+# variants already timed for the current fingerprints and environment are reused, not re-timed.
+if [ -n "${RESGEN_TUNE_RESUME_FROM:-}" ] && [ ! -f "$WORK" ]; then
+    case "$RESGEN_TUNE_RESUME_FROM" in
+        *.xz) xz -dc "$RESGEN_TUNE_RESUME_FROM" > "$WORK" || { rm -f "$WORK"; exit 2; } ;;
+        *) cp "$RESGEN_TUNE_RESUME_FROM" "$WORK" || exit 2 ;;
+    esac
+    echo "resuming from $RESGEN_TUNE_RESUME_FROM"
+fi
 
 # 1. Tune every workload of Qwen3-4B, 8B and 32B once (shared shapes tuned once): a cover
 #    stage (one checked, timed variant per workload), then the search with the rest of the
