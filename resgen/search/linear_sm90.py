@@ -312,9 +312,9 @@ class LinearSm90Family:
                      (4, 2, 1, Pipeline.REGS), (2, 2, 2, Pipeline.REGS))
 
     def prior(self, variant: LinearSm90Variant, problem: LinearProblem) -> float:
-        """Lower first: the tuner's order for the candidates after the default and the seeds
-        (with a prior the search is "ranked", so a short budget still reaches the patterns
-        that won on the H200). Decode-sized token counts (<= 8 operand rows) prefer the fused
+        """Lower first: the tuner's cover stage starts from the lowest, and its search ranks
+        the candidates after the default and the seeds by it (with a prior the search is
+        "ranked", so a short budget still reaches the patterns that won on the H200). Decode-sized token counts (<= 8 operand rows) prefer the fused
         quantizer (one launch) where it can run, larger ones the xop operand; the warp layout
         and pipeline by the H200 ranking above; the token tile covering all rows; no split-K
         for wide layers (splits only where channel blocks leave SMs idle); stages 3; PDL
@@ -516,8 +516,8 @@ def _cached_weight_sets(cache: dict[tuple, list], keep: int, prepare: Callable[[
         # Further sets exist to make every timed launch read its weights from HBM (cold L2):
         # what matters is distinct memory, not distinct values (the kernels have no
         # data-dependent paths), so they are copies of the first prepared weight, not new
-        # random layers (quantizing and re-laying out a layer costs ~50-500 ms of GPU time
-        # per set; a copy, microseconds). Checks use set 0.
+        # random layers (a layer's first preparation took 0.3-0.5 s of GPU-locked time per
+        # workload in the H200 tuning runs; a copy is a device memcpy). Checks use set 0.
         sets.append((sets[0][0], _clone_tensors(sets[0][1])))
     cache[key] = sets
     return sets[:n_sets]
