@@ -151,39 +151,19 @@ def compile_stats() -> list[dict]:
 # ----------------------------------------------------------------------------- 1. tests
 
 
-class _Collect:
-    """pytest plugin: outcome and duration of every test phase that did not simply pass."""
-
-    def __init__(self):
-        self.rows: list[dict] = []
-
-    def pytest_runtest_logreport(self, report):
-        if report.when == "call" or report.outcome != "passed":
-            self.rows.append({"test": report.nodeid.split("::", 1)[-1][:200],
-                              "when": report.when, "outcome": report.outcome,
-                              "seconds": round(report.duration, 3),
-                              "detail": str(report.longrepr)[-1500:] if report.failed else ""})
-
-
 def run_tests(bench: Bench) -> bool:
     """Run the GPU test module in this process. False if it was interrupted."""
     import pytest
 
-    col = _Collect()
-    xml = bench.out_dir / "attention_sm90_pytest.xml"
+    from gpu_pytest import run_test_file
+
     bench.out_dir.mkdir(parents=True, exist_ok=True)
-    t = time.time()
-    code = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                        str(TEST_FILE)], plugins=[col])
-    rows = col.rows
-    n_fail = sum(r["outcome"] == "failed" for r in rows)
-    n_pass = sum(r["outcome"] == "passed" for r in rows)
-    bench.report["tests"] = {"exit_code": int(code), "passed": n_pass, "failed": n_fail,
-                             "skipped": sum(r["outcome"] == "skipped" for r in rows),
-                             "seconds": time.time() - t, "rows": rows}
-    bench.log(f"GPU tests: {n_pass} passed, {n_fail} failed (exit {int(code)})")
+    res = run_test_file(TEST_FILE, bench.out_dir / "attention_sm90_pytest.xml")
+    bench.report["tests"] = res
+    bench.log(f"GPU tests: {res['passed']} passed, {res['failed']} failed "
+              f"(exit {res['exit_code']})")
     bench.save()
-    return int(code) != int(pytest.ExitCode.INTERRUPTED)
+    return res["exit_code"] != int(pytest.ExitCode.INTERRUPTED)
 
 
 # ----------------------------------------------------------------------------- 2. timing

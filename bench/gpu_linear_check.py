@@ -396,25 +396,14 @@ class Pool:
 REPORT: dict = {"tasks": [], "baselines": [], "errors": []}
 
 
-class _FnRunner:
-    def __init__(self, fns):
-        self.fns, self.i = fns, 0
-
-    def rotate(self, i: int) -> None:
-        self.i = i % len(self.fns)
-
-    def __call__(self):
-        return self.fns[self.i]()
-
-
 def _timed(name, make_sets, bytes_per_set):
     import torch
 
-    from resgen.search.timing import DEFAULT_POLICY, measure
+    from resgen.search.timing import DEFAULT_POLICY, CallableRunner, measure
 
     n_sets = DEFAULT_POLICY.sets_for(bytes_per_set)
     fns = make_sets(n_sets)
-    t = measure(_FnRunner(fns), DEFAULT_POLICY, n_sets)
+    t = measure(CallableRunner(fns), DEFAULT_POLICY, n_sets)
     del fns
     torch.cuda.synchronize()
     return t

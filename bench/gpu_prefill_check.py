@@ -49,7 +49,7 @@ import baselines as B  # noqa: E402
 from resgen.search.linear_sm90 import Packing  # noqa: E402
 from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant,  # noqa: E402
                                              Raster, compile_once)
-from resgen.search.timing import DEFAULT_POLICY, measure  # noqa: E402
+from resgen.search.timing import DEFAULT_POLICY, CallableRunner, measure  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 ARCH = "sm_90a"
@@ -176,17 +176,6 @@ def kp_eff(p: LinearProblem) -> int:
     return p.k_ext(16 if p.fmt == "nvfp4" else 32)
 
 
-class _MatmulRunner:
-    def __init__(self, fns):
-        self.fns, self.i = fns, 0
-
-    def rotate(self, i: int) -> None:
-        self.i = i % len(self.fns)
-
-    def __call__(self):
-        return self.fns[self.i]()
-
-
 def baseline(shape: str, n: int, k: int, m: int) -> None:
     rec = {"shape": shape, "m": m, "baseline": "cublas_bf16"}
     try:
@@ -196,7 +185,7 @@ def baseline(shape: str, n: int, k: int, m: int) -> None:
             w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             fns.append(B.cublas_bf16(x, w))
-        t = measure(_MatmulRunner(fns), DEFAULT_POLICY, n_sets)
+        t = measure(CallableRunner(fns), DEFAULT_POLICY, n_sets)
         rec["median_us"] = t.median_us
         rec["tflops"] = 2.0 * m * n * k / (t.median_us * 1e-6) / 1e12
         rec["timing"] = dataclasses.asdict(t)
@@ -300,37 +289,18 @@ def table() -> list[str]:
     return lines
 
 
-class _Collect:
-    """pytest plugin: outcome and duration of every test phase that did not simply pass."""
-
-    def __init__(self):
-        self.rows: list[dict] = []
-
-    def pytest_runtest_logreport(self, report):
-        if report.when == "call" or report.outcome != "passed":
-            self.rows.append({"test": report.nodeid.split("::", 1)[-1][:200],
-                              "when": report.when, "outcome": report.outcome,
-                              "seconds": round(report.duration, 3),
-                              "detail": str(report.longrepr)[-1500:] if report.failed else ""})
-
-
 def run_tests() -> bool:
     """The GPU test module in this process; False if interrupted or the context is broken."""
     import pytest
 
-    col = _Collect()
-    xml = OUT / "linear_sm90_wgmma_pytest.xml"
-    t = time.time()
-    code = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", "--maxfail=20",
-                        f"--junitxml={xml}", str(TEST_FILE)], plugins=[col])
-    rows = col.rows
-    REPORT["tests"] = {"exit_code": int(code), "seconds": round(time.time() - t, 1),
-                       "passed": sum(r["outcome"] == "passed" for r in rows),
-                       "failed": sum(r["outcome"] == "failed" for r in rows),
-                       "skipped": sum(r["outcome"] == "skipped" for r in rows), "rows": rows}
-    print(f"[{time.time() - T_START:6.1f} s] GPU tests: {REPORT['tests']['passed']} passed, "
-          f"{REPORT['tests']['failed']} failed (exit {int(code)})", flush=True)
-    if int(code) == int(pytest.ExitCode.INTERRUPTED):
+    from gpu_pytest import run_test_file
+
+    res = run_test_file(TEST_FILE, OUT / "linear_sm90_wgmma_pytest.xml", ["--maxfail=20"])
+    res["seconds"] = round(res["seconds"], 1)
+    REPORT["tests"] = res
+    print(f"[{time.time() - T_START:6.1f} s] GPU tests: {res['passed']} passed, "
+          f"{res['failed']} failed (exit {res['exit_code']})", flush=True)
+    if res["exit_code"] == int(pytest.ExitCode.INTERRUPTED):
         return False
     try:
         _sticky_check()

@@ -549,24 +549,6 @@ def _load_baselines() -> Any:
     return mod
 
 
-class _FnRunner:
-    """Runner protocol over prepared callables, one per input set (cold-L2 rotation)."""
-
-    def __init__(self, fns: list[Callable[[], Any]]) -> None:
-        self.fns, self.i = fns, 0
-
-    def rotate(self, i: int) -> None:
-        self.i = i % len(self.fns)
-
-    def __call__(self) -> Any:
-        return self.fns[self.i]()
-
-    def check(self) -> Any:
-        from .search.family import CheckResult
-
-        return CheckResult(True, 0.0, 0.0, "baseline")
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     if not _has_gpu():
         print("resgen bench needs a CUDA GPU (none found)", file=sys.stderr)
@@ -677,7 +659,7 @@ def _bench_baselines(bl: Any, p: Any, policy: Any) -> dict[str, Any]:
     activation rows are padded to a multiple of 16, which _scaled_mm requires)."""
     import torch
 
-    from .search.timing import measure
+    from .search.timing import CallableRunner, measure
 
     out: dict[str, Any] = {}
     wbytes = p.n * p.k * 2
@@ -686,11 +668,11 @@ def _bench_baselines(bl: Any, p: Any, policy: Any) -> dict[str, Any]:
         xs = [torch.randn(p.m, p.k, device="cuda", dtype=torch.bfloat16) for _ in range(n_sets)]
         ws = [torch.randn(p.n, p.k, device="cuda", dtype=torch.bfloat16) / p.k ** 0.5
               for _ in range(n_sets)]
-        out["bf16_us"] = measure(_FnRunner([bl.cublas_bf16(x, w) for x, w in zip(xs, ws)]),
+        out["bf16_us"] = measure(CallableRunner([bl.cublas_bf16(x, w) for x, w in zip(xs, ws)]),
                                  policy, n_sets).median_us
         m16 = -(-p.m // 16) * 16
         xp = [torch.nn.functional.pad(x, (0, 0, 0, m16 - p.m)) for x in xs]
-        out["fp8_us"] = measure(_FnRunner([bl.cublas_fp8(x, w) for x, w in zip(xp, ws)]),
+        out["fp8_us"] = measure(CallableRunner([bl.cublas_fp8(x, w) for x, w in zip(xp, ws)]),
                                 policy, n_sets).median_us
         out["fp8_rows"] = m16
         if p.fmt == "mxfp4" and getattr(bl, "TRITON_AVAILABLE", False):
@@ -708,7 +690,7 @@ def _bench_triton(bl: Any, x: Any, p: Any, policy: Any) -> dict[str, Any]:
     import torch
 
     from . import formats
-    from .search.timing import measure
+    from .search.timing import CallableRunner, measure
 
     forms: dict[str, Any] = {}
     n_sets = policy.sets_for(p.n * p.k // 2)
@@ -722,7 +704,7 @@ def _bench_triton(bl: Any, x: Any, p: Any, policy: Any) -> dict[str, Any]:
             rec["rel_err"] = rel
             if rel == rel and rel <= 1e-2:
                 fns = [bl.triton_mxfp4(x, q.codes, q.scales, form=form) for q in qs]
-                rec["us"] = measure(_FnRunner(fns), policy, n_sets).median_us
+                rec["us"] = measure(CallableRunner(fns), policy, n_sets).median_us
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:300]
         forms[form] = rec

@@ -133,3 +133,14 @@ def test_measure_on_gpu_times_a_copy_plausibly():
     gbps = 2 * (64 << 20) / (t.median_us * 1e-6) / 1e9       # read + write
     assert 500 < gbps < 6000, gbps                           # plausible HBM3e figures
     assert t.launches % n == 0 and len(t.samples_us) == DEFAULT_POLICY.repetitions
+
+
+def test_callable_runner_rotates_over_its_sets():
+    from resgen.search.timing import CallableRunner
+
+    r = CallableRunner([lambda: "a", lambda: "b", lambda: "c"])
+    assert r() == "a"
+    r.rotate(4)
+    assert r() == "b"
+    r.rotate(2)
+    assert r() == "c"

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .variant import sha256_json
 
 __all__ = ["MeasurementPolicy", "DEFAULT_POLICY", "TUNE_POLICY", "POLICIES", "policy_named",
-           "Timing", "summarize", "quantile", "measure"]
+           "Timing", "summarize", "quantile", "measure", "CallableRunner"]
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,20 @@ def _time_calls(fn, reps: int) -> list[float]:
         end.synchronize()
         out.append(start.elapsed_time(end))
     return out
+
+
+class CallableRunner:
+    """The runner `measure` needs, over prepared zero-argument callables: one per input set,
+    rotate(i) selects set i % len (baselines such as torch.matmul on n_sets operand sets)."""
+
+    def __init__(self, fns: Sequence[Callable[[], Any]]) -> None:
+        self.fns, self.i = list(fns), 0
+
+    def rotate(self, i: int) -> None:
+        self.i = i % len(self.fns)
+
+    def __call__(self) -> Any:
+        return self.fns[self.i]()
 
 
 def measure(runner: Any, policy: MeasurementPolicy = DEFAULT_POLICY, n_sets: int = 1
