@@ -24,8 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
-          "o": (4096, 4096)}
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_linear_check import SHAPES  # noqa: E402  (the benchmark whose winners are profiled)
 
 
 def best_variants() -> list[tuple[str, str, str]]:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ncu_decode_m1 import SHAPES  # noqa: E402
+
 COLUMNS = (("Duration", "us", 1e-3), ("DRAM Throughput", "DRAM %", 1.0),
            ("Compute (SM) Throughput", "SM %", 1.0), ("L2 Cache Throughput", "L2 %", 1.0),
            ("Achieved Occupancy", "occ %", 1.0), ("Theoretical Occupancy", "theor. occ %", 1.0),
@@ -22,8 +24,6 @@ COLUMNS = (("Duration", "us", 1e-3), ("DRAM Throughput", "DRAM %", 1.0),
            ("No Eligible", "no eligible %", 1.0),
            ("Warp Cycles Per Issued Instruction", "cyc/issue", 1.0),
            ("SM Frequency", "SM GHz", 1e-9))
-SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
-          "o": (4096, 4096)}
 
 
 def _num(s: str) -> float:
