@@ -26,6 +26,11 @@ every M, Triton tl.dot_scaled MXFP4 x BF16 (bench/baselines.py; guarded) at M = 
 Timing: resgen.search.timing.measure, policy cold-l2-graph (CUDA graph of many launches,
 input sets rotated past 2 x the 60 MB L2, median of 7).
 
+RESGEN_BENCH_PLAN=cluster runs a different, one-phase plan instead: the cluster study (the fused
+winning patterns with cluster = 1, 2, 4 CTAs sharing one quantization, NVFP4 plain and M-Ext
+at M = 1, 4, 16 and MXFP4 M-Ext at M = 1), JSON $OUT/linear_cluster_check.json, a per-cluster
+summary table last.
+
 Candidates compile in RESGEN_BENCH_WORKERS spawned processes (default: CPU cores - 2, at most
 14); one process at a time holds the GPU (file lock). A process whose kernel hangs longer than
 RESGEN_BENCH_HANG_S (60) is killed and replaced; a broken CUDA context replaces the process;
@@ -58,6 +63,7 @@ HANG_S = float(os.environ.get("RESGEN_BENCH_HANG_S", "60"))
 GRACE_S = 120.0
 SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
           "o": (4096, 4096)}
+PLAN = os.environ.get("RESGEN_BENCH_PLAN", "full")
 MS_PHASE2 = (16, 4, 64, 8, 2, 32)        # priority order (a budget cut drops the last)
 BASE_MS = (1, 2, 4, 8, 16, 32, 64, 128)
 T0 = time.time()
@@ -636,6 +642,65 @@ def phase3_tasks(p1: list[dict], p2: list[dict]) -> list[dict]:
                                                order.get(t["m"], 99)))
 
 
+def cluster_tasks() -> list[dict]:
+    """The cluster study: each fused winning pattern (adapted to the rows) with 1, 2 and 4 CTAs
+    per cluster, without PDL, for every shape."""
+    from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant, Packing, Pipeline,
+                                           Reduction)
+    from resgen.search.variant import LinearProblem
+
+    CP, DI, RG = Pipeline.CP_ASYNC, Pipeline.DIRECT, Pipeline.REGS
+    N, W = Reduction.NONE, Reduction.WORKSPACE
+    pats = [(4, 2, 1, RG, 1, 0, 1, N), (1, 8, 1, CP, 3, 0, 1, N), (2, 4, 1, CP, 3, 0, 1, N),
+            (1, 8, 1, DI, 1, 2, 1, N), (4, 2, 1, RG, 1, 0, 2, W)]
+    probs = [(fmt, mode, m) for m in (1, 4, 16) for fmt, mode in (("nvfp4", "none"),
+                                                                   ("nvfp4", "full"))]
+    probs.append(("mxfp4", "full", 1))
+    out = []
+    for fmt, mode, m in probs:
+        for shape, (n, k) in SHAPES.items():
+            p = LinearProblem(fmt, mode, m, n, k)
+            for wm, wk, mt, pl, st, l2, sk, red in pats:
+                base = adapt(LinearSm90Variant(wm, wk, mt, 1, 1, pl, st, l2, sk, red,
+                                               Packing.SPLIT, Act.FUSED, False), p)
+                if base is None:
+                    continue
+                for cl in (1, 2, 4):
+                    v = dataclasses.replace(base, cluster=cl)
+                    if FAMILY.why_invalid(v, p, ARCH) is None:
+                        out.append(task("c", shape, p, "layer", v))
+    return _unique(out)
+
+
+def cluster_table() -> list[str]:
+    """Per (fmt, mode, M): the sum over the four shapes of the best layer time with each
+    cluster size, and per shape the best of each."""
+    recs = [r for r in REPORT["tasks"] if r.get("phase") == "c"]
+    cls = (1, 2, 4)
+    lines = [f"{'fmt':5} {'mode':5} {'M':>3} {'shape':7} " + " ".join(f"{'cl' + str(c):>7}"
+                                                                   for c in cls)
+             + "  best/cl1"]
+    keys = sorted({(r["fmt"], r["mode"], r["m"]) for r in recs})
+    for fmt, mode, m in keys:
+        sums = {c: 0.0 for c in cls}
+        for shape in SHAPES:
+            best = {}
+            for c in cls:
+                rs = [r for r in ranked(recs, shape=shape, fmt=fmt, mode=mode, m=m)
+                      if f"_cl{c}" in r["name"]]
+                best[c] = rs[0]["median_us"] if rs else math.nan
+                sums[c] += best[c]
+            top = min((best[c] for c in cls if best[c] == best[c]), default=math.nan)
+            lines.append(f"{fmt:5} {mode:5} {m:>3} {shape:7} "
+                         + " ".join(f"{best[c]:7.2f}" for c in cls)
+                         + f"  {top / best[1]:.3f}")
+        top = min(sums.values())
+        lines.append(f"{fmt:5} {mode:5} {m:>3} {'sum':7} " + " ".join(f"{sums[c]:7.2f}"
+                                                                  for c in cls)
+                     + f"  {top / sums[1]:.3f}")
+    return lines
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -742,7 +807,8 @@ def main() -> None:
     import torch
 
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "linear_sm90_check.json"
+    path = OUT / ("linear_cluster_check.json" if PLAN == "cluster" else
+                  "linear_sm90_check.json")
     try:
         REPORT["environment"] = environment()
     except Exception as e:
@@ -766,41 +832,59 @@ def main() -> None:
     bt = threading.Thread(target=baselines, args=(lock, stop), daemon=True)
     torch.cuda.init()
     bt.start()
-    tasks1 = []
-    for shape, (n, k) in SHAPES.items():
-        for mode in ("none", "full"):
-            p = LinearProblem("nvfp4", mode, 1, n, k)
-            tasks1 += [task("1", shape, p, kind, v) for kind, v in phase1_tasks(p)]
+    if PLAN == "cluster":
+        tc = cluster_tasks()
+        print(f"[{time.time() - T0:6.1f} s] cluster study: {len(tc)} tasks on {nw} workers",
+              flush=True)
+        REPORT["tasks"] += pool.run(tc, slots_per_group=-(-nw // 8))
+        write(path)
+    tasks1 = [] if PLAN == "cluster" else tasks1_plan()
     print(f"[{time.time() - T0:6.1f} s] phase 1: {len(tasks1)} tasks on {nw} workers",
           flush=True)
-    r1 = pool.run(tasks1, slots_per_group=-(-nw // 8))
+    r1 = pool.run(tasks1, slots_per_group=-(-nw // 8)) if tasks1 else []
     REPORT["tasks"] += r1
     write(path)
     print(f"[{time.time() - T0:6.1f} s] phase 1 done: "
           f"{sum(1 for r in r1 if r.get('median_us'))} timed, "
           f"{sum(1 for r in r1 if r.get('error'))} failed/skipped", flush=True)
-    tasks2 = phase2_tasks(r1)
+    tasks2 = phase2_tasks(r1) if r1 else []
     print(f"[{time.time() - T0:6.1f} s] phase 2: {len(tasks2)} tasks", flush=True)
-    r2 = pool.run(tasks2, slots_per_group=max(1, -(-nw // 16)))
+    r2 = pool.run(tasks2, slots_per_group=max(1, -(-nw // 16))) if tasks2 else []
     REPORT["tasks"] += r2
     write(path)
-    tasks3 = phase3_tasks(r1, r2)
+    tasks3 = phase3_tasks(r1, r2) if r1 else []
     print(f"[{time.time() - T0:6.1f} s] phase 3: {len(tasks3)} tasks", flush=True)
-    r3 = pool.run(tasks3, slots_per_group=max(1, -(-nw // 16)))
+    r3 = pool.run(tasks3, slots_per_group=max(1, -(-nw // 16))) if tasks3 else []
     REPORT["tasks"] += r3
     write(path)
     stop.set()
     bt.join(timeout=60)
     pool.close()
     REPORT["seconds"] = round(time.time() - T0, 1)
-    lines = table()
+    lines = table() + ([""] + cluster_table() if PLAN == "cluster" else [])
     REPORT["table"] = lines
     write(path)
+    _report(lines, path)
+
+
+def tasks1_plan() -> list[dict]:
+    """Phase 1 of the full plan: M = 1, NVFP4 plain and M-Ext, every shape."""
+    from resgen.search.variant import LinearProblem
+
+    tasks1 = []
+    for shape, (n, k) in SHAPES.items():
+        for mode in ("none", "full"):
+            p = LinearProblem("nvfp4", mode, 1, n, k)
+            tasks1 += [task("1", shape, p, kind, v) for kind, v in phase1_tasks(p)]
+    return tasks1
+
+
+def _report(lines: list[str], path: Path) -> None:
+    """Print the short table (rows at M = 1, 16, 64, every summary line) and the failures."""
     recs = REPORT["tasks"]
     failed = [r for r in recs if r.get("error") and not r["error"].startswith("skipped")]
     skipped = [r for r in recs if str(r.get("error", "")).startswith("skipped")]
     eager = [r for r in recs if r.get("timing_mode") == "eager"]
-    # printed: the rows at M = 1, 16, 64 and every summary line (the JSON has all rows)
     keep = [ln for ln in lines if not ln or not ln.split()[0] in SHAPES
             or ln.split()[3] in ("M", "1", "16", "64")]
     print("\n".join(keep))

@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = dsub.add_parser("merge", help="copy results of other databases into one")
     m.add_argument("sources", type=Path, nargs="+")
     m.add_argument("--into", type=Path, required=True)
+    m.add_argument("--fresh-only", action="store_true",
+                   help="copy only results whose variant parses and whose fingerprint matches "
+                        "this checkout's templates, kernel modules and versions (drop stale ones)")
     e = dsub.add_parser("export", help="to JSON, or a compact read-only-friendly SQLite copy "
                         "(xz-compressed when --out ends in .xz, as tuned/ ships it)")
     e.add_argument("path", type=Path)
@@ -744,6 +747,29 @@ def _parse_key(kind: str, key: str) -> str | None:
     return None
 
 
+_FRESH_CACHE: dict[tuple, str] = {}
+
+
+def _fresh_row(row) -> bool:
+    """A database row tuned with what this checkout would compile: its family is registered,
+    its variant and workload parse, and the fingerprint recorded for it is the one the current
+    templates, kernel modules, compile options and versions give (the rule the runtime and the
+    tuner use to tell stale results)."""
+    from .search.build import variant_fingerprint
+    from .search.family import get_family
+
+    try:
+        fam = get_family(row["family"])
+        v = fam.VARIANT.from_key(row["variant_key"])
+        p = fam.PROBLEM.from_key(row["workload_key"])
+        key = (fam.NAME, v.key(), fam.compile_key(v, p).key(), row["arch"])
+        if key not in _FRESH_CACHE:
+            _FRESH_CACHE[key] = variant_fingerprint(fam, v, p, row["arch"])
+        return _FRESH_CACHE[key] == row["fingerprint"]
+    except Exception:            # unparseable, unknown family or arch: not fresh
+        return False
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from .db import DatabaseError, TuningDB
 
@@ -760,10 +786,11 @@ def cmd_db(args: argparse.Namespace) -> int:
                 print(f"  warning: {w}")
             return 0 if rep.ok else 1
         if args.dbcmd == "merge":
+            keep = _fresh_row if args.fresh_only else None
             with TuningDB(args.into) as dst:
                 for src in args.sources:
                     with TuningDB(src, readonly=True) as s:
-                        counts = dst.merge_from(s)
+                        counts = dst.merge_from(s, keep=keep)
                     print(f"{src} -> {args.into}: {counts}")
             return 0
         if args.dbcmd == "export":

@@ -138,6 +138,36 @@ def test_show_verify_merge_export(tmp_path, capsys):
     with TuningDB(merged, readonly=True) as d, TuningDB(a, readonly=True) as da, \
             TuningDB(b, readonly=True) as dbb:
         assert len(d) == len(da) + len(dbb)
+    # --fresh-only keeps the rows whose fingerprint the current checkout reproduces
+    import resgen.cli as cli
+    import resgen.search.build as build
+
+    fresh = tmp_path / "fresh.sqlite"
+    cli._FRESH_CACHE.clear()
+    capsys.readouterr()
+    assert main(["db", "merge", str(a), "--into", str(fresh), "--fresh-only"]) == 0
+    assert "'dropped': 0" in capsys.readouterr().out
+    with TuningDB(fresh, readonly=True) as d, TuningDB(a, readonly=True) as da:
+        assert len(d) == len(da)
+        stale_key = da.rows()[0]["variant_key"]
+    real = build.variant_fingerprint
+
+    def changed(fam, v, p, arch):     # as if one variant's template had changed since
+        return "0" * 64 if v.key() == stale_key else real(fam, v, p, arch)
+
+    cli._FRESH_CACHE.clear()
+    build.variant_fingerprint = changed
+    try:
+        part = tmp_path / "part.sqlite"
+        assert main(["db", "merge", str(a), "--into", str(part), "--fresh-only"]) == 0
+    finally:
+        build.variant_fingerprint = real
+        cli._FRESH_CACHE.clear()
+    with TuningDB(part, readonly=True) as d, TuningDB(a, readonly=True) as da:
+        n_stale = sum(1 for r in da.rows() if r["variant_key"] == stale_key)
+        assert n_stale >= 1 and len(d) == len(da) - n_stale
+        assert all(r["variant_key"] != stale_key for r in d.rows())
+    assert f"'dropped': {n_stale}" in capsys.readouterr().out
     assert main(["db", "export", str(merged), "--out", str(tmp_path / "x.json")]) == 0
     js = json.loads((tmp_path / "x.json").read_text())
     assert len(js["results"]) == len(TuningDB(merged, readonly=True))

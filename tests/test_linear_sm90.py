@@ -278,7 +278,7 @@ def test_variant_key_changes_with_every_field():
     other = {"warps_m": 2, "warps_k": 4, "m_tiles": 2, "n_tiles": 2, "groups": 2,
              "pipeline": Pipeline.REGS, "stages": 2, "l2_prefetch": 2, "split_k": 2,
              "reduce": Reduction.WORKSPACE, "packing": Packing.NIB, "act": Act.FUSED,
-             "pdl": True}
+             "pdl": True, "cluster": 2}
     assert set(other) == {f.name for f in dataclasses.fields(LinearSm90Variant)}
     keys = {base.key()}
     for name, value in other.items():
@@ -318,6 +318,9 @@ def test_variant_from_dict_rejects_bad_values():
      "prefetch 8 iterations ahead of 4"),
     (LinearSm90Variant(warps_m=4, warps_k=1, stages=4, l2_prefetch=2), LinearProblem(),
      "does nothing"),
+    (LinearSm90Variant(cluster=2), LinearProblem(), "act=fused only"),
+    (LinearSm90Variant(warps_m=4, act=Act.FUSED, cluster=4), LinearProblem(n=128, k=4096),
+     "clusters of 4"),
 ])
 def test_why_invalid_gives_reasons(v, p, reason):
     why = FAMILY.why_invalid(v, p, ARCH)
@@ -441,6 +444,10 @@ FUSED_SIM_CASES = [
     ("mxfp4", "1.0", 1024, 1, 2, dict(warps_m=2, warps_k=2, groups=2, **_REGS, **_FUSED)),
     ("mxfp4", "0.25", 2048, 9, 9, dict(warps_m=2, warps_k=1, n_tiles=2, split_k=2,
                                        reduce=Reduction.WORKSPACE, stages=2, **_FUSED)),
+    # clusters: the items dealt over 2 / 4 CTAs (K-Ext extension and padding included)
+    ("nvfp4", "full", 1024, 3, 3, dict(warps_m=1, warps_k=2, stages=3, cluster=4, **_FUSED)),
+    ("mxfp4", "0.125", 2048, 2, 2, dict(warps_m=2, warps_k=1, split_k=3, cluster=2,
+                                        reduce=Reduction.WORKSPACE, **_DIRECT, **_FUSED)),
 ]
 
 
@@ -532,6 +539,12 @@ COMPILE_CASES = [
                        reduce=Reduction.WORKSPACE, act=Act.FUSED)),
     (LinearProblem("nvfp4", "none", 1, 4096, 4096),
      LinearSm90Variant(1, 4, 1, 1, 1, _DI, 1, l2_prefetch=4, pdl=True)),
+    # a cluster sharing the fused quantization (distributed shared memory)
+    (LinearProblem("nvfp4", "full", 1, 24576, 4096),
+     LinearSm90Variant(4, 2, 1, 1, 1, _RG, 1, act=Act.FUSED, cluster=4)),
+    (LinearProblem("mxfp4", "0.125", 3, 6144, 4096),
+     LinearSm90Variant(2, 2, 1, 1, 1, _CP, 3, split_k=3, reduce=Reduction.WORKSPACE,
+                       act=Act.FUSED, pdl=True, cluster=2)),
 ]
 
 
@@ -569,10 +582,22 @@ def test_compiles_for_sm90a_without_spills(p, v, tmp_path):
         assert "atom.global.acq_rel.gpu.add.u32" in ptx and "fence.acq_rel.gpu" in ptx
     if v.reduce == Reduction.ATOMIC:
         assert "red.global.add.f32" in ptx and ptx.count(".entry") == 2
-    if v.fused:
+    if v.fused and v.cluster == 1:
         assert "st.shared.v4.u32" in ptx and "bar.sync" in ptx
+    if v.fused:
         assert "ld.global.nc.v4.u32" not in ptx or not v.pdl
     else:
+        assert "st.shared.v4.u32" not in ptx
+    # a cluster stores the operand tile into every peer (distributed shared memory) between
+    # the start barrier and the release/acquire barrier
+    assert ("st.shared::cluster.v4.u32" in ptx) == (v.cluster > 1)
+    if v.cluster > 1:
+        assert ptx.count("mapa.shared::cluster.u32") >= v.cluster
+        i_start = ptx.index("barrier.cluster.arrive.relaxed")
+        i_wait = ptx.index("barrier.cluster.wait.acquire")
+        i_store = ptx.index("st.shared::cluster.v4.u32")
+        i_rel = ptx.index("barrier.cluster.arrive.release")
+        assert i_start < i_wait < i_store < i_rel
         assert "st.shared.v4.u32" not in ptx
     assert ("griddepcontrol.launch_dependents" in ptx) == v.pdl
     assert ("griddepcontrol.wait" in ptx) == v.pdl

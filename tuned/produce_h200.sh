@@ -25,13 +25,18 @@ BUDGET=${RESGEN_TUNE_BUDGET:-400}
 WORK=/tmp/h200-work.sqlite          # resumed if this machine already tuned into it
 T0=$(date +%s)
 # Widening an earlier table on a fresh machine: RESGEN_TUNE_RESUME_FROM=tuned/h200.sqlite.xz
-# (or any exported table / work database in the carried tree) seeds the work database, so
-# variants already timed for the current fingerprints and environment are reused, not re-timed.
+# (or any exported table / work database in the carried tree) seeds the work database with
+# its FRESH results (`resgen db merge --fresh-only`: variants that parse and were tuned with the
+# current templates, kernel modules and versions), so those are reused, not re-timed, and
+# results of changed templates are dropped (the exported table must hold no stale row).
 if [ -n "${RESGEN_TUNE_RESUME_FROM:-}" ] && [ ! -f "$WORK" ]; then
+    SEED=/tmp/resgen-resume-seed.sqlite
+    rm -f "$SEED"
     case "$RESGEN_TUNE_RESUME_FROM" in
-        *.xz) xz -dc "$RESGEN_TUNE_RESUME_FROM" > "$WORK" || { rm -f "$WORK"; exit 2; } ;;
-        *) cp "$RESGEN_TUNE_RESUME_FROM" "$WORK" || exit 2 ;;
+        *.xz) xz -dc "$RESGEN_TUNE_RESUME_FROM" > "$SEED" || exit 2 ;;
+        *) cp "$RESGEN_TUNE_RESUME_FROM" "$SEED" || exit 2 ;;
     esac
+    python3 -m resgen db merge "$SEED" --into "$WORK" --fresh-only || { rm -f "$WORK"; exit 2; }
     echo "resuming from $RESGEN_TUNE_RESUME_FROM"
 fi
 

@@ -530,16 +530,21 @@ class TuningDB:
         rep.ok = not rep.errors
         return rep
 
-    def merge_from(self, other: "TuningDB") -> dict[str, int]:
+    def merge_from(self, other: "TuningDB",
+                   keep: Callable[[Mapping[str, Any]], bool] | None = None) -> dict[str, int]:
         """Copy every result of `other` not already here (same workload, variant, fingerprint
-        and environment), one transaction per result; rows failing their checksum are skipped.
-        """
-        added = skipped = bad = 0
+        and environment), one transaction per result; rows failing their checksum are skipped,
+        and so are rows for which `keep` (if given) returns False (counted as "dropped": e.g.
+        results tuned with templates this checkout no longer has)."""
+        added = skipped = bad = dropped = 0
         envs = {e["digest"]: e for e in other.environments()}
         for row in other.rows():
             if row_checksum(row, row["environment_digest"], row["workload_digest"],
                             row["variant_digest"]) != row["checksum"]:
                 bad += 1
+                continue
+            if keep is not None and not keep(row):
+                dropped += 1
                 continue
             env = dict(envs[row["environment_digest"]])
 
@@ -568,7 +573,8 @@ class TuningDB:
                 added += 1
             else:
                 skipped += 1
-        return {"added": added, "already_present": skipped, "bad_checksum": bad}
+        return {"added": added, "already_present": skipped, "bad_checksum": bad,
+                "dropped": dropped}
 
     def export_json(self) -> dict[str, Any]:
         """Every result joined with its workload, variant and environment (plain data)."""

@@ -24,6 +24,10 @@ Activation source ("act"):
             (token, BS-column block) pairs of the CTA's real tokens, handed to threads
             round-robin; an item writes base (+ residue row for M-Ext) or a K-Ext extension
             block (recomputing the 8 / KSEL base blocks it selects residues from) or zeros.
+            With a cluster of CL CTAs along x (CL > 1: CTAs of neighbouring channel blocks,
+            same K range and tokens, so the same operand tile), the items are dealt over the
+            CL x threads of the cluster and every item is stored into the tile of each CTA of
+            the cluster (distributed shared memory): each CTA quantizes 1 / CL of its tile.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Geometry:
     k: int = 0         # real input channels K (fused; 0: unused)
     ksel: int = 0      # K-Ext channels selected per 8-channel group (0: no extension)
     tok_rows: int = 0  # fused: xop rows per CTA (TOK); 0 for xop (TOK = 8 NT)
+    cluster: int = 1   # fused: CTAs along x that share one quantization of the operand tile
 
     # ------------------------------------------------------------------ derived constants
     @property
@@ -193,6 +198,12 @@ class Geometry:
                 raise ValueError("fused K-Ext: the extension must fill whole blocks")
         elif self.tok_rows or self.ksel:
             raise ValueError("tok_rows / ksel only apply to the fused activation source")
+        if self.cluster not in (1, 2, 4):
+            raise ValueError("cluster must be 1, 2 or 4 CTAs")
+        if self.cluster > 1 and not self.fused:
+            raise ValueError("a cluster shares the fused quantization: fused variants only")
+        if self.grid_x % self.cluster:
+            raise ValueError("the channel blocks (grid x) must be a multiple of the cluster")
 
     def grid(self, rows: int) -> tuple[int, int, int]:
         return self.grid_x, self.split_k, -(-rows // self.tok)
@@ -284,6 +295,15 @@ class Geometry:
         """Byte offset inside a tile row of the lane's first 16-byte B vector: chunk i of group
         u of iteration it of warp slice wk, columns 16 t .. 16 t + 15 of that chunk."""
         return ((((wk * self.gs + it * self.groups + u) * 4 + i) * 64) + 16 * t) * 2
+
+    def item_start(self, rank: Any, tid: Any) -> Any:
+        """First work item of thread tid of cluster rank `rank` (items advance by
+        item_step)."""
+        return rank * self.threads + tid
+
+    @property
+    def item_step(self) -> int:
+        return self.threads * self.cluster
 
     def item(self, it: Any) -> tuple[Any, Any]:
         """Work item -> (token of the tile, block of the CTA's K range)."""

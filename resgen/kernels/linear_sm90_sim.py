@@ -124,7 +124,13 @@ def _fused_tile(G: Geometry, x: torch.Tensor, alpha_x, masks, m: int, by: int,
     tok0 = bz * (G.tok // G.rpt)
     ntok = min(G.tok // G.rpt, m - tok0)
     xf = x.float()
-    for item in range(ntok * G.nb):
+    # the items as the kernel deals them: thread tid of cluster rank r takes item_start(r, tid),
+    # then every item_step-th; each item is stored into every CTA of the cluster (same tile)
+    walk = [it for r in range(G.cluster) for tid in range(G.threads)
+            for it in range(G.item_start(r, tid), ntok * G.nb, G.item_step)]
+    if sorted(walk) != list(range(ntok * G.nb)):
+        raise AssertionError("the cluster's threads do not cover every work item exactly once")
+    for item in walk:
         tk, b = G.item(item)
         col = G.item_col(by, b)
         tok = tok0 + tk

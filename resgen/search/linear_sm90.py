@@ -26,6 +26,10 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
                        global memory) or "fused" (each CTA quantizes its K range of the BF16
                        activations into shared memory with resgen.kernels.fp4_device: the
                        variant IS the whole layer; static NVFP4 alpha or MXFP4)
+    cluster            fused only: CTAs of neighbouring channel blocks launched as one cluster
+                       that quantize the operand tile once between them (each 1 / cluster of
+                       the blocks, stored into every peer's shared memory); 1 = each CTA
+                       quantizes its whole tile
     pdl                programmatic dependent launch: the kernel lets the next one launch at
                        once, issues its weight prologue (cp.async ring / register buffer / L2
                        bulk prefetch of the first l2_prefetch iterations), then waits for the
@@ -94,6 +98,7 @@ class LinearSm90Variant(VariantBase):
     packing: Packing = field(default=Packing.SPLIT, metadata={"short": "pk"})
     act: Act = field(default=Act.XOP, metadata={"short": "act"})
     pdl: bool = field(default=False, metadata={"short": "pdl"})
+    cluster: int = field(default=1, metadata={"range": IntRange(1, 4, pow2=True), "short": "cl"})
 
     @property
     def deterministic(self) -> bool:
@@ -142,7 +147,7 @@ def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
                     split_k=variant.split_k, reduce=variant.reduce.value,
                     act=variant.act.value, pdl=bool(variant.pdl),
                     k=problem.k if fused else 0, ksel=_ksel(problem) if fused else 0,
-                    tok_rows=tok_rows_of(variant, problem))
+                    tok_rows=tok_rows_of(variant, problem), cluster=variant.cluster)
 
 
 def _why_not_fused(v: LinearSm90Variant, p: LinearProblem) -> str | None:
@@ -218,6 +223,11 @@ class LinearSm90Family:
             why = _why_not_fused(v, p)
             if why is not None:
                 return why
+        if v.cluster > 1:
+            if not v.fused:
+                return "a cluster shares the fused quantization: act=fused only"
+            if (p.n // (16 * v.m_tiles * v.warps_m)) % v.cluster:
+                return f"the channel blocks do not split into clusters of {v.cluster}"
         est = _reg_estimate(v, p)
         if est > _MAX_REGS_EST:
             return f"register estimate {est} > {_MAX_REGS_EST} (would spill)"
@@ -261,8 +271,11 @@ class LinearSm90Family:
         channel/K warp layouts x the pipelines x a token tile covering the rows in one or two
         z tiles x cross-CTA split-K (only where channel blocks alone leave the 132 SMs of an
         H200 short: fewer than 264 CTAs) x activation source (fused only where it can run)
-        x PDL (K + extension lengths with a factor 3 also split over 3 CTAs). The nib packing and 2-group iterations lost to split / 1 group everywhere on
-        the H200 and are valid variants outside the space."""
+        x PDL x (fused) clusters of 1 or 2 CTAs sharing the quantization (K + extension
+        lengths with a factor 3 also split over 3 CTAs). The nib packing, 2-group iterations
+        and clusters of 4 lost everywhere on the H200 (bench/results/h200/
+        linear_cluster_check.json for the clusters) and are valid variants outside the
+        space."""
         rows = problem.rows
         nt_full = min(8, pow2_ceil(-(-rows // 8)))
         nts = [nt_full] + ([nt_full // 2] if nt_full > 1 else [])
@@ -286,11 +299,12 @@ class LinearSm90Family:
                     for sk, red in splits:
                         for act in acts:
                             for pdl in (False, True):
-                                l2s = l2 // sk if l2 > 2 else l2   # "all" of a split slice
-                                v = LinearSm90Variant(wm, wk, mt, nt, 1, pl, st, l2s, sk, red,
-                                                      Packing.SPLIT, act, pdl)
-                                if self.why_invalid(v, problem, arch) is None:
-                                    out.append(v)
+                                for cl in ((1, 2) if act == Act.FUSED else (1,)):
+                                    l2s = l2 // sk if l2 > 2 else l2   # "all" of a split slice
+                                    v = LinearSm90Variant(wm, wk, mt, nt, 1, pl, st, l2s, sk,
+                                                          red, Packing.SPLIT, act, pdl, cl)
+                                    if self.why_invalid(v, problem, arch) is None:
+                                        out.append(v)
         d = self.default(problem, arch)
         if d not in out:
             out.insert(0, d)
@@ -317,8 +331,11 @@ class LinearSm90Family:
         "ranked", so a short budget still reaches the patterns that won on the H200). Decode-sized token counts (<= 8 operand rows) prefer the fused
         quantizer (one launch) where it can run, larger ones the xop operand; the warp layout
         and pipeline by the H200 ranking above; the token tile covering all rows; no split-K
-        for wide layers (splits only where channel blocks leave SMs idle); stages 3; PDL
-        variants after their non-PDL twins."""
+        for wide layers (splits only where channel blocks leave SMs idle); stages 3; fused
+        tiles of two or more operand rows (M-Ext, M >= 2) quantized once per cluster of 2 CTAs,
+        one-row tiles per CTA (linear_cluster_check.json: 0.81-0.95 of the cluster-1 time
+        summed over the four Qwen3-8B shapes at M = 4 and 16, 0.98 for M-Ext at M = 1, 1.06
+        for plain M = 1); PDL variants after their non-PDL twins."""
         v, p = variant, problem
         rows = p.rows
         order = self._WIDE_FIRST if p.n >= 16384 else self._NARROW_FIRST
@@ -341,6 +358,8 @@ class LinearSm90Family:
             s += 0.0 if v.l2_prefetch == 2 else 0.4
         if v.pipeline == Pipeline.REGS:
             s += 0.0 if v.l2_prefetch == 0 else 0.4
+        if v.fused:
+            s += 0.0 if v.cluster == (2 if rows >= 2 else 1) else 0.3
         s += 1.2 if v.pdl else 0.0
         return s
 
@@ -389,7 +408,7 @@ class LinearSm90Family:
                 "l2_prefetch": int(g.l2_prefetch),
                 "split_k": int(g.split_k), "reduce": g.reduce, "act": g.act,
                 "pdl": bool(g.pdl), "k": int(g.k), "ksel": int(g.ksel),
-                "tok_rows": int(g.tok_rows)}
+                "tok_rows": int(g.tok_rows), "cluster": int(g.cluster)}
 
     def compile_key(self, variant: LinearSm90Variant, problem: LinearProblem) -> LinearProblem:
         """M is a run-time argument (the grid's token tiles): one compile per (fmt, mode, N,
