@@ -1,6 +1,7 @@
 """linear_sm90_mma on an H200: a covering subset of the space of small problems (every field value
 of the space at least once, both formats, every compensation), the nib / 2-group variants
-outside the space, fused quantization at partial tiles and K-Ext, the Qwen3-8B shapes; fresh
+outside the space, fused quantization at partial tiles and K-Ext (per CTA and shared by a
+cluster of 2; a cluster of 4 outside the space), the Qwen3-8B shapes; fresh
 random inputs, NaN-poisoned outputs, ||out - ref|| / ||ref|| <= 3e-3 vs resgen.reference.linear,
 bit-identical reruns for deterministic variants, repeated calls (semaphores / workspace reset),
 CUDA-graph replay, and two PDL layers chained through their activations (the second must wait
@@ -86,6 +87,9 @@ OUTSIDE_SPACE = [
                       Packing.NIB, Act.FUSED, True),
     LinearSm90Variant(1, 4, 4, 1, 1, Pipeline.REGS, 1, 2, 1, Reduction.NONE, Packing.NIB),
     LinearSm90Variant(4, 2, 1, 8, 1, Pipeline.CP_ASYNC, 2, 0, 1, Reduction.NONE),
+    # a cluster of 4 CTAs sharing the fused quantization (lost to 1 and 2 on the H200)
+    LinearSm90Variant(1, 2, 1, 2, 1, Pipeline.CP_ASYNC, 3, 0, 1, Reduction.NONE, Packing.SPLIT,
+                      Act.FUSED, False, 4),
 ]
 
 
@@ -95,16 +99,17 @@ def test_variants_outside_the_space(v, comp):
     _check_variant(v, LinearProblem("nvfp4", comp, 16, 256, 2048), ms=(1, 16))
 
 
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("comp", ["none", "full", "0.25", "0.5"])
-def test_fused_partial_tiles_and_long_k(fmt, comp):
+def test_fused_partial_tiles_and_long_k(fmt, comp, cluster):
     """Fused kernels at 1, 3 and 5 tokens (operand tiles of 1/2, 4 and 8 rows; 5 M-Ext tokens
     = 10 rows over two z tiles) with K = 12288 split over CTAs. A kernel compiled for one token
     is refused for three: run that way on the H200 (2026-11-30) it left rows unwritten, since
     the host grid follows the real M while the kernel's tile was sized for one token."""
     p = LinearProblem(fmt, comp, 1, 512, 12288)
     v = LinearSm90Variant(1, 4, 1, 1, 1, Pipeline.CP_ASYNC, 3, 0, 2, Reduction.WORKSPACE,
-                          Packing.SPLIT, Act.FUSED, True)
+                          Packing.SPLIT, Act.FUSED, True, cluster)
     if FAMILY.why_invalid(v, p, ARCH) is not None:      # K + ext not split by 2 x 4
         v = dataclasses.replace(v, warps_k=2, split_k=3)
     _check_variant(v, p, ms=(1, 3, 5))
@@ -129,7 +134,9 @@ def test_qwen_shapes(n, k, fmt, comp, m):
                                stages=1, l2_prefetch=3, split_k=3,
                                reduce=Reduction.WORKSPACE, act=Act.FUSED, pdl=True),
              LinearSm90Variant(warps_m=4, warps_k=2, n_tiles=nt, pipeline=Pipeline.REGS,
-                               stages=1, act=Act.FUSED, pdl=True)]
+                               stages=1, act=Act.FUSED, pdl=True),
+             LinearSm90Variant(warps_m=4, warps_k=2, n_tiles=nt, pipeline=Pipeline.REGS,
+                               stages=1, act=Act.FUSED, cluster=2)]
     ran = 0
     for v in cands:
         if FAMILY.why_invalid(v, p, ARCH) is None:
