@@ -331,7 +331,8 @@ class LinearSm90Family:
         "ranked", so a short budget still reaches the patterns that won on the H200). Decode-sized token counts (<= 8 operand rows) prefer the fused
         quantizer (one launch) where it can run, larger ones the xop operand; the warp layout
         and pipeline by the H200 ranking above; the token tile covering all rows; no split-K
-        for wide layers (splits only where channel blocks leave SMs idle); stages 3; fused
+        for wide layers (splits only where channel blocks leave SMs idle); stages 3 (4 won 10 of
+        the 106 M <= 16 workloads that timed it in the tune4 table); fused
         tiles of two or more operand rows (M-Ext, M >= 2) quantized once per cluster of 2 CTAs,
         one-row tiles per CTA (linear_cluster_check.json: 0.81-0.95 of the cluster-1 time
         summed over the four Qwen3-8B shapes at M = 4 and 16, 0.98 for M-Ext at M = 1, 1.06
@@ -353,7 +354,7 @@ class LinearSm90Family:
             s += 2.0 if ctas >= 264 else (0.5 if rows >= 32 else 1.5)
         s += 0.5 if v.reduce == Reduction.ATOMIC else 0.0
         if v.pipeline == Pipeline.CP_ASYNC:
-            s += 0.0 if v.stages == 3 else 0.6
+            s += 0.0 if v.stages == 3 else 1.5
         if v.pipeline == Pipeline.DIRECT:
             s += 0.0 if v.l2_prefetch == 2 else 0.4
         if v.pipeline == Pipeline.REGS:
