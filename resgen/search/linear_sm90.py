@@ -274,7 +274,7 @@ class LinearSm90Family:
         x PDL x (fused) clusters of 1 or 2 CTAs sharing the quantization (K + extension
         lengths with a factor 3 also split over 3 CTAs). The nib packing, 2-group iterations
         and clusters of 4 lost everywhere on the H200 (bench/results/h200/
-        linear_cluster_check.json for the clusters) and are valid variants outside the
+        linear_cluster_check.log for the clusters) and are valid variants outside the
         space."""
         rows = problem.rows
         nt_full = min(8, pow2_ceil(-(-rows // 8)))
@@ -334,7 +334,7 @@ class LinearSm90Family:
         for wide layers (splits only where channel blocks leave SMs idle); stages 3 (4 won 10 of
         the 106 M <= 16 workloads that timed it in the tune4 table); fused
         tiles of two or more operand rows (M-Ext, M >= 2) quantized once per cluster of 2 CTAs,
-        one-row tiles per CTA (linear_cluster_check.json: 0.81-0.95 of the cluster-1 time
+        one-row tiles per CTA (linear_cluster_check.log: 0.81-0.95 of the cluster-1 time
         summed over the four Qwen3-8B shapes at M = 4 and 16, 0.98 for M-Ext at M = 1, 1.06
         for plain M = 1); PDL variants after their non-PDL twins."""
         v, p = variant, problem
