@@ -822,8 +822,6 @@ def main() -> None:
         os._exit(4)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    from resgen.search.variant import LinearProblem
-
     ncpu = os.cpu_count() or 4
     nw = int(os.environ.get("RESGEN_BENCH_WORKERS", str(max(2, min(14, ncpu - 2)))))
     lock = f"/tmp/resgen_linear_bench_{os.getpid()}.lock"
@@ -838,25 +836,8 @@ def main() -> None:
               flush=True)
         REPORT["tasks"] += pool.run(tc, slots_per_group=-(-nw // 8))
         write(path)
-    tasks1 = [] if PLAN == "cluster" else tasks1_plan()
-    print(f"[{time.time() - T0:6.1f} s] phase 1: {len(tasks1)} tasks on {nw} workers",
-          flush=True)
-    r1 = pool.run(tasks1, slots_per_group=-(-nw // 8)) if tasks1 else []
-    REPORT["tasks"] += r1
-    write(path)
-    print(f"[{time.time() - T0:6.1f} s] phase 1 done: "
-          f"{sum(1 for r in r1 if r.get('median_us'))} timed, "
-          f"{sum(1 for r in r1 if r.get('error'))} failed/skipped", flush=True)
-    tasks2 = phase2_tasks(r1) if r1 else []
-    print(f"[{time.time() - T0:6.1f} s] phase 2: {len(tasks2)} tasks", flush=True)
-    r2 = pool.run(tasks2, slots_per_group=max(1, -(-nw // 16))) if tasks2 else []
-    REPORT["tasks"] += r2
-    write(path)
-    tasks3 = phase3_tasks(r1, r2) if r1 else []
-    print(f"[{time.time() - T0:6.1f} s] phase 3: {len(tasks3)} tasks", flush=True)
-    r3 = pool.run(tasks3, slots_per_group=max(1, -(-nw // 16))) if tasks3 else []
-    REPORT["tasks"] += r3
-    write(path)
+    else:
+        run_phases(pool, nw, path)
     stop.set()
     bt.join(timeout=60)
     pool.close()
@@ -867,8 +848,9 @@ def main() -> None:
     _report(lines, path)
 
 
-def tasks1_plan() -> list[dict]:
-    """Phase 1 of the full plan: M = 1, NVFP4 plain and M-Ext, every shape."""
+def run_phases(pool, nw: int, path: Path) -> None:
+    """The full plan: phase 1 (M = 1, NVFP4 plain and M-Ext, every shape), then phases 2 and 3
+    built from the results before them (see the module docstring)."""
     from resgen.search.variant import LinearProblem
 
     tasks1 = []
@@ -876,7 +858,24 @@ def tasks1_plan() -> list[dict]:
         for mode in ("none", "full"):
             p = LinearProblem("nvfp4", mode, 1, n, k)
             tasks1 += [task("1", shape, p, kind, v) for kind, v in phase1_tasks(p)]
-    return tasks1
+    print(f"[{time.time() - T0:6.1f} s] phase 1: {len(tasks1)} tasks on {nw} workers",
+          flush=True)
+    r1 = pool.run(tasks1, slots_per_group=-(-nw // 8))
+    REPORT["tasks"] += r1
+    write(path)
+    print(f"[{time.time() - T0:6.1f} s] phase 1 done: "
+          f"{sum(1 for r in r1 if r.get('median_us'))} timed, "
+          f"{sum(1 for r in r1 if r.get('error'))} failed/skipped", flush=True)
+    tasks2 = phase2_tasks(r1)
+    print(f"[{time.time() - T0:6.1f} s] phase 2: {len(tasks2)} tasks", flush=True)
+    r2 = pool.run(tasks2, slots_per_group=max(1, -(-nw // 16)))
+    REPORT["tasks"] += r2
+    write(path)
+    tasks3 = phase3_tasks(r1, r2)
+    print(f"[{time.time() - T0:6.1f} s] phase 3: {len(tasks3)} tasks", flush=True)
+    r3 = pool.run(tasks3, slots_per_group=max(1, -(-nw // 16)))
+    REPORT["tasks"] += r3
+    write(path)
 
 
 def _report(lines: list[str], path: Path) -> None:

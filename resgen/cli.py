@@ -747,27 +747,30 @@ def _parse_key(kind: str, key: str) -> str | None:
     return None
 
 
-_FRESH_CACHE: dict[tuple, str] = {}
-
-
-def _fresh_row(row) -> bool:
-    """A database row tuned with what this checkout would compile: its family is registered,
-    its variant and workload parse, and the fingerprint recorded for it is the one the current
-    templates, kernel modules, compile options and versions give (the rule the runtime and the
-    tuner use to tell stale results)."""
+def _fresh_filter() -> Callable[[Any], bool]:
+    """A predicate on database rows: tuned with what this checkout would compile (its family is
+    registered, its variant and workload parse, and the fingerprint recorded for it is the one
+    the current templates, kernel modules, compile options and versions give: the rule the
+    runtime and the tuner use to tell stale results). Fingerprints are computed once per
+    compile class."""
     from .search.build import variant_fingerprint
     from .search.family import get_family
 
-    try:
-        fam = get_family(row["family"])
-        v = fam.VARIANT.from_key(row["variant_key"])
-        p = fam.PROBLEM.from_key(row["workload_key"])
-        key = (fam.NAME, v.key(), fam.compile_key(v, p).key(), row["arch"])
-        if key not in _FRESH_CACHE:
-            _FRESH_CACHE[key] = variant_fingerprint(fam, v, p, row["arch"])
-        return _FRESH_CACHE[key] == row["fingerprint"]
-    except Exception:            # unparseable, unknown family or arch: not fresh
-        return False
+    cache: dict[tuple, str] = {}
+
+    def fresh(row) -> bool:
+        try:
+            fam = get_family(row["family"])
+            v = fam.VARIANT.from_key(row["variant_key"])
+            p = fam.PROBLEM.from_key(row["workload_key"])
+            key = (fam.NAME, v.key(), fam.compile_key(v, p).key(), row["arch"])
+            if key not in cache:
+                cache[key] = variant_fingerprint(fam, v, p, row["arch"])
+            return cache[key] == row["fingerprint"]
+        except Exception:        # unparseable, unknown family or arch: not fresh
+            return False
+
+    return fresh
 
 
 def cmd_db(args: argparse.Namespace) -> int:
@@ -786,7 +789,7 @@ def cmd_db(args: argparse.Namespace) -> int:
                 print(f"  warning: {w}")
             return 0 if rep.ok else 1
         if args.dbcmd == "merge":
-            keep = _fresh_row if args.fresh_only else None
+            keep = _fresh_filter() if args.fresh_only else None
             with TuningDB(args.into) as dst:
                 for src in args.sources:
                     with TuningDB(src, readonly=True) as s:

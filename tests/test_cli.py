@@ -139,11 +139,9 @@ def test_show_verify_merge_export(tmp_path, capsys):
             TuningDB(b, readonly=True) as dbb:
         assert len(d) == len(da) + len(dbb)
     # --fresh-only keeps the rows whose fingerprint the current checkout reproduces
-    import resgen.cli as cli
     import resgen.search.build as build
 
     fresh = tmp_path / "fresh.sqlite"
-    cli._FRESH_CACHE.clear()
     capsys.readouterr()
     assert main(["db", "merge", str(a), "--into", str(fresh), "--fresh-only"]) == 0
     assert "'dropped': 0" in capsys.readouterr().out
@@ -155,14 +153,12 @@ def test_show_verify_merge_export(tmp_path, capsys):
     def changed(fam, v, p, arch):     # as if one variant's template had changed since
         return "0" * 64 if v.key() == stale_key else real(fam, v, p, arch)
 
-    cli._FRESH_CACHE.clear()
     build.variant_fingerprint = changed
     try:
         part = tmp_path / "part.sqlite"
         assert main(["db", "merge", str(a), "--into", str(part), "--fresh-only"]) == 0
     finally:
         build.variant_fingerprint = real
-        cli._FRESH_CACHE.clear()
     with TuningDB(part, readonly=True) as d, TuningDB(a, readonly=True) as da:
         n_stale = sum(1 for r in da.rows() if r["variant_key"] == stale_key)
         assert n_stale >= 1 and len(d) == len(da) - n_stale
