@@ -127,7 +127,10 @@ def load_module(path: Path) -> ModuleType:
     return mod
 
 
+@functools.lru_cache(maxsize=1)
 def cute_dsl_version() -> str:
+    """The installed CuTe DSL version (read once per process: the package metadata lookup
+    was 40 % of a run-time fingerprint check)."""
     try:
         from importlib.metadata import version
 
