@@ -687,7 +687,7 @@ def cluster_table() -> list[str]:
             best = {}
             for c in cls:
                 rs = [r for r in ranked(recs, shape=shape, fmt=fmt, mode=mode, m=m)
-                      if f"_cl{c}" in r["name"]]
+                      if json.loads(r["variant"])["cluster"] == c]
                 best[c] = rs[0]["median_us"] if rs else math.nan
                 sums[c] += best[c]
             top = min((best[c] for c in cls if best[c] == best[c]), default=math.nan)
