@@ -171,7 +171,10 @@ def test_prmt_and_cvt_follow_ptx():
     assert int(cvt_bf16x2(lo, hi)) == 0xC0003F80
 
 
-_GEOMS = [(2, 1, 32, 3, "tok"), (1, 2, 16, 2, "ch"), (1, 1, 64, 4, "tok"), (2, 2, 16, 2, "tok")]
+# (consumers, m_wg, bn, stages, raster, split_k); a split that does not divide the chunks of
+# a case falls back to 2
+_GEOMS = [(2, 1, 32, 3, "tok", 1), (1, 2, 16, 2, "ch", 2), (1, 1, 64, 4, "tok", 4),
+          (2, 2, 16, 2, "tok", 2)]
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -184,8 +187,10 @@ def test_simulated_kernel_matches_the_reference(fmt, comp):
     mext = comp == "full"
     for packing in ("split", "nib"):
         wt = W.prepare_wgmma_weight(qw, packing)
-        for i, (c, mw, bn, st, ras) in enumerate(_GEOMS):
-            geom = WgGeometry(fmt, mext, packing, c, mw, bn, st, ras)
+        for i, (c, mw, bn, st, ras, sk) in enumerate(_GEOMS):
+            geom = WgGeometry(fmt, mext, packing, c, mw, bn, st, ras, split_k=sk)
+            if not geom.split_ok(wt.nk):
+                geom = WgGeometry(fmt, mext, packing, c, mw, bn, st, ras, split_k=2)
             if n % geom.bm:
                 continue
             m = (5, 17, 40, 1)[i]
@@ -253,6 +258,8 @@ def test_variant_keys_round_trip():
     (LinearSm90WgmmaVariant(1, 1, 72), LinearProblem(), "multiple of 16"),
     (LinearSm90WgmmaVariant(2, 1, 256, 8), LinearProblem(), "shared memory"),
     (LinearSm90WgmmaVariant(2, 1, 128, 6), LinearProblem(k=256), "K chunks"),
+    (LinearSm90WgmmaVariant(2, 1, 32, 4, split_k=3), LinearProblem(k=4096), "whole chunk pairs"),
+    (LinearSm90WgmmaVariant(2, 1, 32, 6, split_k=16), LinearProblem(k=4096), "per slice"),
 ])
 def test_why_invalid_reasons(v, p, reason):
     why = FAMILY.why_invalid(v, p, ARCH)
@@ -312,6 +319,13 @@ COMPILE_CASES = [
     (LinearProblem("mxfp4", "full", 256, 4096, 12288), LinearSm90WgmmaVariant(1, 1, 64, 3)),
     (LinearProblem("nvfp4", "0.125", 512, 4096, 4096), LinearSm90WgmmaVariant(2, 1, 192, 5)),
     (LinearProblem("nvfp4", "full", 128, 4096, 4096), LinearSm90WgmmaVariant(2, 1, 64, 8)),
+    # split-K (decode / mid-size M on layers with few channel tiles)
+    (LinearProblem("nvfp4", "full", 16, 4096, 12288),
+     LinearSm90WgmmaVariant(2, 1, 32, 6, Raster.TOK, Packing.SPLIT, 4)),
+    (LinearProblem("mxfp4", "none", 16, 6144, 4096),
+     LinearSm90WgmmaVariant(1, 1, 16, 4, Raster.CH, Packing.NIB, 8)),
+    (LinearProblem("nvfp4", "none", 64, 4096, 4096),
+     LinearSm90WgmmaVariant(2, 2, 64, 4, Raster.TOK, Packing.SPLIT, 2)),
 ]
 
 
@@ -357,6 +371,14 @@ def test_compiles_for_sm90a(p, v, tmp_path):
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert res.spill_bytes == 0, f"{res.spill_bytes} bytes of local memory"
     assert res.registers is not None and res.registers <= 255
+    # split-K: partials out with 16-byte stores, the semaphore, the consumers-only barrier,
+    # the last CTA's L2 reads of every slice (one per slice and accumulator vector)
+    split = v.split_k > 1
+    assert ("st.global.v4.f32" in ptx) == split
+    assert ("atom.global.acq_rel.gpu.add.u32" in ptx) == split
+    assert ("fence.acq_rel.gpu" in ptx) == split
+    assert (re.search(r"bar\.sync\s+1, " + str(128 * v.consumers), ptx) is not None) == split
+    assert ptx.count("ld.global.cg.v4.f32") == (v.split_k * v.m_wg * v.bn // 8 if split else 0)
 
 
 def test_compile_through_the_build_helper():
@@ -388,6 +410,42 @@ def test_runner_with_the_simulation(comp):
     kp = kp_of(p)
     assert fake.calls == [(5, 10 if comp == "full" else 5, 128, kp // 64)] * 2
     assert FAMILY.working_set_bytes(v, p) >= r.bytes_per_set()
+
+
+@pytest.mark.parametrize("comp", ["none", "full"])
+def test_split_k_runner_with_the_simulation(comp):
+    """Split-K plumbing: the launcher sizes the workspace and semaphores for the grid, the
+    simulated kernel finds them big enough and the semaphores at zero; results within the
+    tolerance; K that does not split into whole chunk pairs is refused before launching."""
+    p = LinearProblem("nvfp4", comp, 5, 128, 1024)
+    v = LinearSm90WgmmaVariant(1, 1, 16, 2, Raster.TOK, Packing.SPLIT, 4)
+    assert FAMILY.why_invalid(v, p, ARCH) is None
+    geom = geometry_of(v, p)
+    r = FAMILY.runner(SimulatedKernel(geom), v, p, "cpu", n_sets=1, seed=5)
+    res = r.check()
+    assert res.ok, res.detail
+    rows = p.rows
+    assert r.launcher.ws.numel() >= geom.ws_floats(rows, 128) > 0
+    assert r.launcher.sem.numel() >= geom.sem_count(rows, 128) == 2 * -(-rows // 16)
+    assert FAMILY.why_invalid(v, LinearProblem("nvfp4", comp, 5, 128, 768), ARCH) is not None
+    qw = _qweight("nvfp4", n=128, k=768)
+    wt = W.prepare_wgmma_weight(qw)
+    xop, ax = make_xop(torch.randn(5, 768), qw, "none", t_multiple=8)
+    with pytest.raises(ValueError, match="whole chunk pairs"):
+        WgmmaLauncher(SimulatedKernel(geom), geom, "cpu")(
+            wt, xop, 5, 5, ax, torch.empty(5, 128, dtype=torch.bfloat16))
+
+
+def test_split_k_in_the_space_and_ranked_by_waves():
+    """Layers with few channel tiles get split-K candidates, ranked first by the prior where
+    they fill the GPU; wide layers at prefill sizes get none."""
+    down = LinearProblem("nvfp4", "full", 16, 4096, 12288)
+    space = FAMILY.space(down, ARCH)
+    assert {v.split_k for v in space} >= {1, 2, 4, 8}
+    best = min(space, key=lambda v: FAMILY.prior(v, down))
+    assert best.split_k > 1, best
+    wide = LinearProblem("nvfp4", "none", 2048, 24576, 4096)
+    assert {v.split_k for v in FAMILY.space(wide, ARCH)} == {1}
 
 
 class _ReferenceQuantizer:

@@ -3,7 +3,10 @@
 - WgmmaLauncher: binds a compiled variant to torch CUDA tensors and launches it on the current
   stream (no synchronization: graph capturable). The activation operand comes from
   resgen.kernels.linear_sm90.make_xop (torch) or the fused quantizer quant_sm90 (kp_align=256):
-  the same xop both families read.
+  the same xop both families read. Split-K variants reduce through a workspace (FP32) and
+  one semaphore per output tile (int32), owned by the launcher and zeroed once: the kernel
+  leaves every semaphore at zero, and the workspace needs no clearing (each slot is written
+  before it is read). They grow (outside CUDA-graph capture) when a launch needs more.
 The CPU tests stand resgen.kernels.linear_sm90_wgmma_sim.SimulatedKernel in for the compiled
 kernel: it reads and writes the raw addresses the launcher passes.
 
@@ -34,6 +37,9 @@ def check_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows
         raise ValueError(f"N={n} is not a multiple of the CTA's {geom.bm} channels")
     if wt.kp % 128:
         raise ValueError(f"Kp={wt.kp} is not a multiple of 128 (chunk pairs)")
+    if not geom.split_ok(wt.nk):
+        raise ValueError(f"{wt.nk} K chunks do not divide into {geom.split_k} slices of whole "
+                         "chunk pairs")
     if xop.dtype != torch.bfloat16 or xop.dim() != 2 or xop.shape[1] != wt.kp:
         raise TypeError(f"xop must be bf16 [rows, {wt.kp}], got {xop.dtype} {tuple(xop.shape)}")
     if not xop.is_contiguous() or not out.is_contiguous():
@@ -61,14 +67,29 @@ def check_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows
 class WgmmaLauncher:
     """A compiled linear_sm90_wgmma variant launched on torch CUDA tensors (current stream).
 
-    The compiled entry takes (records, xop, out, alpha_x, alpha_w, m, rows, N, nk, stream) as
-    raw device pointers and ints."""
+    The compiled entry takes (records, xop, out, alpha_x, alpha_w, workspace, semaphores, m,
+    rows, N, nk, stream) as raw device pointers and ints."""
 
     def __init__(self, compiled: Any, geom: WgGeometry, device: torch.device | str):
         self.compiled = compiled
         self.geom = geom
         self.one = torch.ones(1, dtype=torch.float32, device=device)
+        self.ws = torch.zeros(4, dtype=torch.float32, device=device)
+        self.sem = torch.zeros(1, dtype=torch.int32, device=device)
         self._ptrs: dict[tuple[int, str, int], Any] = {}
+
+    def _reserve(self, rows: int, n: int) -> None:
+        """Grow the split-K workspace / semaphores to what a launch over rows x N needs."""
+        wsf, sems = self.geom.ws_floats(rows, n), self.geom.sem_count(rows, n)
+        if wsf <= self.ws.numel() and sems <= self.sem.numel():
+            return
+        if self.ws.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K workspace must grow before CUDA-graph capture: "
+                               "launch this shape once eagerly first")
+        if wsf > self.ws.numel():
+            self.ws = torch.zeros(wsf, dtype=torch.float32, device=self.ws.device)
+        if sems > self.sem.numel():
+            self.sem = torch.zeros(sems, dtype=torch.int32, device=self.sem.device)
 
     def _ptr(self, t: torch.Tensor, align: int) -> Any:
         key = (t.data_ptr(), str(t.dtype), align)
@@ -90,6 +111,7 @@ class WgmmaLauncher:
                  alpha_x: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """out: bf16 [>= m, N], rows 0..m-1 written; xop: bf16 [>= rows, Kp] contiguous."""
         check_launch(self.geom, wt, xop, m, rows, alpha_x, out)
+        self._reserve(rows, wt.out_features)
         ax = alpha_x if alpha_x is not None else self.one
         import cuda.bindings.driver as cuda
 
@@ -97,6 +119,7 @@ class WgmmaLauncher:
         stream = cuda.CUstream(torch.cuda.current_stream(xop.device).cuda_stream
                                if xop.is_cuda else 0)
         self.compiled(self._ptr(wt.records, 16), self._ptr(xop, 16), self._ptr(out, 16),
-                      self._ptr(ax, 4), self._ptr(wt.alpha, 4), int(m), int(rows),
+                      self._ptr(ax, 4), self._ptr(wt.alpha, 4), self._ptr(self.ws, 16),
+                      self._ptr(self.sem, 4), int(m), int(rows),
                       int(wt.out_features), int(wt.nk), stream)
         return out

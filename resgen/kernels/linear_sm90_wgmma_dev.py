@@ -14,6 +14,9 @@ global ones 64-bit (`Int64`).
     decode_chunk(words, swords, ...)     16 A-fragment registers (bf16x2) of one 64-column
                                          chunk: pair decode, scale expansion, BF16 multiply
     store_block(...)                     the epilogue of one n8 block (pack, exchange, store)
+    st_v4_f32(gaddr, v0, v1, v2, v3)     st.global.v4.f32 (split-K workspace slot)
+    ld_cg_v4_f32(gaddr)                  ld.global.cg.v4.f32 (the last CTA reads the slots at
+                                         L2, after the semaphore's acquire)
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .linear_sm90_dev import DECODERS, scale_pair
 from .linear_sm90_wgmma_geom import MEXT_SEL, PLAIN_SEL, WgGeometry
 
 __all__ = ["WATCHDOG_NS", "bulk_g2s", "wait_parity", "ld_shared_u32", "shfl_xor4", "prmt_r",
-           "decode_chunk", "store_block", "lane_selectors"]
+           "decode_chunk", "store_block", "lane_selectors", "st_v4_f32", "ld_cg_v4_f32"]
 
 WATCHDOG_NS = 2_000_000_000      # 2 s: every wait in these kernels is over in microseconds
 
@@ -75,6 +78,22 @@ def wait_parity(mbar, parity, *, loc=None, ip=None) -> None:
          " trap;\n"
          "WG_DONE:\n}",
          "r,r,~{memory}", effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_v4_f32(gaddr, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
+    _asm(None, [Int64(gaddr).ir_value(loc=loc, ip=ip)]
+         + [Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)],
+         "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}", effects=True,
+         loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_cg_v4_f32(gaddr, *, loc=None, ip=None) -> tuple:
+    st = _asm(P._struct(4, "f32"), [Int64(gaddr).ir_value(loc=loc, ip=ip)],
+              "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l,~{memory}",
+              effects=True, loc=loc, ip=ip)
+    return P._unpack(st, 4, Float32, T.f32(), loc, ip)
 
 
 @dsl_user_op

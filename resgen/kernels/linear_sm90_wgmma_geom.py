@@ -16,6 +16,15 @@ K is walked in 64-column chunks, one chunk per pipeline stage:
     at once for the first use of every stage: an mbarrier reports the phase before its current
     one as complete).
 N, Kp and the row count are run-time values: one compiled kernel serves every shape.
+
+Split-K (split_k = S > 1): grid z = S; CTA z walks chunks z * nk / S .. (z + 1) * nk / S - 1
+(nk a multiple of 2 S: the consumers take chunks in pairs). Every consumer thread stores its raw
+FP32 accumulators to a workspace slot of its (tile, split) with 16-byte stores (consecutive
+threads, consecutive 16 bytes); the tile's semaphore counts arrivals; the CTA that arrives last
+sums the S slots of each register in split order (so the result does not depend on which CTA
+is last: bit-identical across runs), runs the epilogue, and resets the semaphore to zero.
+Workspace layout (FP32): [tile][split][vector v][consumer thread][4], tile = grid y * grid x
+index of the CTA's (x, y), v = 0 .. acc_regs / 4 - 1 over (m64 block mw, register 4 v').
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["WgGeometry", "STORES", "PLAIN_SEL", "MEXT_SEL", "RASTERS", "SLOT_ROW8", "SLOT_COL", "REC_WORD_BYTES",
-           "record_bytes", "scale_bytes_per_group"]
+           "record_bytes", "scale_bytes_per_group", "MAX_SPLIT"]
 
 STORES: tuple[str, ...] = ("direct",)
 RASTERS: tuple[str, ...] = ("tok", "ch")
@@ -42,6 +51,7 @@ SLOT_COL = (0, 1, 0, 1, 8, 9, 8, 9)
 PLAIN_SEL = {"keep": (0x3210, 0x7654), "send": (0x7654, 0x3210),
              "out0": (0x5410, 0x1054), "out1": (0x7632, 0x3276)}
 MEXT_SEL = {"out": (0x5410, 0x3276)}
+MAX_SPLIT = 16                   # K slices of one output tile (grid z)
 PRODUCER_REGS = 40               # setmaxnreg of the producer warpgroup (2-consumer kernels)
 CONSUMER_REGS = 232              # 128 x 40 + 256 x 232 = 168 x 384: the CTA's launch budget
 
@@ -70,6 +80,7 @@ class WgGeometry:
     stages: int
     raster: str        # "tok": grid x walks token tiles (a wave shares weights) | "ch"
     store: str = "direct"
+    split_k: int = 1   # K slices (grid z); > 1: workspace + last-CTA reduction in split order
 
     # ------------------------------------------------------------------ derived constants
     @property
@@ -152,6 +163,8 @@ class WgGeometry:
             raise ValueError(f"store must be one of {STORES}")
         if self.smem_bytes > 227 * 1024:
             raise ValueError(f"{self.smem_bytes} bytes of shared memory (at most 227 KB)")
+        if not 1 <= self.split_k <= MAX_SPLIT:
+            raise ValueError(f"split_k must be in [1, {MAX_SPLIT}]")
 
     # ------------------------------------------------------------------ grid
     def grid(self, rows: Any, n: Any) -> tuple[Any, Any]:
@@ -159,6 +172,44 @@ class WgGeometry:
         tt = (rows + (self.bn - 1)) // self.bn
         ct = n // self.bm
         return (tt, ct) if self.raster == "tok" else (ct, tt)
+
+    def chunks_per_split(self, nk: Any) -> Any:
+        """K chunks one CTA walks (nk must be a multiple of 2 * split_k)."""
+        return nk // self.split_k
+
+    def split_ok(self, nk: int) -> bool:
+        """Whether nk chunks divide into split_k slices of whole chunk pairs."""
+        return nk % (2 * self.split_k) == 0
+
+    @property
+    def cons_threads(self) -> int:
+        """Consumer threads per CTA (the workspace slot's thread dimension)."""
+        return 128 * self.consumers
+
+    @property
+    def acc_vecs(self) -> int:
+        """16-byte accumulator vectors per consumer thread (m_wg blocks x bn / 8)."""
+        return self.acc_regs // 4
+
+    def ws_off(self, tile: Any, split: Any, v: Any, cthread: Any) -> Any:
+        """Byte offset in the split-K workspace of accumulator vector v (registers 4 v .. 4 v
+        + 3, m64 block v // (bn / 8)) of consumer thread `cthread` for (tile, split)."""
+        return (((tile * self.split_k + split) * self.acc_vecs + v) * self.cons_threads
+                + cthread) * 16
+
+    def ws_floats(self, rows: int, n: int) -> int:
+        """FP32 workspace a launch over `rows` xop rows and N channels needs (0 unsplit)."""
+        if self.split_k == 1:
+            return 0
+        gx, gy = self.grid(rows, n)
+        return gx * gy * self.split_k * self.acc_vecs * self.cons_threads * 4
+
+    def sem_count(self, rows: int, n: int) -> int:
+        """Semaphores (one per output tile) a launch needs (0 unsplit)."""
+        if self.split_k == 1:
+            return 0
+        gx, gy = self.grid(rows, n)
+        return gx * gy
 
     def cta_tile(self, bx: Any, by: Any) -> tuple[Any, Any]:
         """(token tile, channel tile) of CTA (bx, by)."""

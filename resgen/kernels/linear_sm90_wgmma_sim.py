@@ -8,7 +8,9 @@ simulate_launch: one launch, CTA by CTA: the weight records are read at the kern
     the B tile is the TMA box (rows past `rows` read as zero, as TMA fills them), the
     accumulators are read back per lane with the accumulator coordinates, and the epilogue runs
     lane by lane: BF16 packing, the byte permutes, the xor-4 shuffle and the 32-bit stores at
-    the addresses of WgGeometry.store_lane, predicated on token < m.
+    the addresses of WgGeometry.store_lane, predicated on token < m. Split-K: each slice's
+    partial accumulators (FP32) over its chunk range, summed in split order as the tile's last
+    CTA does.
 SimulatedKernel: stands in for a compiled kernel: takes the launcher's raw pointers and ints,
     reads the tensors at those host addresses (CPU tensors) and writes simulate_launch's output
     there, so the launcher's argument order, sizes and alignments are checked end to end.
@@ -99,7 +101,12 @@ def simulate_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, r
             xt = x[tt * geom.bn:(tt + 1) * geom.bn]        # [BN, Kp]
             for blk in range(geom.mb_cta):
                 mb = ct * geom.mb_cta + blk
-                d = (_dense_block(frag[mb], kp) @ xt.T).float()          # [64, BN] FP32 acc
+                a = _dense_block(frag[mb], kp)
+                ks = kp // geom.split_k                                 # columns per slice
+                d = None
+                for z in range(geom.split_k):                           # FP32 partials
+                    part = (a[:, z * ks:(z + 1) * ks] @ xt[:, z * ks:(z + 1) * ks].T).float()
+                    d = part if d is None else d + part                  # [64, BN]
                 r0 = mb * 64 + 16 * q + g
                 for i in range(geom.bn // 8):
                     v = []
@@ -152,12 +159,19 @@ class SimulatedKernel:
         buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(addr)
         return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype)
 
-    def __call__(self, wp, xp, yp, axp, awp, m, rows, n, nk, stream) -> None:
+    def __call__(self, wp, xp, yp, axp, awp, wsp, semp, m, rows, n, nk, stream) -> None:
         from .linear_sm90_wgmma_geom import record_bytes
 
         g = self.geom
         m, rows, n, nk = (int(getattr(v, "value", v)) for v in (m, rows, n, nk))
         self.calls.append((m, rows, n, nk))
+        if not g.split_ok(nk):
+            raise AssertionError(f"launched with {nk} chunks for split_k={g.split_k}")
+        # the launcher's split-K buffers: big enough, semaphores at zero (and left at zero)
+        self._view(wsp, 4 * max(g.ws_floats(rows, n), 4), torch.float32, 16)
+        sem = self._view(semp, 4 * max(g.sem_count(rows, n), 1), torch.int32, 4)
+        if bool((sem != 0).any()):
+            raise AssertionError("a split-K semaphore is not zero at launch")
         rec = record_bytes(g.fmt)
         records = self._view(wp, n // 64 * nk * rec, torch.int32, 16).reshape(n // 64, nk,
                                                                                rec // 4)

@@ -14,6 +14,9 @@ The variant axes (LinearSm90WgmmaVariant) and what they change in the kernel
     raster      grid order: "tok" (consecutive CTAs walk token tiles: a wave shares weight
                 blocks) or "ch" (they walk channel blocks: a wave shares activation tiles)
     packing     weight nibble layout and decode ("split" / "nib", resgen.kernels.layouts)
+    split_k     K slices per output tile (grid z): more CTAs for layers with few channel tiles
+                (decode and mid-size M); the slices meet in a workspace and the tile's last CTA
+                sums them in split order (deterministic, one launch)
 The epilogue stores 32-bit BF16 channel pairs straight from registers after a lane exchange
 (no field: an smem + TMA store path is not implemented, so no key pretends otherwise).
 N, K(+ext) and M are run-time arguments: one compile per (format, M-Ext or not, variant).
@@ -41,6 +44,9 @@ _SMEM_MAX = 227 * 1024
 # consumer registers: accumulators + two A register sets + about 40 for addresses, scales,
 # loop state and the epilogue; budget = what setmaxnreg gives (2 consumers) or 255
 _REG_OVERHEAD = 40
+_WS_MAX = 256 << 20          # split-K workspace bytes
+_SMS = 132                   # H200 SMs (the prior's wave estimate)
+_SPLITS = (1, 2, 4, 8, 3, 6)
 
 
 class Raster(Choice):
@@ -57,10 +63,11 @@ class LinearSm90WgmmaVariant(VariantBase):
     stages: int = field(default=4, metadata={"range": IntRange(2, 8), "short": "st"})
     raster: Raster = field(default=Raster.TOK, metadata={"short": "r"})
     packing: Packing = field(default=Packing.SPLIT, metadata={"short": "pk"})
+    split_k: int = field(default=1, metadata={"range": IntRange(1, 16), "short": "sk"})
 
     @property
     def deterministic(self) -> bool:
-        return True         # no split-K: every output is one FP32 reduction in fixed order
+        return True         # split-K partials are summed in split order by the last CTA
 
 
 def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
@@ -69,7 +76,18 @@ def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
     return WgGeometry(fmt=problem.fmt, mext=problem.compensation == "full",
                       packing=variant.packing.value, consumers=variant.consumers,
                       m_wg=variant.m_wg, bn=variant.bn, stages=variant.stages,
-                      raster=variant.raster.value)
+                      raster=variant.raster.value, split_k=variant.split_k)
+
+
+def _wave_cost(v: LinearSm90WgmmaVariant, p: LinearProblem) -> float:
+    """Prior term for the grid: 1.5 x the idle share of the last wave (CTAs per SM: 1 with two
+    consumer warpgroups, else 2 where shared memory allows) plus a small cost per doubling of
+    the split (workspace traffic)."""
+    g = geometry_of(v, p)
+    gx, gy = g.grid(p.rows, p.n)
+    per_sm = 1 if v.consumers == 2 or g.smem_bytes > 113 * 1024 else 2
+    waves = gx * gy * v.split_k / (_SMS * per_sm)
+    return 1.5 * (1.0 - waves / math.ceil(waves)) + 0.15 * math.log2(v.split_k)
 
 
 def _reg_estimate(v: LinearSm90WgmmaVariant) -> int:
@@ -113,8 +131,12 @@ class LinearSm90WgmmaFamily:
         if g.smem_bytes > _SMEM_MAX:
             return f"{g.smem_bytes} bytes of shared memory per CTA (at most {_SMEM_MAX})"
         nk = kp_of(p) // 64
-        if v.stages > nk:
-            return f"{v.stages} stages for {nk} K chunks"
+        if nk % (2 * v.split_k):
+            return (f"{nk} K chunks do not divide into {v.split_k} slices of whole chunk pairs")
+        if v.stages > nk // v.split_k:
+            return f"{v.stages} stages for {nk // v.split_k} K chunks per slice"
+        if g.ws_floats(p.rows, p.n) * 4 > _WS_MAX:
+            return f"split-K workspace of {g.ws_floats(p.rows, p.n) * 4} bytes (at most {_WS_MAX})"
         rows = p.rows
         if v.raster == Raster.CH and -(-rows // v.bn) > 65535:
             return "raster 'ch' puts the token tiles on grid y (at most 65535)"
@@ -132,7 +154,8 @@ class LinearSm90WgmmaFamily:
         does not exceed the rows by more than 2x (64 always allowed; the narrow 16 / 32 tiles,
         for decode-sized M, only where the rows fill at most 4 of them), 6 / 4 / 8 / 3 stages
         (a stage is released one chunk after its wgmmas were issued, so S stages keep S - 2
-        chunks of copies in flight), both rasters and packings."""
+        chunks of copies in flight), both rasters and packings, and split-K 1 / 2 / 4 / 8 / 3
+        / 6 where the split CTAs stay within 4 per SM."""
         rows = problem.rows
         out = []
         for packing in (Packing.SPLIT, Packing.NIB):
@@ -141,11 +164,15 @@ class LinearSm90WgmmaFamily:
                     continue
                 if bn < 64 and 4 * bn < rows:      # narrow token tiles only for few rows
                     continue
-                for st in (6, 4, 8, 3):
-                    for raster in (Raster.TOK, Raster.CH):
-                        v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing)
-                        if self.why_invalid(v, problem, arch) is None:
-                            out.append(v)
+                tiles = -(-rows // bn) * (problem.n // (64 * c * mw))
+                for sk in _SPLITS:
+                    if sk > 1 and tiles * sk > 4 * _SMS:
+                        continue
+                    for st in (6, 4, 8, 3):
+                        for raster in (Raster.TOK, Raster.CH):
+                            v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing, sk)
+                            if self.why_invalid(v, problem, arch) is None:
+                                out.append(v)
         if not out:
             out.append(self.default(problem, arch))
         return out
@@ -168,6 +195,7 @@ class LinearSm90WgmmaFamily:
         s += {6: 0.0, 4: 0.2, 8: 0.3}.get(v.stages, 0.5)
         s += 0.0 if v.raster == Raster.TOK else 0.3
         s += 0.0 if v.packing == Packing.SPLIT else 1.0
+        s += _wave_cost(v, p)
         return s
 
     def default(self, problem: LinearProblem, arch: str) -> LinearSm90WgmmaVariant:
@@ -187,7 +215,8 @@ class LinearSm90WgmmaFamily:
         g = geometry_of(variant, problem)
         return {"fmt": g.fmt, "mext": bool(g.mext), "packing": g.packing,
                 "consumers": int(g.consumers), "m_wg": int(g.m_wg), "bn": int(g.bn),
-                "stages": int(g.stages), "raster": g.raster, "store": g.store}
+                "stages": int(g.stages), "raster": g.raster, "store": g.store,
+                "split_k": int(g.split_k)}
 
     def compile_key(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem
                     ) -> LinearProblem:
@@ -206,7 +235,8 @@ class LinearSm90WgmmaFamily:
         gm = cute.AddressSpace.gmem
         return [make_ptr(cutlass.Int32, 0, gm, 16), make_ptr(cutlass.BFloat16, 0, gm, 16),
                 make_ptr(cutlass.BFloat16, 0, gm, 16), make_ptr(cutlass.Float32, 0, gm, 4),
-                make_ptr(cutlass.Float32, 0, gm, 4), cutlass.Int32(1), cutlass.Int32(1),
+                make_ptr(cutlass.Float32, 0, gm, 4), make_ptr(cutlass.Float32, 0, gm, 16),
+                make_ptr(cutlass.Int32, 0, gm, 4), cutlass.Int32(1), cutlass.Int32(1),
                 cutlass.Int32(64 * variant.consumers * variant.m_wg), cutlass.Int32(2),
                 cuda.CUstream(0)]
 

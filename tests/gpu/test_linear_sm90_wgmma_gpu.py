@@ -91,6 +91,42 @@ def test_qwen_shapes(n, k, fmt, comp, m):
             _check_variant(v, p, ms=(m,))
 
 
+SPLIT_CASES = [(4096, 12288, "nvfp4", "full", 16), (4096, 4096, "nvfp4", "none", 64),
+               (6144, 4096, "mxfp4", "full", 32), (24576, 4096, "nvfp4", "none", 128)]
+
+
+@pytest.mark.parametrize("n, k, fmt, comp, m", SPLIT_CASES)
+def test_qwen_decode_split_k(n, k, fmt, comp, m):
+    """The two split-K variants the prior ranks first on Qwen3-8B shapes at decode / mid-size
+    M: checked twice (the semaphores must be back at zero), bit-identical reruns (the slices
+    are summed in split order whichever CTA arrives last), M values around the token tile."""
+    p = LinearProblem(fmt, comp, m, n, k)
+    split = [v for v in sorted(FAMILY.space(p, ARCH), key=lambda v: FAMILY.prior(v, p))
+             if v.split_k > 1][:2]
+    assert split, "no split-K candidate"
+    for v in split:
+        _check_variant(v, p, ms=(1, m, m + 3))
+
+
+def test_split_k_graph_replay_and_semaphores_reset():
+    p = LinearProblem("nvfp4", "full", 16, 4096, 12288)
+    v = LinearSm90WgmmaVariant(2, 1, 32, 6, Raster.TOK, Packing.SPLIT, 4)
+    r = FAMILY.runner(_compiled(v, p), v, p, "cuda", n_sets=2, seed=0)
+    r.rotate(1)
+    eager = r().clone()
+    torch.cuda.synchronize()
+    assert int(r.launcher.sem.abs().sum()) == 0
+    g = torch.cuda.CUDAGraph()
+    r.out.fill_(float("nan"))
+    with torch.cuda.graph(g):
+        r()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))
+    assert int(r.launcher.sem.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("fmt, comp", [("nvfp4", "none"), ("nvfp4", "full"),
                                        ("nvfp4", "0.25"), ("mxfp4", "full"),
                                        ("mxfp4", "0.125")])
