@@ -80,14 +80,17 @@ def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
 
 
 def _wave_cost(v: LinearSm90WgmmaVariant, p: LinearProblem) -> float:
-    """Prior term for the grid: 1.5 x the idle share of the last wave (CTAs per SM: 1 with two
-    consumer warpgroups, else 2 where shared memory allows) plus a small cost per doubling of
-    the split (workspace traffic)."""
+    """Prior term for the grid, fitted to the H200 split-K study
+    (bench/results/h200/linear_wgmma_splitk_check.log): CTAs per SM 1 with two consumer
+    warpgroups, else 2 where shared memory allows; under one wave, 1.2 x the idle share of the
+    SMs; past one wave, 1.5 x the idle share of the last wave; plus 0.15 per doubling of the
+    split (workspace traffic)."""
     g = geometry_of(v, p)
     gx, gy = g.grid(p.rows, p.n)
     per_sm = 1 if v.consumers == 2 or g.smem_bytes > 113 * 1024 else 2
     waves = gx * gy * v.split_k / (_SMS * per_sm)
-    return 1.5 * (1.0 - waves / math.ceil(waves)) + 0.15 * math.log2(v.split_k)
+    idle = 1.2 * (1.0 - waves) if waves <= 1 else 1.5 * (1.0 - waves / math.ceil(waves))
+    return idle + 0.15 * math.log2(v.split_k)
 
 
 def _reg_estimate(v: LinearSm90WgmmaVariant) -> int:
@@ -185,12 +188,15 @@ class LinearSm90WgmmaFamily:
 
     def prior(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> float:
         """Lower first (the tuner's ranked search): a token tile close to the rows (at least
-        16, at most 128 for the first tries), two consumer warpgroups of one m64 block each,
-        6 stages, raster "tok", the split packing: what won at prefill sizes on the H200."""
+        16, at most 128 for the first tries), one m64 block per consumer warpgroup, two
+        consumer warpgroups from 64-row tiles and one below, 6 stages, raster "tok", the split
+        packing, and a grid that fills the SMs without a ragged last wave (_wave_cost): what
+        won on the H200 at prefill sizes and in the split-K study."""
         v, p = variant, problem
         want = min(128, max(16, pow2_ceil(p.rows)))
         s = abs(math.log2(v.bn) - math.log2(want))
-        s += 0.0 if v.consumers == 2 else 0.5
+        # narrow token tiles: one consumer warpgroup (two CTAs per SM) won at M <= 32
+        s += 0.3 if (v.consumers == 2) == (v.bn <= 32) else 0.0
         s += 0.0 if v.m_wg == 1 else 0.4
         s += {6: 0.0, 4: 0.2, 8: 0.3}.get(v.stages, 0.5)
         s += 0.0 if v.raster == Raster.TOK else 0.3
