@@ -543,4 +543,6 @@ def test_prior_prefers_a_token_tile_close_to_the_rows():
     for m, comp, bn in ((1, "none", 16), (16, "full", 32), (64, "none", 64), (2048, "none", 128)):
         p = LinearProblem("nvfp4", comp, m, 24576, 4096)
         best = min(FAMILY.space(p, ARCH), key=lambda v: (FAMILY.prior(v, p), v.key()))
-        assert best.bn == bn and best.consumers == 2 and best.stages == 6, (m, comp, best)
+        # one consumer warpgroup (two CTAs per SM) for the narrow token tiles
+        assert best.bn == bn and best.stages == 6, (m, comp, best)
+        assert best.consumers == (1 if bn <= 32 else 2), (m, comp, best)
