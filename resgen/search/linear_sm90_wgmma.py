@@ -188,15 +188,17 @@ class LinearSm90WgmmaFamily:
 
     def prior(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> float:
         """Lower first (the tuner's ranked search): a token tile close to the rows (at least
-        16, at most 128 for the first tries), one m64 block per consumer warpgroup, two
-        consumer warpgroups from 64-row tiles and one below, 6 stages, raster "tok", the split
+        16, at most 128 for the first tries), one m64 block per consumer warpgroup, one
+        consumer warpgroup for token tiles of 32 rows or fewer and two from 128, 6 stages, raster "tok", the split
         packing, and a grid that fills the SMs without a ragged last wave (_wave_cost): what
         won on the H200 at prefill sizes and in the split-K study."""
         v, p = variant, problem
         want = min(128, max(16, pow2_ceil(p.rows)))
         s = abs(math.log2(v.bn) - math.log2(want))
-        # narrow token tiles: one consumer warpgroup (two CTAs per SM) won at M <= 32
-        s += 0.3 if (v.consumers == 2) == (v.bn <= 32) else 0.0
+        # narrow token tiles (<= 32): one consumer warpgroup (two CTAs per SM) won in the
+        # split-K study; wide ones (>= 128): two; at 64 it went either way (tune6)
+        s += 0.3 if (v.consumers == 2 and v.bn <= 32) or (v.consumers == 1 and v.bn >= 128) \
+            else 0.0
         s += 0.0 if v.m_wg == 1 else 0.4
         s += {6: 0.0, 4: 0.2, 8: 0.3}.get(v.stages, 0.5)
         s += 0.0 if v.raster == Raster.TOK else 0.3
