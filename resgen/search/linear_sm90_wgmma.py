@@ -189,9 +189,9 @@ class LinearSm90WgmmaFamily:
     def prior(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> float:
         """Lower first (the tuner's ranked search): a token tile close to the rows (at least
         16, at most 128 for the first tries), one m64 block per consumer warpgroup, one
-        consumer warpgroup for token tiles of 32 rows or fewer and two from 128, 6 stages, raster "tok", the split
-        packing, and a grid that fills the SMs without a ragged last wave (_wave_cost): what
-        won on the H200 at prefill sizes and in the split-K study."""
+        consumer warpgroup for token tiles of 32 rows or fewer and two from 128, 6 stages,
+        raster "tok", the split packing, and a grid that fills the SMs without a ragged last
+        wave (_wave_cost): what won on the H200 at prefill sizes and in the split-K study."""
         v, p = variant, problem
         want = min(128, max(16, pow2_ceil(p.rows)))
         s = abs(math.log2(v.bn) - math.log2(want))
