@@ -150,7 +150,10 @@ class LinearSm90WgmmaFamily:
     # ------------------------------------------------------------------ space
     _TILES = ((2, 1, 256), (2, 1, 128), (2, 2, 128), (2, 1, 192), (1, 2, 128), (1, 1, 256),
               (2, 1, 64), (1, 1, 128), (1, 1, 64), (2, 2, 64),
-              (2, 1, 32), (1, 1, 32), (2, 2, 32), (2, 1, 16), (1, 1, 16))
+              (2, 1, 32), (1, 1, 32), (2, 2, 32), (2, 1, 16), (1, 1, 16),
+              # decode: one consumer warpgroup streaming two m64 blocks (twice the weight bytes
+              # in flight per stage; added after tune7, not yet measured)
+              (1, 2, 64), (1, 2, 32), (1, 2, 16), (2, 2, 16))
 
     def space(self, problem: LinearProblem, arch: str) -> Sequence[LinearSm90WgmmaVariant]:
         """Every valid candidate in a fixed order: tiles (consumers, m_wg, bn) whose token tile
