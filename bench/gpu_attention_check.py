@@ -1,5 +1,6 @@
 """GPU check + benchmark of attention_sm90 (ResAttn decode over a paged NVFP4 KV cache, H200),
-in one process, sized for about 3.5 minutes of wall time:
+in one process, sized for about 3.5 minutes of wall time (plus up to 16 compiles of the shipped
+table's variants: give it RESGEN_BENCH_BUDGET_S=240 and a 270 s timeout):
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
         timeout -k 10 -s INT 225 python3 bench/gpu_attention_check.py
@@ -14,10 +15,12 @@ in one process, sized for about 3.5 minutes of wall time:
    the issue's grid: geometries Qwen3-8B 32/8/128, Qwen3-32B 64/8/128 and a head-dim-256 layer
    16/2/256; batch {1, 8, 32, 64}; KV {8K, 32K, 128K}:
    - ResAttn (f16 PV): the preset rule's variant and the same with twice / half its split
-     count (one compile serves all split counts); best kept;
+     count (one compile serves all split counts), plus the variant the runtime dispatches from
+     the shipped table (tuned/h200.sqlite.xz) where the table has the workload; best kept, and
+     the table's own timing reported ("table" in the JSON);
    - plain NVFP4-KV (no query residue): the best ResAttn configuration without the residue
      ("pair" packing for groups <= 4; "dense" packing for groups of 8, which halves its QK
-     MMAs);
+     MMAs), plus the table's plain variant;
    - torch SDPA with BF16 KV: the GQA call (enable_gqa=True) and the group-as-query-rows call
      (q [B, Hkv, G, D], no mask: the same decode), flash / efficient / cuDNN backends only
      (never the math fallback, which would materialize the repeated KV); the faster is kept;
@@ -84,8 +87,22 @@ def problem_of(geom: str, b: int, n: int, **kw) -> AttentionProblem:
     return AttentionProblem(batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, kv_len=n, **kw)
 
 
-def resattn_candidates(p: AttentionProblem) -> list[AttentionSm90Variant]:
-    """The preset and the same with 2x / 0.5x its split count (one compile per reduction)."""
+def table_variant(p: AttentionProblem, dispatcher=None) -> AttentionSm90Variant | None:
+    """What the runtime dispatches for p from the shipped table (resgen.runtime), or None where
+    the table has no acceptable row for it (the runtime would serve the family default)."""
+    from resgen import runtime
+
+    d = dispatcher if dispatcher is not None else runtime.dispatcher()
+    v = d.lookup(AttentionProblem.OP, p, FAMILY.NAME)
+    if d.source(AttentionProblem.OP, p, FAMILY.NAME) == "default":
+        return None
+    return v if FAMILY.why_invalid(v, p, ARCH) is None else None
+
+
+def resattn_candidates(p: AttentionProblem, table: AttentionSm90Variant | None = None
+                       ) -> list[AttentionSm90Variant]:
+    """The preset and the same with 2x / 0.5x its split count (one compile per reduction),
+    then the table's variant (if given and not among them)."""
     base = preset(p)
     out = [base]
     for s in (2 * base.splits, base.splits // 2):
@@ -93,17 +110,30 @@ def resattn_candidates(p: AttentionProblem) -> list[AttentionSm90Variant]:
         if s >= 1:
             out.append(dataclasses.replace(
                 base, splits=s, reduction=Reduction.NONE if s == 1 else Reduction.LASTCTA))
+    if table is not None:
+        out.append(table)
     return [v for v in dict.fromkeys(out) if FAMILY.why_invalid(v, p, ARCH) is None]
 
 
-def plain_candidates(best: AttentionSm90Variant,
-                     p: AttentionProblem) -> list[AttentionSm90Variant]:
+def plain_candidates(best: AttentionSm90Variant, p: AttentionProblem,
+                     table: AttentionSm90Variant | None = None) -> list[AttentionSm90Variant]:
     """Plain NVFP4-KV at ResAttn's best configuration: pair packing for groups <= 4 (the
-    same MMAs as ResAttn), dense packing for larger groups (one column per head)."""
+    same MMAs as ResAttn), dense packing for larger groups (one column per head); then the
+    table's plain variant (if given and different)."""
     pp = dataclasses.replace(p, compensation=False)
     dense = p.q_heads // p.kv_heads > 4
     v = dataclasses.replace(best, packing=Packing.DENSE if dense else Packing.PAIR)
-    return [v] if FAMILY.why_invalid(v, pp, ARCH) is None else [preset(pp)]
+    out = [v] if FAMILY.why_invalid(v, pp, ARCH) is None else [preset(pp)]
+    if table is not None and table not in out and FAMILY.why_invalid(table, pp, ARCH) is None:
+        out.append(table)
+    return out
+
+
+def _table_row(timed: dict, v: AttentionSm90Variant | None) -> dict | None:
+    """The timing row of the table's variant among the timed ones (None if absent)."""
+    if v is None:
+        return None
+    return next((r for r in timed["all"] if r["variant"] == v.key()), None)
 
 
 def floor_us(p: AttentionProblem) -> float:
@@ -327,11 +357,14 @@ def run_point(bench: Bench, geom: str, b: int, n: int) -> dict | None:
     entry = {"geom": geom, "q_heads": p.q_heads, "kv_heads": p.kv_heads,
              "head_dim": p.head_dim, "batch": b, "kv_len": n, "floor_us": floor_us(p)}
     sets = _Sets(p, n_sets)
-    entry["resattn"] = time_variants(bench, resattn_candidates(p), p, sets, "resattn")
+    pp = dataclasses.replace(p, compensation=False)
+    tv, tpv = table_variant(p), table_variant(pp)
+    entry["resattn"] = time_variants(bench, resattn_candidates(p, tv), p, sets, "resattn")
     best = entry["resattn"]["best"]
     bv = AttentionSm90Variant.from_key(best["variant"]) if best else preset(p)
-    pp = dataclasses.replace(p, compensation=False)
-    entry["plain"] = time_variants(bench, plain_candidates(bv, p), pp, sets, "plain")
+    entry["plain"] = time_variants(bench, plain_candidates(bv, p, tpv), pp, sets, "plain")
+    entry["table"] = {"resattn": _table_row(entry["resattn"], tv),
+                      "plain": _table_row(entry["plain"], tpv)}
     if best:
         try:
             entry["row_check"] = row_check(bv, p, sets)
@@ -380,17 +413,19 @@ def _f(x, w=9, p=1) -> str:
 
 def summary_table(configs: list[dict]) -> str:
     hdr = (f"{'geom':10s} {'B':>3s} {'KV':>5s} {'ResAttn':>9s} {'plain':>9s} {'R/P':>5s} "
-           f"{'fp8PV':>8s} {'SDPA':>9s} {'xSDPA':>6s} {'floor':>8s} {'%floor':>6s}")
+           f"{'fp8PV':>8s} {'SDPA':>9s} {'xSDPA':>6s} {'floor':>8s} {'%floor':>6s} "
+           f"{'table':>9s}")
     lines = [hdr, "-" * len(hdr)]
     for e in configs:
         r = ((e.get("resattn") or {}).get("best") or {}).get("us")
         pl = ((e.get("plain") or {}).get("best") or {}).get("us")
         f8 = ((e.get("resattn_fp8") or {}).get("best") or {}).get("us")
         sd = (e.get("sdpa") or {}).get("us")
+        tb = (((e.get("table") or {}).get("resattn")) or {}).get("us")
         lines.append(f"{e['geom']:10s} {e['batch']:3d} {e['kv_len'] // 1024:4d}K {_f(r)} "
                      f"{_f(pl)} {_f(r / pl if r and pl else None, 5, 2)} {_f(f8, 8)} {_f(sd)} "
                      f"{_f(sd / r if sd and r else None, 6, 2)} {_f(e['floor_us'], 8)} "
-                     f"{_f(100 * e['floor_us'] / r if r else None, 6, 0)}")
+                     f"{_f(100 * e['floor_us'] / r if r else None, 6, 0)} {_f(tb)}")
     return "\n".join(lines)
 
 

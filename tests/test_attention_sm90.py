@@ -625,8 +625,16 @@ def _bench_module():
 def test_gpu_bench_plan_is_the_issue_grid_with_valid_few_compiles():
     """bench/gpu_attention_check.py: every grid point once, KV >= 32K first, 1-3 valid ResAttn
     variants (the preset among them) and one valid plain variant per point, and few distinct
-    compiles (the bench must fit in minutes)."""
+    compiles (the bench must fit in minutes); the shipped table's ResAttn and plain variants
+    join the candidates for the Qwen3 geometries."""
+    from resgen.runtime import Device, Dispatcher, shipped_table
+
     B = _bench_module()
+    table = shipped_table(Path(__file__).resolve().parent.parent / "tuned", "h200")
+    if not table.exists():
+        pytest.skip("tuned/h200.sqlite not yet produced")
+    disp = Dispatcher(paths=[table], device=Device("NVIDIA H200", ARCH))
+    tables = 0
     order = B.grid_order()
     assert sorted(order) == sorted(itertools.product(B.GEOMS, B.BATCHES, B.KV_LENS))
     assert len(order) == 36 and all(n >= 32768 for _, _, n in order[:18])
@@ -636,6 +644,14 @@ def test_gpu_bench_plan_is_the_issue_grid_with_valid_few_compiles():
         p = B.problem_of(g, b, n)
         rs = B.resattn_candidates(p)
         assert 1 <= len(rs) <= 3 and rs[0] == preset(p)
+        tv = B.table_variant(p, disp)
+        if g != "d256":          # a Qwen3 geometry: the shipped table has the workload
+            assert tv is not None
+            assert FAMILY.why_invalid(tv, p, ARCH) is None
+            assert B.resattn_candidates(p, tv)[:len(rs)] == rs and tv in B.resattn_candidates(p, tv)
+            tpv = B.table_variant(dataclasses.replace(p, compensation=False), disp)
+            assert tpv is not None and tpv in B.plain_candidates(rs[-1], p, tpv)
+            tables += 1
         assert all(FAMILY.why_invalid(v, p, ARCH) is None for v in rs)
         pp = dataclasses.replace(p, compensation=False)
         (pv,) = B.plain_candidates(rs[-1], p)
@@ -645,6 +661,7 @@ def test_gpu_bench_plan_is_the_issue_grid_with_valid_few_compiles():
         for v, q in [(v, p) for v in rs] + [(pv, pp)]:
             idents.add(repr(FAMILY.template_params(v, FAMILY.compile_key(v, q))))
     assert len(idents) <= 10, len(idents)
+    assert tables == 24                  # the two Qwen3 geometries x 4 batches x 3 lengths
 
 
 def test_gpu_bench_table_and_targets():
