@@ -3,8 +3,10 @@ Qwen3-8B shape (the paper's Fig. 18 style), from the committed H200 results:
 
     python bench/plot_linear.py      # writes bench/results/h200/linear_relative_latency.{svg,md}
 
-Inputs (options --decode / --prefill / --out-dir override the defaults):
-- decode, M = 1..128, family linear_sm90_mma: bench/results/h200/final_linear_sm90_check.json.
+Inputs (options --decode / --prefill / --out-dir override the defaults; the default decode input
+is the `resgen bench` report described last):
+- decode, M = 1..128, family linear_sm90_mma: bench/results/h200/final_linear_sm90_check.json
+  (with --decode).
   Used: records of its "tasks" list with kind == "layer" (the whole layer from BF16 activations,
   activation quantization included: fused one-launch variants and xop = quant_sm90 + GEMM),
   pdl == false, timing_mode != "eager" (all others are "graph") and a median_us; per
@@ -17,6 +19,10 @@ Inputs (options --decode / --prefill / --out-dir override the defaults):
   with quantizer == true (quant_sm90 + GEMM: the whole layer), check.ok and a median_us; per
   (shape, fmt, mode, m) the smallest median_us (the whole-layer columns of its "table"). Not
   used: quantizer == false (GEMM-only variant selection).
+- or, for the decode range (--decode given a `resgen bench` JSON: a dict with "rows"): what the
+  runtime dispatches from the shipped table, one variant per (shape, fmt, mode, M), either
+  kernel family (records with resgen_us and check.ok; shapes named by their N x K). The
+  committed figure uses bench/results/h200/bench_qwen3_8b_table7.json this way.
 y = best(mode) / best(plain, mode "none") for the same shape, format, M and file (kernel
 family), so plain = 1.0 and lower is faster. At M = 128 both families were measured; both points
 are drawn (decode: filled circles, prefill: open squares) with a dotted line at the change.
@@ -40,7 +46,7 @@ import svgplot as sp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "h200"
-DECODE_JSON = RESULTS / "final_linear_sm90_check.json"
+DECODE_JSON = RESULTS / "bench_qwen3_8b_table7.json"      # a resgen bench report (dispatch)
 PREFILL_JSON = RESULTS / "final_linear_sm90_wgmma_prefill.json"
 OUT_NAME = "linear_relative_latency"
 
@@ -59,6 +65,10 @@ class Family:
 
 
 DECODE = Family("decode", "linear_sm90_mma", "circle", 1, FAMILY_SPLIT_M)
+DISPATCH = Family("dispatch", "the runtime's choice per layer (linear_sm90_mma or "
+                  "linear_sm90_wgmma)", "circle", 1, FAMILY_SPLIT_M)
+SHAPE_OF = {(6144, 4096): "qkv", (4096, 4096): "o", (24576, 4096): "gate_up",
+            (4096, 12288): "down"}
 PREFILL = Family("prefill", "linear_sm90_wgmma", "open-square", FAMILY_SPLIT_M, 1 << 30)
 
 # (fmt, mode) -> (legend label, colour), in legend order. Other compensated modes found in the
@@ -83,9 +93,38 @@ def _keep_min(best: dict[Key, float], key: Key, us: float) -> None:
         best[key] = us
 
 
+def is_bench(report: dict) -> bool:
+    """A `resgen bench` report (rows of dispatched variants) rather than gpu_linear_check's."""
+    return isinstance(report, dict) and isinstance(report.get("rows"), list)
+
+
+def decode_family(report: dict) -> Family:
+    return DISPATCH if is_bench(report) else DECODE
+
+
+def _bench_shape(p: dict) -> str:
+    n, k = int(p["n"]), int(p["k"])
+    return SHAPE_OF.get((n, k), f"{n}x{k}")
+
+
+def bench_best(report: dict) -> dict[Key, float]:
+    """The dispatched variant's whole-layer median (us) per (shape, fmt, mode, m) of a
+    `resgen bench` report, over rows whose correctness check passed."""
+    best: dict[Key, float] = {}
+    for r in report["rows"]:
+        us, p = _us(r.get("resgen_us")), r.get("problem")
+        if us is not None and isinstance(p, dict) and (r.get("check") or {}).get("ok"):
+            _keep_min(best, (_bench_shape(p), p["fmt"], str(p["compensation"]), int(p["m"])),
+                      us)
+    return best
+
+
 def decode_best(report: dict) -> dict[Key, float]:
     """Best whole-layer, non-PDL, graph-timed median (us) per (shape, fmt, mode, m) of a
-    gpu_linear_check.py report (see the module docstring for the fields)."""
+    gpu_linear_check.py report (see the module docstring for the fields), or the dispatched
+    medians of a `resgen bench` report (bench_best)."""
+    if is_bench(report):
+        return bench_best(report)
     tasks = report.get("tasks") if isinstance(report, dict) else None
     if not isinstance(tasks, list):
         raise ValueError("decode report: expected a dict with a 'tasks' list "
@@ -129,6 +168,10 @@ def shape_dims(*reports: dict) -> dict[str, tuple[int, int]]:
     """(N, K) of each shape, read from the records' canonical problem keys."""
     dims: dict[str, tuple[int, int]] = {}
     for rep in reports:
+        for r in rep.get("rows") or []:
+            p = r.get("problem")
+            if isinstance(p, dict) and "n" in p and "k" in p:
+                dims.setdefault(_bench_shape(p), (int(p["n"]), int(p["k"])))
         for r in (rep.get("tasks") or []) + (rep.get("entries") or []):
             try:
                 p = json.loads(r["problem"])
@@ -166,31 +209,44 @@ def panel_series(shape: str, fam_ratios: list[tuple[Family, dict[Key, float]]],
 
 
 FRAME = sp.Frame(width=460, height=300, ml=52, mr=14, mt=30, mb=44)
-SUBTITLE = (
-    "y = whole-layer latency (BF16 activations in, activation quantization included) / plain FP4 "
-    "of the same format, shape, M and kernel family; lower is faster.",
-    "decode, M ≤ 128, linear_sm90_mma (filled circles): final_linear_sm90_check.json 'tasks', "
-    "kind=layer, pdl=false, timing_mode graph: min median_us (its table's 'layer' column).",
-    "prefill, M ≥ 128, linear_sm90_wgmma (open squares): final_linear_sm90_wgmma_prefill.json "
-    "'entries', quantizer=true, check.ok: min median_us.",
-    "Not used: GEMM-only (kind=gemm, quantizer=false) and PDL (pdl=true) timings.",
-    "Dotted vertical line: kernel family change (both measured at M = 128). Dashed coloured line: "
-    "the M values between its points were not measured.",
-)
+def _decode_source(dec: dict) -> str:
+    """How the decode-range points were obtained (figure subtitle)."""
+    if is_bench(dec):
+        return ("M ≤ 128, the runtime's dispatch from the shipped table (filled circles): "
+                "resgen bench rows (whole layer, check ok), one variant per layer, either family.")
+    return ("decode, M ≤ 128, linear_sm90_mma (filled circles): final_linear_sm90_check.json "
+            "'tasks', kind=layer, pdl=false, timing_mode graph: min median_us (its table's "
+            "'layer' column).")
+
+
+def subtitle(dec: dict) -> tuple[str, ...]:
+    return (
+        "y = whole-layer latency (BF16 activations in, activation quantization included) / "
+        "plain FP4 of the same format, shape, M and source; lower is faster.",
+        _decode_source(dec),
+        "prefill, M ≥ 128, linear_sm90_wgmma (open squares): "
+        "final_linear_sm90_wgmma_prefill.json 'entries', quantizer=true, check.ok: min "
+        "median_us.",
+        "Not used: GEMM-only (kind=gemm, quantizer=false) and PDL (pdl=true) timings.",
+        "Dotted vertical line: change of source (both measured at M = 128). Dashed coloured "
+        "line: the M values between its points were not measured.",
+    )
 
 
 def _env_line(dec: dict, pre: dict) -> str:
     e, p = dec.get("environment") or {}, pre.get("environment") or {}
+    label = e.get("policy_label") or (dec.get("policy") or {}).get("name", "?")
     return (f"{e.get('gpu_name', '?')} ({e.get('arch', '?')}), torch {e.get('torch', '?')}, "
-            f"CuTe DSL {e.get('cute_dsl', '?')}, timing {e.get('policy_label', '?')}; decode run "
-            f"{str(e.get('date', '?'))[:16]}, prefill run {str(p.get('date', '?'))[:16]} UTC; "
-            f"python bench/plot_linear.py")
+            f"CuTe DSL {e.get('cute_dsl', '?')}, timing {label}; decode run "
+            f"{str(e.get('date') or dec.get('date', '?'))[:16]}, prefill run "
+            f"{str(p.get('date', '?'))[:16]} UTC; python bench/plot_linear.py")
 
 
 def render_svg(dec: dict, pre: dict) -> str:
     """The figure: a title, the data-source subtitle, a shared legend, 2 x 2 panels."""
     d_rat, p_rat = ratios(decode_best(dec)), ratios(prefill_best(pre))
-    fam_ratios = [(DECODE, d_rat), (PREFILL, p_rat)]
+    dfam = decode_family(dec)
+    fam_ratios = [(dfam, d_rat), (PREFILL, p_rat)]
     styles = series_styles(d_rat, p_rat)
     dims = shape_dims(dec, pre)
     shapes = [s for s in SHAPES if s in dims] + sorted(set(dims) - set(SHAPES))
@@ -199,13 +255,13 @@ def render_svg(dec: dict, pre: dict) -> str:
     body = [sp.text(14, 24, "FP4 linear layers on H200 (Hopper kernels, Qwen3-8B shapes): "
                     "latency relative to plain FP4", size=15, weight="bold")]
     y = 44
-    for line in SUBTITLE:
+    for line in subtitle(dec):
         body.append(sp.text(14, y, line, size=10, fill="#333"))
         y += 14
     entries = [sp.Series("plain FP4 (= 1.0)", [], "#000", dash="5 3", marker="none")]
     entries += [sp.Series(label, [], color, marker="none") for label, color in styles.values()]
     entries += [sp.Series(f"{f.tag}: {f.kernel}", [], "#666", marker=f.marker)
-                for f in (DECODE, PREFILL)]
+                for f in (dfam, PREFILL)]
     leg, leg_h = sp.legend(24, y + 8, entries, width - 40)
     body += leg
     top = y + 8 + leg_h
@@ -213,7 +269,8 @@ def render_svg(dec: dict, pre: dict) -> str:
                    xticks=M_TICKS, xfmt=lambda x: f"{int(x)}", ymin=0.0, headroom=1.08,
                    ystep=0.5, yfmt=lambda v: f"{v:.1f}x", ygrid=True,
                    hlines=(sp.HLine(1.0, "#000", "5 3"),),
-                   vlines=(sp.VLine(FAMILY_SPLIT_M, "#555", "2 3", "decode (mma)",
+                   vlines=(sp.VLine(FAMILY_SPLIT_M, "#555", "2 3",
+                                    "dispatch" if dfam is DISPATCH else "decode (mma)",
                                     "prefill (wgmma)"),))
     origins = sp.grid_origins(len(shapes), cols, FRAME.width, FRAME.height, left=10, top=top)
     for shape, (x0, y0) in zip(shapes, origins):
@@ -242,7 +299,15 @@ def render_md(dec: dict, pre: dict) -> str:
     modes = list(styles)
     dims = shape_dims(dec, pre)
     shapes = [s for s in SHAPES if s in dims] + sorted(set(dims) - set(SHAPES))
-    fams = [(DECODE, d_best, d_rat), (PREFILL, p_best, p_rat)]
+    dfam = decode_family(dec)
+    fams = [(dfam, d_best, d_rat), (PREFILL, p_best, p_rat)]
+    if dfam is DISPATCH:
+        dsrc = (f"- M <= {FAMILY_SPLIT_M}, {dfam.kernel}: a `resgen bench` report on the shipped "
+                "table, rows with `check.ok`; `resgen_us`.")
+    else:
+        dsrc = (f"- decode, M <= {FAMILY_SPLIT_M}, `{DECODE.kernel}`: "
+                "`final_linear_sm90_check.json`, `tasks` with `kind=layer`, `pdl=false`, "
+                "`timing_mode` graph; min `median_us` (the file's table column `layer`).")
     out = [f"# {OUT_NAME}: FP4 linear latency relative to plain FP4 (H200, Qwen3-8B shapes)", "",
            "Generated by `python bench/plot_linear.py` (figure: "
            f"[{OUT_NAME}.svg]({OUT_NAME}.svg)).", "",
@@ -250,9 +315,7 @@ def render_md(dec: dict, pre: dict) -> str:
            "the best whole-layer median of plain FP4 (mode `none`) of the same format, shape, M "
            "and kernel family (lower is faster). Whole layer = BF16 activations in, activation "
            "quantization included.", "",
-           f"- decode, M <= {FAMILY_SPLIT_M}, `{DECODE.kernel}`: `{DECODE_JSON.name}`, `tasks` "
-           "with `kind=layer`, `pdl=false`, `timing_mode` graph; min `median_us` (the file's "
-           "table column `layer`).",
+           dsrc,
            f"- prefill, M >= {FAMILY_SPLIT_M}, `{PREFILL.kernel}`: `{PREFILL_JSON.name}`, "
            "`entries` with `quantizer=true` and `check.ok`; min `median_us`.",
            "- Not used: GEMM-only timings (`kind=gemm`, `quantizer=false`) and PDL timings "
@@ -269,13 +332,15 @@ def render_md(dec: dict, pre: dict) -> str:
                            f"{_cell(best.get((shape, 'nvfp4', 'none', m)), 1)} | "
                            + " | ".join(cells)
                            + f" | {_cell(best.get((shape, 'mxfp4', 'none', m)), 1)} |")
-    out += ["", "## What it shows", ""] + findings(d_best, p_best, dims)
+    out += ["", "## What it shows", ""] + findings(d_best, p_best, dims, dfam)
     return "\n".join(out) + "\n"
 
 
 def findings(d_best: dict[Key, float], p_best: dict[Key, float],
-             dims: dict[str, tuple[int, int]]) -> list[str]:
-    """A few sentences whose numbers are all computed from the data."""
+             dims: dict[str, tuple[int, int]], dfam: Family = DECODE) -> list[str]:
+    """A few sentences whose numbers are all computed from the data (dfam: the source of the
+    decode-range points)."""
+    who = "the dispatched variants" if dfam is DISPATCH else "the decode family"
     d_rat, p_rat = ratios(d_best), ratios(p_best)
 
     def sel(rat, fmt, mode, pred):
@@ -300,7 +365,7 @@ def findings(d_best: dict[Key, float], p_best: dict[Key, float],
     if m16:
         lines.append(f"- Decode, M = 16: NVFP4 M-Ext {_range(m16)}x, MXFP4 M-Ext "
                      f"{_range(mx16)}x: from here the 2M rows of M-Ext are no longer hidden "
-                     "behind the weight read in the decode family.")
+                     f"behind the weight read in {who}.")
     large = sel(d_rat, "nvfp4", "full", lambda m: 32 <= m <= FAMILY_SPLIT_M)
     below = sorted((m, s) for (s, f, md, m), r in d_rat.items()
                    if f == "nvfp4" and md == "full" and r < 1.0 and m >= 32)
@@ -311,10 +376,9 @@ def findings(d_best: dict[Key, float], p_best: dict[Key, float],
                     if k[1:3] == ("nvfp4", "none") and k in p_best]
             text += (" Ratios below 1 (" + ", ".join(f"{s} M={m}" for m, s in below)
                      + ") do not mean M-Ext is free: it does strictly more work (2M rows), so "
-                     "they show the decode family's plain configurations are poorly tuned at "
-                     "that M")
-            text += (f" (at M = {FAMILY_SPLIT_M} its plain layer is {_range(slow)}x slower than "
-                     "the prefill family's)." if slow else ".")
+                     f"they show {who}' plain configurations are poorly tuned at that M")
+            text += (f" (at M = {FAMILY_SPLIT_M} the plain layer is {_range(slow)}x the time "
+                     "of the prefill family's)." if slow else ".")
         lines.append(text)
     big = lambda m: m >= 2 * FAMILY_SPLIT_M  # noqa: E731
     pm = sel(p_rat, "nvfp4", "full", big)
@@ -342,7 +406,7 @@ def findings(d_best: dict[Key, float], p_best: dict[Key, float],
     if kd:
         worse = sum(1 for *_, r, mx in kd if mx is not None and r > mx)
         both = sum(1 for *_, mx in kd if mx is not None)
-        lines.append(f"- K-Ext 0.125 in the decode family (M = "
+        lines.append(f"- K-Ext 0.125 in {who} (M = "
                      f"{', '.join(str(m) for m in sorted({m for _, m, *_ in kd}))}): "
                      f"{_range([r for _, _, r, _ in kd])}x plain, above M-Ext in {worse} of "
                      f"{both} (shape, M) points.")

@@ -103,6 +103,41 @@ def test_ratios_are_relative_to_plain_of_same_format_shape_m():
     assert not any(f == "mxfp4" for _, f, _, _ in pr)        # MXFP4 has no compensated entry
 
 
+def bench_report() -> dict:
+    """A `resgen bench` report: the dispatched variant per workload; M-Ext 1.25x plain for qkv;
+    a failed check and an error row that must be ignored; an unnamed shape (1024 x 512)."""
+    rows = []
+    for m in (1, 16):
+        for (n, k), f in (((6144, 4096), 1.0), ((1024, 512), 2.0)):
+            for comp, r in (("none", 1.0), ("full", 1.25)):
+                rows.append({"problem": {"compensation": comp, "fmt": "nvfp4", "k": k, "m": m,
+                                         "n": n, "op": "linear", "static_scale": True},
+                             "variant": "linear_sm90_wgmma:x", "check": {"ok": True},
+                             "resgen_us": 10.0 * f * m * r})
+    rows.append({"problem": {"compensation": "full", "fmt": "mxfp4", "k": 4096, "m": 1,
+                             "n": 6144}, "check": {"ok": False}, "resgen_us": 1.0})
+    rows.append({"problem": {"compensation": "none", "fmt": "mxfp4", "k": 4096, "m": 1,
+                             "n": 6144}, "error": "RuntimeError: x"})
+    return {"environment": {"gpu_name": "Synthetic GPU"}, "policy": {"name": "p"},
+            "date": "2026-01-01 00:00:00", "rows": rows}
+
+
+def test_bench_report_as_the_decode_source():
+    rep = bench_report()
+    assert PL.is_bench(rep) and PL.decode_family(rep) is PL.DISPATCH
+    best = PL.decode_best(rep)
+    assert set(best) == {(s, "nvfp4", c, m) for s in ("qkv", "1024x512")
+                         for c in ("none", "full") for m in (1, 16)}
+    r = PL.ratios(best)
+    assert r[("qkv", "nvfp4", "full", 16)] == pytest.approx(1.25)
+    assert PL.shape_dims(rep)["1024x512"] == (1024, 512)
+    svg = PL.render_svg(rep, prefill_report())
+    ET.fromstring(svg)
+    assert "dispatch" in svg and "Synthetic GPU" in svg
+    md = PL.render_md(rep, prefill_report())
+    assert "| qkv | 16 | dispatch | 160.0 | 1.250 |" in md
+
+
 def test_bad_reports_raise_value_error():
     with pytest.raises(ValueError, match="tasks"):
         PL.decode_best({"entries": []})
