@@ -170,7 +170,9 @@ class LinearSm90WgmmaFamily:
                     continue
                 if bn < 64 and 4 * bn < rows:      # narrow token tiles only for few rows
                     continue
-                tiles = -(-rows // bn) * (problem.n // (64 * c * mw))
+                gx, gy = geometry_of(LinearSm90WgmmaVariant(c, mw, bn), problem).grid(
+                    rows, problem.n)
+                tiles = gx * gy
                 for sk in _SPLITS:
                     if sk > 1 and tiles * sk > 4 * _SMS:
                         continue
