@@ -1,5 +1,5 @@
 """Where the M = 1 decode layers lose time: the best whole-layer linear_sm90_mma variants of the
-H200 benchmark (bench/results/h200/final_linear_sm90_check.json: kind "layer", no PDL, graph
+H200 benchmark (bench/results/h200/final_linear_sm90_check.json.xz: kind "layer", no PDL, graph
 timing) for the four Qwen3-8B shapes, NVFP4 plain and M-Ext, launched under Nsight Compute.
 
     source .devcache/device/env.sh && ncu --clock-control none \\
@@ -18,6 +18,7 @@ CSV into a table.
 from __future__ import annotations
 
 import json
+import lzma
 import sys
 from pathlib import Path
 
@@ -31,7 +32,8 @@ from gpu_linear_check import SHAPES  # noqa: E402  (the benchmark whose winners 
 
 def best_variants() -> list[tuple[str, str, str]]:
     """(shape, mode, variant key) of the fastest non-PDL whole-layer M = 1 NVFP4 timings."""
-    d = json.loads((ROOT / "bench/results/h200/final_linear_sm90_check.json").read_text())
+    d = json.loads(lzma.decompress(
+        (ROOT / "bench/results/h200/final_linear_sm90_check.json.xz").read_bytes()))
     best: dict[tuple[str, str], dict] = {}
     for t in d["tasks"]:
         if (t.get("kind") == "layer" and not t.get("pdl") and t.get("timing_mode") == "graph"
