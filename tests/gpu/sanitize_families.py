@@ -3,13 +3,15 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_families.py
 
-Each family's default variant (plus a fused-quantization linear variant) is compiled with the
+Each family's default variant (plus a fused-quantization linear variant and a split-K WGMMA
+variant) is compiled with the
 pipeline, run through its runner's check() (fresh inputs, poisoned outputs, reference), and
 the result printed; the exit code is non-zero if a check fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -36,6 +38,10 @@ def main() -> int:
     wg = get_family("linear_sm90_wgmma")
     wp = LinearProblem("nvfp4", "full", 40, 256, 1024)
     cases.append((wg, wg.default(wp, ARCH), wp))
+    # split-K (workspace slots, semaphores, the last CTA's reads of every slice)
+    wsplit = dataclasses.replace(wg.default(wp, ARCH), bn=32, stages=2, split_k=4)
+    assert wg.why_invalid(wsplit, wp, ARCH) is None
+    cases.append((wg, wsplit, wp))
     af = get_family("attention_sm90")
     ap = AttentionProblem(batch=2, q_heads=8, kv_heads=2, head_dim=128, kv_len=300)
     cases.append((af, af.default(ap, ARCH), ap))
