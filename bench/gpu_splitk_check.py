@@ -33,12 +33,11 @@ import torch  # noqa: E402
 
 import baselines as B  # noqa: E402
 from resgen import runtime  # noqa: E402
-from resgen.search.build import compile_variant  # noqa: E402
+from resgen.cli import time_layer  # noqa: E402
 from resgen.search.family import get_family  # noqa: E402
 from resgen.search.linear_sm90_wgmma import FAMILY  # noqa: E402
 from resgen.search.record import current_environment  # noqa: E402
 from resgen.search.timing import DEFAULT_POLICY, CallableRunner, measure  # noqa: E402
-from resgen.search.tuner import working_set_bytes  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 ARCH = "sm_90a"
@@ -53,26 +52,19 @@ _COMPILED: dict[tuple, object] = {}
 
 
 def timed_layer(fam, v, p) -> dict:
-    """Compile (once per compile key), check and time the whole layer of variant v."""
-    ck = (fam.NAME, v.key(), fam.compile_key(v, p).key())
-    if ck not in _COMPILED:
-        _COMPILED[ck] = compile_variant(fam, v, p, ARCH)
-    out = _COMPILED[ck]
+    """Compile (once per compile key), check and time the whole layer of variant v
+    (resgen.cli.time_layer, as `resgen bench` does)."""
     rec: dict = {"variant": v.name(), "split_k": getattr(v, "split_k", None)}
-    if not out.ok:
-        rec["error"] = (out.error or "")[:400]
+    try:
+        t = time_layer(fam, v, p, ARCH, _COMPILED, DEFAULT_POLICY)
+    except RuntimeError as e:                       # compile failure
+        rec["error"] = str(e)[:400]
         return rec
-    n_sets = DEFAULT_POLICY.sets_for(working_set_bytes(fam, v, p))
-    runner = fam.runner(out.compiled, v, p, "cuda", n_sets=n_sets, seed=0)
-    if hasattr(runner, "as_layer"):
-        runner.as_layer()
-    chk = runner.check()
-    rec["rel_err"] = chk.rel_err
-    rec["ok"] = bool(chk.ok)
-    if chk.ok:
-        rec["us"] = measure(runner, DEFAULT_POLICY, n_sets).median_us
+    rec["rel_err"], rec["ok"] = t["check"]["rel_err"], bool(t["check"]["ok"])
+    if "resgen_us" in t:
+        rec["us"] = t["resgen_us"]
     else:
-        rec["error"] = chk.detail
+        rec["error"] = t["check"].get("detail", "")
     return rec
 
 

@@ -552,6 +552,34 @@ def _load_baselines() -> Any:
     return mod
 
 
+def time_layer(fam: Any, v: Any, p: Any, arch: str, compiled: dict, policy: Any
+               ) -> dict[str, Any]:
+    """Compile variant v of family fam (once per compile key, memoized in `compiled`), check it
+    against the reference (fresh inputs, poisoned output) and, if correct, time the whole layer
+    as the tuner does (the layer quantizer in front of variants that read a prepared operand).
+    Returns {"check": {"ok", "rel_err"}, "resgen_us"?}; raises on a compile failure."""
+    from .search.build import compile_variant
+    from .search.timing import measure
+    from .search.tuner import working_set_bytes
+
+    ck = (fam.NAME, v.key(), fam.compile_key(v, p).key())
+    out = compiled.get(ck) or compile_variant(fam, v, p, arch)
+    compiled[ck] = out
+    if not out.ok:
+        raise RuntimeError(out.error)
+    n_sets = policy.sets_for(working_set_bytes(fam, v, p))
+    runner = fam.runner(out.compiled, v, p, "cuda", n_sets=n_sets, seed=0)
+    if hasattr(runner, "as_layer"):
+        runner.as_layer()          # the whole layer, as the tuner timed it
+    chk = runner.check()
+    rec: dict[str, Any] = {"check": {"ok": chk.ok, "rel_err": chk.rel_err}}
+    if chk.ok:
+        rec["resgen_us"] = measure(runner, policy, n_sets).median_us
+    else:
+        rec["check"]["detail"] = chk.detail
+    return rec
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if not _has_gpu():
         print("resgen bench needs a CUDA GPU (none found)", file=sys.stderr)
@@ -560,11 +588,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from . import runtime
     from .models import get_model, linear_problems
-    from .search.build import compile_variant
     from .search.family import get_family
     from .search.record import current_environment
-    from .search.timing import DEFAULT_POLICY, measure
-    from .search.tuner import working_set_bytes
+    from .search.timing import DEFAULT_POLICY
 
     _import_all(args.imports)
     bl = _load_baselines()
@@ -580,21 +606,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             v = disp.lookup("linear", p)
             rec["variant"], rec["source"] = v.name(), disp.source("linear", p)
-            fam = get_family(type(v).FAMILY)
-            ck = (fam.NAME, v.key(), fam.compile_key(v, p).key())
-            out = compiled.get(ck) or compile_variant(fam, v, p, env.arch)
-            compiled[ck] = out
-            if not out.ok:
-                raise RuntimeError(out.error)
-            n_sets = policy.sets_for(working_set_bytes(fam, v, p))
-            runner = fam.runner(out.compiled, v, p, "cuda", n_sets=n_sets, seed=0)
-            if hasattr(runner, "as_layer"):
-                runner.as_layer()          # the whole layer, as the tuner timed it
-            chk = runner.check()
-            rec["check"] = {"ok": chk.ok, "rel_err": chk.rel_err}
-            if chk.ok:
-                rec["resgen_us"] = measure(runner, policy, n_sets).median_us
-            del runner
+            rec.update(time_layer(get_family(type(v).FAMILY), v, p, env.arch, compiled,
+                                  policy))
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
         key = (p.m, p.n, p.k, p.fmt == "mxfp4")

@@ -239,3 +239,29 @@ def test_bench_sums_add_layers_per_format_mode_and_m():
     assert lines[0] == ("sum mxfp4 full M=1 over 2 layers: 5.00 us; cuBLAS BF16 15.00 us "
                         "(x3.00); Triton MXFP4 25.00 us (x5.00); HBM floor 2.00 us (40%)")
     assert lines[1] == "sum mxfp4 full M=16: incomplete (2 layers)"
+
+
+def test_time_layer_compiles_once_per_key_checks_then_times(monkeypatch, isolated_cache):
+    """resgen bench's (and bench/gpu_splitk_check.py's) per-variant step on the fake family:
+    one compile per compile key across M, the whole-layer time of a correct variant, no time
+    and the check's detail for a wrong one."""
+    import dataclasses
+
+    from resgen import cli
+    from resgen.search import timing
+
+    monkeypatch.setattr(timing, "measure", fakefam.fake_timer)
+    fam, p = fakefam.FakeFamily(), fakefam.FakeProblem(m=4, k=4096)
+    good = fakefam.FakeVariant(tile=8)
+    bad = fakefam.FakeVariant(tile=8, split=True, pack=fakefam.Pack.B)   # injected wrong
+    compiled: dict = {}
+    fakefam.COMPILES.clear()
+    r1 = cli.time_layer(fam, good, p, "sm_90a", compiled, timing.DEFAULT_POLICY)
+    r2 = cli.time_layer(fam, good, dataclasses.replace(p, m=2), "sm_90a", compiled,
+                        timing.DEFAULT_POLICY)
+    assert len(fakefam.COMPILES) == 1
+    assert r1["check"]["ok"] and r1["resgen_us"] == pytest.approx(fakefam.fake_us(good, p))
+    assert r2["resgen_us"] == pytest.approx(fakefam.fake_us(good, dataclasses.replace(p, m=2)))
+    r3 = cli.time_layer(fam, bad, p, "sm_90a", compiled, timing.DEFAULT_POLICY)
+    assert not r3["check"]["ok"] and "resgen_us" not in r3
+    assert "injected" in r3["check"]["detail"]
