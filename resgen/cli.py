@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--coverage", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU runs: first give every workload one checked, timed variant, then "
                         "search with the rest of the budget (default on)")
+    t.add_argument("--warm-start", type=Path, default=None, metavar="TABLE",
+                   help="an earlier table (e.g. tuned/h200.sqlite.xz from before a template "
+                        "change): its fastest variants per workload on this GPU, whatever "
+                        "their fingerprint, are tried first (validated, re-checked, re-timed)")
     t.add_argument("--plan", action="store_true",
                    help="print the plan (workloads, compiles, estimated GPU seconds) and exit")
     t.add_argument("--time-budget", type=float, default=None,
@@ -344,7 +348,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                         time_budget_s=budget, resume=args.resume, compile_only=compile_only,
                         seed=args.seed, gpu_lock=lock, timer=args.timer, search=args.search,
                         coverage=args.coverage, hard_stop_grace_s=args.hard_stop,
-                        resume_since=None if args.resume else started_utc)
+                        resume_since=None if args.resume else started_utc,
+                        warm_start=str(args.warm_start) if args.warm_start else None)
     measured = None
     if Path(db_path).exists():
         try:

@@ -37,6 +37,8 @@ if [ -n "${RESGEN_TUNE_RESUME_FROM:-}" ] && [ ! -f "$WORK" ]; then
         *) cp "$RESGEN_TUNE_RESUME_FROM" "$SEED" || exit 2 ;;
     esac
     python3 -m resgen db merge "$SEED" --into "$WORK" --fresh-only || { rm -f "$WORK"; exit 2; }
+    # its stale rows still say which variants won: tried first (re-checked, re-timed)
+    WARM_ARGS="--warm-start $SEED"
     echo "resuming from $RESGEN_TUNE_RESUME_FROM"
 fi
 
@@ -45,7 +47,8 @@ fi
 #    budget. A stuck process is killed 30 s past the budget; `timeout` is the last guard.
 # shellcheck disable=SC2086
 timeout -k 10 $((BUDGET + 70)) python3 -m resgen tune --model all --db "$WORK" \
-    --time-budget "$BUDGET" --hard-stop 30 --json "$OUT/tune.json" ${RESGEN_TUNE_ARGS:-} \
+    --time-budget "$BUDGET" --hard-stop 30 --json "$OUT/tune.json" ${WARM_ARGS:-} \
+    ${RESGEN_TUNE_ARGS:-} \
     > "$OUT/tune.log" 2>&1
 RC=$?
 # The plan, then the summary (progress lines stay in the log).

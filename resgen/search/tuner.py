@@ -8,8 +8,11 @@ policy, and store every outcome as its own row through a ResultStore (the dispat
 this layer does not import it), with the seconds each phase took (compile, wait for the GPU
 lock, prep, check, time).
 
-Candidate order: the family default first (in the cover stage the prior's first choice goes
-before it when the family has a prior), then "seeds" (the best variants of workloads this
+Candidate order: with a warm start (TuneConfig.warm_start, resgen.search.warmstart), the
+variants an earlier table timed fastest for the workload come first, in the cover stage too
+(they were stale there: re-compiled, checked and timed like any other); then the family
+default (in the cover stage the prior's first choice goes before it when the family has a
+prior and there is no warm start), then "seeds" (the best variants of workloads this
 process tuned earlier in the same compile class, e.g. the M = 1 winner when tuning M = 4:
 already compiled, and usually close), then the family's `prior(variant, problem)` order when
 it has one (lower first), else the space order. Search: exhaustive when the valid space fits
@@ -126,6 +129,10 @@ class TuneConfig:
     # With resume=False: rows created at or after this UTC ISO time are this run's own (the
     # cover stage's) and are reused, not re-timed.
     resume_since: str | None = None
+    # An earlier table whose fastest variants per workload (any fingerprint, this GPU) go
+    # first (resgen.search.warmstart); warm_count of them per workload.
+    warm_start: str | None = None
+    warm_count: int = 2
 
     def __post_init__(self) -> None:
         if self.max_variants < 1:
@@ -136,6 +143,8 @@ class TuneConfig:
             raise ValueError(f"search must be one of {SEARCHES}, got {self.search!r}")
         if self.coverage_attempts < 1 or self.seeds < 0 or self.compile_cache < 1:
             raise ValueError("coverage_attempts and compile_cache must be >= 1, seeds >= 0")
+        if self.warm_count < 0:
+            raise ValueError("warm_count must be >= 0")
         if self.max_family_losses < 1 or self.max_family_failures < 1:
             raise ValueError("max_family_losses and max_family_failures must be >= 1")
 
@@ -165,6 +174,7 @@ class WorkloadSummary:
     phase_s: dict[str, float] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)   # space indices evaluated, in order
     stopped_by: str | None = None          # "max_variants" | "time_budget" | "attempts" | None
+    warm_started: int = 0                  # warm-start candidates put first
     error: str | None = None               # the workload itself failed (e.g. space() raised)
 
     _COUNTS = ("compiled", "compile_failed", "check_failed", "run_failed", "timed",
@@ -195,6 +205,7 @@ class WorkloadSummary:
         out.default_us = self.default_us if self.default_us is not None else later.default_us
         out.stopped_by = later.stopped_by
         out.error = later.error if later.error is not None else self.error
+        out.warm_started = max(self.warm_started, later.warm_started)
         return out
 
 
@@ -299,6 +310,11 @@ class Tuner:
             collections.OrderedDict()
         self._seeds: dict[str, list[VariantBase]] = {}
         self._inputs: _Prepared | None = None
+        self._warm = None
+        if config.warm_start and not config.compile_only:
+            from .warmstart import WarmStart
+
+            self._warm = WarmStart(config.warm_start, environment.gpu_name)
 
     def clear_compile_cache(self) -> None:
         self._compiled.clear()
@@ -357,10 +373,15 @@ class Tuner:
         except Exception as e:
             log.warning("%s.default() raised for %s: %s", family.NAME, problem.key(), e)
         cls = compile_class(family, problem, arch, default)
-        head = [default] if default is not None else []
+        warm = [] if self._warm is None else [
+            v for v in self._warm.candidates(family, problem, arch, self.config.warm_count)
+            if v.key() in valid_keys]
+        s.warm_started = len(warm)
+        head = list(warm) + ([default] if default is not None else [])
         for v in self._seeds.get(cls, []):
             if v.key() in valid_keys and all(v.key() != h.key() for h in head):
                 head.append(v)
+        head = list({h.key(): h for h in head}.values())        # a warm default counts once
 
         results: dict[str, float | None] = {}
 
@@ -377,7 +398,7 @@ class Tuner:
             if stage == "cover" and not cfg.compile_only:
                 s.search = "cover"
                 order = self._ordered(family, problem, valid, head, index)
-                if prior is not None:
+                if prior is not None and not warm:
                     # The one variant a short budget may get: the prior's first choice (what
                     # the family knows wins on the hardware), then the default and the seeds.
                     best = self._ordered(family, problem, valid, [], index)[0]

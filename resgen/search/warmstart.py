@@ -1,0 +1,100 @@
+"""Warm start: the best variants an earlier table timed for a workload become the first
+candidates of a new tuning run.
+
+After a template change every stored result of that family is stale (its fingerprint no
+longer matches), so the runtime and `resgen db merge --fresh-only` drop it, and a re-tune
+would start from the prior again. The variants that won before are usually still good: a warm
+start puts the best few of them (by their old median, same GPU name) ahead of the default, the
+seeds and the prior's order, in the cover stage too. They are only an ordering hint: each is
+compiled, checked and timed again under the current fingerprint like any other candidate.
+
+The earlier table is untrusted input (users share them): a row is used only if its variant
+key parses into the family's typed variant space and passes `why_invalid` for the problem. A
+key that lacks fields added to the variant since (a new axis) takes those fields' defaults,
+which by this project's convention reproduce the kernel as it was; a key with fields the
+variant no longer has is skipped. Nothing read from the table is rendered or imported
+unvalidated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .variant import ProblemBase, VariantBase
+
+__all__ = ["WarmStart", "lenient_variant"]
+
+log = logging.getLogger(__name__)
+
+
+def lenient_variant(cls: type, key: str) -> VariantBase | None:
+    """The variant of class `cls` a stored key describes, with fields missing from the key
+    set to the class defaults (`cls()` must exist); None if the key names a field `cls` does
+    not have, another family, or a value `cls.from_dict` rejects."""
+    try:
+        raw = json.loads(key)
+        if not isinstance(raw, dict) or raw.get(cls.TAG) != cls.FAMILY:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(raw) - names - {cls.TAG}:
+            return None
+        return cls.from_dict({**cls().as_dict(), **raw})
+    except Exception:
+        return None
+
+
+class WarmStart:
+    """The timed rows of an earlier table (any fingerprint), grouped per (family, workload)
+    and sorted by median; read once, on first use."""
+
+    def __init__(self, path: str | Path, gpu_name: str | None = None):
+        self.path = Path(path)
+        self.gpu_name = gpu_name
+        self._rows: dict[tuple[str, str], list[tuple[float, str]]] | None = None
+
+    def _load(self) -> dict[tuple[str, str], list[tuple[float, str]]]:
+        if self._rows is None:
+            from ..db import TuningDB
+            from .record import Status
+
+            by: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)
+            try:
+                with TuningDB(self.path, readonly=True) as db:
+                    rows = db.rows(status=Status.OK, gpu_name=self.gpu_name,
+                                   compile_only=False)
+            except Exception as e:            # a missing / corrupt / foreign table: no hint
+                log.warning("warm start: cannot read %s: %s", self.path, e)
+                rows = []
+            for r in rows:
+                med = r.get("median_us")
+                if isinstance(med, (int, float)) and med > 0:
+                    by[(str(r["family"]), str(r["workload_digest"]))].append(
+                        (float(med), str(r["variant_key"])))
+            self._rows = {k: sorted(v) for k, v in by.items()}
+        return self._rows
+
+    def candidates(self, family: Any, problem: ProblemBase, arch: str, limit: int
+                   ) -> list[VariantBase]:
+        """Up to `limit` distinct variants of `family` this table timed fastest for
+        `problem`, each parsed leniently and valid for the problem on `arch`."""
+        out: list[VariantBase] = []
+        seen: set[str] = set()
+        for _, key in self._load().get((family.NAME, problem.digest()), []):
+            if len(out) >= limit:
+                break
+            v = lenient_variant(family.VARIANT, key)
+            if v is None or v.key() in seen:
+                continue
+            try:
+                if family.why_invalid(v, problem, arch) is not None:
+                    continue
+            except Exception:
+                continue
+            seen.add(v.key())
+            out.append(v)
+        return out
