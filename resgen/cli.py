@@ -332,6 +332,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not jobs:
         print("no workloads to tune", file=sys.stderr)
         return 2
+    if args.warm_start is not None:
+        # a typo must not silently tune without the hint: the table must open and be ours
+        try:
+            with TuningDB(args.warm_start, readonly=True) as db:
+                rep = db.verify()
+        except DatabaseError as e:
+            print(f"--warm-start {args.warm_start}: {e}", file=sys.stderr)
+            return 2
+        if not rep.ok:
+            print(f"--warm-start {args.warm_start} fails verification: "
+                  f"{'; '.join(rep.errors[:3])}", file=sys.stderr)
+            return 2
     db_path = args.db or settings().user_db
     budget = args.time_budget if args.time_budget is not None else (
         None if compile_only else 480.0)

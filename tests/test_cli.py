@@ -265,3 +265,25 @@ def test_time_layer_compiles_once_per_key_checks_then_times(monkeypatch, isolate
     r3 = cli.time_layer(fam, bad, p, "sm_90a", compiled, timing.DEFAULT_POLICY)
     assert not r3["check"]["ok"] and "resgen_us" not in r3
     assert "injected" in r3["check"]["detail"]
+
+
+def test_tune_refuses_a_warm_start_table_it_cannot_use(tmp_path, capsys):
+    """--warm-start names an earlier table: a missing, corrupt or tampered one is a clear
+    error before anything is tuned (a typo must not silently lose the hint)."""
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"not a database at all")
+    for path in (tmp_path / "absent.sqlite", bad):
+        rc = main(TUNE + ["--db", str(tmp_path / "t.sqlite"), "--warm-start", str(path),
+                          "--plan"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "--warm-start" in err and str(path) in err
+    good = tmp_path / "good.sqlite"
+    fakefam.tune_fake(good, ms=[1], max_variants=2)
+    assert main(TUNE + ["--db", str(tmp_path / "t.sqlite"), "--warm-start", str(good),
+                        "--plan"]) == 0
+    capsys.readouterr()
+    with sqlite3.connect(good) as c:                     # tamper with a stored median
+        c.execute("UPDATE results SET median_us = median_us / 2")
+    rc = main(TUNE + ["--db", str(tmp_path / "t.sqlite"), "--warm-start", str(good), "--plan"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "fails verification" in err
