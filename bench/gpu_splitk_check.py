@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import baselines as B  # noqa: E402
 from resgen import runtime  # noqa: E402
 from resgen.cli import time_layer  # noqa: E402
+from resgen.models import get_model  # noqa: E402
 from resgen.search.family import get_family  # noqa: E402
 from resgen.search.linear_sm90_wgmma import FAMILY  # noqa: E402
 from resgen.search.record import current_environment  # noqa: E402
@@ -44,8 +45,7 @@ ARCH = "sm_90a"
 OUT = Path(os.environ.get("OUT", "bench/results/h200"))
 TOP = int(os.environ.get("RESGEN_SPLITK_TOP", "5"))
 BUDGET_S = float(os.environ.get("RESGEN_SPLITK_BUDGET_S", "330"))
-SHAPES = {"down": (4096, 12288), "o": (4096, 4096), "qkv": (6144, 4096),
-          "gate_up": (24576, 4096)}
+SHAPES = {s.name: (s.n, s.k) for s in get_model("qwen3-8b").linear_shapes()}
 MS = (16, 64, 32, 128)
 COMPS = ("full", "none")
 _COMPILED: dict[tuple, object] = {}

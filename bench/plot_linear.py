@@ -41,9 +41,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import svgplot as sp  # noqa: E402
+from resgen.models import get_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "h200"
@@ -68,8 +70,8 @@ class Family:
 DECODE = Family("decode", "linear_sm90_mma", "circle", 1, FAMILY_SPLIT_M)
 DISPATCH = Family("dispatch", "the runtime's choice per layer (linear_sm90_mma or "
                   "linear_sm90_wgmma)", "circle", 1, FAMILY_SPLIT_M)
-SHAPE_OF = {(6144, 4096): "qkv", (4096, 4096): "o", (24576, 4096): "gate_up",
-            (4096, 12288): "down"}
+# names of the Qwen3-8B projection shapes (TP1) the reports' (N, K) belong to
+SHAPE_OF = {(s.n, s.k): s.name for s in get_model("qwen3-8b").linear_shapes()}
 PREFILL = Family("prefill", "linear_sm90_wgmma", "open-square", FAMILY_SPLIT_M, 1 << 30)
 
 # (fmt, mode) -> (legend label, colour), in legend order. Other compensated modes found in the
