@@ -783,7 +783,7 @@ def _fresh_filter() -> Callable[[Any], bool]:
     the current templates, kernel modules, compile options and versions give: the rule the
     runtime and the tuner use to tell stale results). Fingerprints are computed once per
     compile class."""
-    from .search.build import variant_fingerprint
+    from .search.build import memo_fingerprint
     from .search.family import get_family
 
     cache: dict[tuple, str] = {}
@@ -793,10 +793,7 @@ def _fresh_filter() -> Callable[[Any], bool]:
             fam = get_family(row["family"])
             v = fam.VARIANT.from_key(row["variant_key"])
             p = fam.PROBLEM.from_key(row["workload_key"])
-            key = (fam.NAME, v.key(), fam.compile_key(v, p).key(), row["arch"])
-            if key not in cache:
-                cache[key] = variant_fingerprint(fam, v, p, row["arch"])
-            return cache[key] == row["fingerprint"]
+            return memo_fingerprint(cache, fam, v, p, row["arch"]) == row["fingerprint"]
         except Exception:        # unparseable, unknown family or arch: not fresh
             return False
 

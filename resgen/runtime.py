@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from .db import DatabaseError, MissingDatabaseError, TuningDB
 from .search.buckets import bucket_fields, bucket_rank, without_buckets
-from .search.build import variant_fingerprint
+from .search.build import memo_fingerprint
 from .search.family import KernelFamily, families_for, get_family
 from .search.record import Status, arch_of_capability, gpu_slug, pick_winner
 from .search.variant import ProblemBase, VariantBase, canonical_json
@@ -178,7 +178,7 @@ class Dispatcher:
         self._cache: dict[tuple, VariantBase] = {}
         self._source: dict[tuple, str] = {}
         self._tables: list[tuple[Path, _Table]] | None = None
-        self._fp: dict[tuple[str, str, str], str] = {}
+        self._fp: dict[tuple[str, str, str, str], str] = {}   # build.memo_fingerprint
         self._warned: set = set()
         self._lock = threading.RLock()
 
@@ -240,22 +240,13 @@ class Dispatcher:
         return fams
 
     def _current_fp(self, fam: KernelFamily, v: VariantBase, tuned: ProblemBase) -> str:
-        """The fingerprint v would have now; computed once per compile class (the fingerprint
-        depends on the workload only through the family's compile key: all M buckets of an
-        xop variant share it)."""
+        """The fingerprint v would have now; computed once per compile class
+        (build.memo_fingerprint); "" (matching no row) if it cannot be computed."""
         try:
-            k = (fam.NAME, v.key(), fam.compile_key(v, tuned).key())
-        except Exception:
-            k = (fam.NAME, v.key(), tuned.key())
-        fp = self._fp.get(k)
-        if fp is None:
-            try:
-                fp = variant_fingerprint(fam, v, tuned, self.arch)
-            except Exception as e:
-                self._warn(("fp", fam.NAME), f"cannot fingerprint {v.name()}: {e}")
-                fp = ""
-            self._fp[k] = fp
-        return fp
+            return memo_fingerprint(self._fp, fam, v, tuned, self.arch)
+        except Exception as e:
+            self._warn(("fp", fam.NAME), f"cannot fingerprint {v.name()}: {e}")
+            return ""
 
     def _acceptable(self, fam: KernelFamily, row: _Row, tuned: ProblemBase,
                     real: ProblemBase) -> bool:

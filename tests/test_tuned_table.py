@@ -19,7 +19,7 @@ from resgen.db import TuningDB
 from resgen.models import COMPENSATIONS, FORMATS, attention_problems, get_model, linear_problems
 from resgen.runtime import Device, Dispatcher, shipped_table
 from resgen.search.buckets import DEFAULT_ATTN_BATCHES, DEFAULT_KV_LENS, DEFAULT_M_BUCKETS
-from resgen.search.build import variant_fingerprint
+from resgen.search.build import memo_fingerprint, variant_fingerprint
 from resgen.search.family import families, get_family
 from resgen.search.record import Environment, ResultRecord, Status
 from resgen.search.variant import AttentionProblem, LinearProblem
@@ -67,10 +67,7 @@ def audit(path: Path) -> dict[str, list[str]]:
             continue
         v = fam.VARIANT.from_key(r["variant_key"])
         p = fam.PROBLEM.from_key(r["workload_key"])
-        key = (fam.NAME, v.key(), fam.compile_key(v, p).key())
-        if key not in cache:
-            cache[key] = variant_fingerprint(fam, v, p, ARCH)
-        if cache[key] != r["fingerprint"]:
+        if memo_fingerprint(cache, fam, v, p, ARCH) != r["fingerprint"]:
             stale += 1
             if stale <= 5:
                 out["fresh"].append(f"stale: {v.name()} {r['workload_key']}")

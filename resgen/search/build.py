@@ -27,7 +27,7 @@ from .family import KernelFamily
 from .variant import ProblemBase, VariantBase
 
 __all__ = ["Rendered", "CompileOutcome", "compile_options", "render_variant",
-           "variant_fingerprint", "compile_variant", "entry_of"]
+           "variant_fingerprint", "memo_fingerprint", "compile_variant", "entry_of"]
 
 
 def compile_options(family: KernelFamily) -> str:
@@ -68,6 +68,17 @@ def variant_fingerprint(family: KernelFamily, variant: VariantBase, problem: Pro
     tdir = _template_dir(family)
     source = codegen.render(family.TEMPLATE, family.template_params(variant, ck), tdir)
     return codegen.fingerprint(source, family.TEMPLATE, compile_options(family), arch, tdir)
+
+
+def memo_fingerprint(cache: dict, family: KernelFamily, variant: VariantBase,
+                     problem: ProblemBase, arch: str) -> str:
+    """variant_fingerprint, memoized in `cache` per compile class: the fingerprint depends on
+    the workload only through `family.compile_key` (every M bucket of a shape shares it). The
+    caller owns the cache and its lifetime (templates do not change under one table load)."""
+    key = (family.NAME, variant.key(), family.compile_key(variant, problem).key(), arch)
+    if key not in cache:
+        cache[key] = variant_fingerprint(family, variant, problem, arch)
+    return cache[key]
 
 
 @dataclass
