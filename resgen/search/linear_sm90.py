@@ -328,7 +328,8 @@ class LinearSm90Family:
     def prior(self, variant: LinearSm90Variant, problem: LinearProblem) -> float:
         """Lower first: the tuner's cover stage starts from the lowest, and its search ranks
         the candidates after the default and the seeds by it (with a prior the search is
-        "ranked", so a short budget still reaches the patterns that won on the H200). Decode-sized token counts (<= 8 operand rows) prefer the fused
+        "ranked", so a short budget still reaches the patterns that won on the H200).
+        Decode-sized token counts (<= 8 operand rows) prefer the fused
         quantizer (one launch) where it can run, larger ones the xop operand; the warp layout
         and pipeline by the H200 ranking above; the token tile covering all rows; no split-K
         for wide layers (splits only where channel blocks leave SMs idle); stages 3 (4 won 10 of

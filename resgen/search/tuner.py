@@ -377,11 +377,10 @@ class Tuner:
             v for v in self._warm.candidates(family, problem, arch, self.config.warm_count)
             if v.key() in valid_keys]
         s.warm_started = len(warm)
-        head = list(warm) + ([default] if default is not None else [])
-        for v in self._seeds.get(cls, []):
-            if v.key() in valid_keys and all(v.key() != h.key() for h in head):
-                head.append(v)
-        head = list({h.key(): h for h in head}.values())        # a warm default counts once
+        seeds = [v for v in self._seeds.get(cls, []) if v.key() in valid_keys]
+        # warm start, default, seeds; each variant once, at its first place
+        head = list({h.key(): h for h in
+                     warm + ([default] if default is not None else []) + seeds}.values())
 
         results: dict[str, float | None] = {}
 
