@@ -326,6 +326,11 @@ COMPILE_CASES = [
      LinearSm90WgmmaVariant(1, 1, 16, 4, Raster.CH, Packing.NIB, 8)),
     (LinearProblem("nvfp4", "none", 64, 4096, 4096),
      LinearSm90WgmmaVariant(2, 2, 64, 4, Raster.TOK, Packing.SPLIT, 2)),
+    # programmatic dependent launch behind the quantizer (with and without split-K)
+    (LinearProblem("nvfp4", "full", 32, 6144, 4096),
+     LinearSm90WgmmaVariant(1, 1, 64, 6, Raster.TOK, Packing.SPLIT, 2, True)),
+    (LinearProblem("mxfp4", "none", 1024, 4096, 4096),
+     LinearSm90WgmmaVariant(2, 1, 128, 4, Raster.CH, Packing.NIB, 1, True)),
 ]
 
 
@@ -367,7 +372,16 @@ def test_compiles_for_sm90a(p, v, tmp_path):
     # two elections in the producer (barrier arrival + weight copies; the TMA copy's own):
     # a TMA copy issued from an already single-lane branch would nest a third, whose
     # elect.sync over 32 lanes would then wait for lanes that never come
-    assert ptx.count("elect.sync") == 2
+    assert ptx.count("elect.sync") == 2 + 2 * v.pdl  # PDL: the prologue has both kinds too
+    # PDL: the producer's first weight copies come before its griddepcontrol.wait, which comes
+    # before any activation box; the consumers wait once more before the epilogue (ptxas may
+    # duplicate the producer's wait into both paths around its prologue loop)
+    assert (ptx.count("griddepcontrol.wait") >= 2) == v.pdl
+    assert ("griddepcontrol.wait" in ptx) == v.pdl
+    if v.pdl:
+        first_wait = ptx.index("griddepcontrol.wait")
+        assert ptx.index("cp.async.bulk.shared::cluster.global") < first_wait
+        assert ptx.index("cp.async.bulk.tensor") > first_wait
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert res.spill_bytes == 0, f"{res.spill_bytes} bytes of local memory"
     assert res.registers is not None and res.registers <= 255

@@ -81,6 +81,7 @@ class WgGeometry:
     raster: str        # "tok": grid x walks token tiles (a wave shares weights) | "ch"
     store: str = "direct"
     split_k: int = 1   # K slices (grid z); > 1: workspace + last-CTA reduction in split order
+    pdl: bool = False  # programmatic dependent launch behind the quantizer (see the template)
 
     # ------------------------------------------------------------------ derived constants
     @property
