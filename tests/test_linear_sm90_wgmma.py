@@ -218,15 +218,31 @@ def test_simulation_ignores_xop_rows_past_rows():
                        clean.view(torch.int16))
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("stages", [2, 3, 4, 6, 12])
-def test_pipeline_protocol_never_deadlocks_or_races(consumers, stages):
-    geom = WgGeometry("nvfp4", False, "split", consumers, 1, 128, stages, "tok")
+def test_pipeline_protocol_never_deadlocks_or_races(consumers, stages, pdl):
+    geom = WgGeometry("nvfp4", False, "split", consumers, 1, 128, stages, "tok", pdl=pdl)
     for nk in (2, 4, 6, 22):
         for seed in range(6):
             tr = simulate_pipeline(geom, nk, seed)
             assert sorted((w, c) for w, c, _ in tr.reads) == \
                 [(w, c) for w in range(consumers) for c in range(nk)]
+
+
+def test_pipeline_model_catches_a_pdl_prologue_that_expects_too_few_bytes():
+    """Not vacuous for PDL either: a prologue arrival that expected only the weight bytes
+    would let a consumer read a stage whose activation box has not landed."""
+
+    class Short(WgGeometry):
+        @property
+        def tx_bytes(self):
+            return self.w_stage_bytes
+
+    geom = Short("nvfp4", False, "split", 2, 1, 128, 4, "tok", pdl=True)
+    with pytest.raises(AssertionError):
+        for seed in range(20):
+            simulate_pipeline(geom, 8, seed)
 
 
 def test_pipeline_model_catches_a_wrong_parity():
