@@ -163,7 +163,6 @@ class LinearSm90WgmmaFamily:
         """Every valid candidate in a fixed order: tiles (consumers, m_wg, bn) whose token tile
         does not exceed the rows by more than 2x (64 always allowed; the narrow 16 / 32 tiles,
         for decode-sized M, only where the rows fill at most 4 of them), 6 / 4 / 8 / 3 stages
-        (and 12 for token tiles of at most 32 rows)
         (a stage is released one chunk after its wgmmas were issued, so S stages keep S - 2
         chunks of copies in flight), both rasters and packings, split-K 1 / 2 / 4 / 8 / 3 / 6
         where the split CTAs stay within 4 per SM, and PDL off / on."""
@@ -181,9 +180,9 @@ class LinearSm90WgmmaFamily:
                 for sk in _SPLITS:
                     if sk > 1 and tiles * sk > 4 * _SMS:
                         continue
-                    # deep rings (12) only for narrow token tiles: more weight bytes in
-                    # flight per SM where a stage is small
-                    for st in (6, 4, 8, 3) + ((12,) if bn <= 32 else ()):
+                    # 12-stage rings are valid but not enumerated: measured slower than 8 or 6
+                    # stages on 21 of 24 Qwen3-8B workloads (linear_wgmma_pdl_check.json)
+                    for st in (6, 4, 8, 3):
                         for raster in (Raster.TOK, Raster.CH):
                             for pdl in (False, True):
                                 v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing, sk,
@@ -214,13 +213,15 @@ class LinearSm90WgmmaFamily:
         s += 0.3 if (v.consumers == 2 and v.bn <= 32) or (v.consumers == 1 and v.bn >= 128) \
             else 0.0
         s += 0.0 if v.m_wg == 1 else 0.4
-        if v.bn <= 32:     # small stages: deeper rings first (not yet measured)
-            s += {8: 0.0, 6: 0.1, 12: 0.2, 4: 0.3}.get(v.stages, 0.5)
+        if v.bn <= 32:     # small stages: the deeper ring first
+            s += {8: 0.0, 6: 0.1, 4: 0.3}.get(v.stages, 0.5)
         else:
             s += {6: 0.0, 4: 0.2, 8: 0.3}.get(v.stages, 0.5)
         s += 0.0 if v.raster == Raster.TOK else 0.3
         s += 0.0 if v.packing == Packing.SPLIT else 1.0
-        s += 0.15 if v.pdl else 0.0         # not yet measured: right after its non-PDL twin
+        # measured (linear_wgmma_pdl_check.json): within +-6 % of the non-PDL twin either way,
+        # workload dependent, so PDL is tried right after its twin
+        s += 0.15 if v.pdl else 0.0
         s += _wave_cost(v, p)
         return s
 
