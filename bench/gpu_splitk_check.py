@@ -7,8 +7,9 @@ For every (shape, M in 16 / 32 / 64 / 128, NVFP4 plain and M-Ext):
   - "table": what the runtime dispatches from the shipped table (tuned/h200.sqlite.xz) for the
     workload, whole layer as the tuner times it (its linear_sm90_wgmma rows predate split-K and
     are stale, so this is the best linear_sm90_mma variant the table knows);
-  - "wgmma": the prior's best variant of each distinct (consumers, m_wg, bn, split_k) of the
-    linear_sm90_wgmma space, the first RESGEN_SPLITK_TOP (default 5), each compiled, checked against
+  - "wgmma": the prior's best variant of each distinct (consumers, m_wg, bn, split_k, stages,
+    pdl) of the linear_sm90_wgmma space, the first RESGEN_SPLITK_TOP (default 8), each compiled,
+    checked against
     resgen.reference.linear (fresh random inputs, NaN-poisoned output, rel err <= 3e-3) and, if
     correct, timed as the whole layer (quant_sm90 + GEMM);
   - cuBLAS BF16 (torch.matmul) on the same shape.
@@ -43,7 +44,7 @@ from resgen.search.variant import LinearProblem  # noqa: E402
 
 ARCH = "sm_90a"
 OUT = Path(os.environ.get("OUT", "bench/results/h200"))
-TOP = int(os.environ.get("RESGEN_SPLITK_TOP", "5"))
+TOP = int(os.environ.get("RESGEN_SPLITK_TOP", "8"))
 BUDGET_S = float(os.environ.get("RESGEN_SPLITK_BUDGET_S", "330"))
 SHAPES = {s.name: (s.n, s.k) for s in get_model("qwen3-8b").linear_shapes()}
 MS = (16, 64, 32, 128)
@@ -69,10 +70,11 @@ def timed_layer(fam, v, p) -> dict:
 
 
 def distinct_top(p: LinearProblem) -> list:
-    """The prior's best variant of each distinct (consumers, m_wg, bn, split_k), first TOP."""
+    """The prior's best variant of each distinct (consumers, m_wg, bn, split_k, stages, pdl),
+    first TOP."""
     seen, out = set(), []
     for c in sorted(FAMILY.space(p, ARCH), key=lambda c: FAMILY.prior(c, p)):
-        key = (c.consumers, c.m_wg, c.bn, c.split_k)
+        key = (c.consumers, c.m_wg, c.bn, c.split_k, c.stages, c.pdl)
         if key not in seen:
             seen.add(key)
             out.append(c)

@@ -218,15 +218,31 @@ def test_simulation_ignores_xop_rows_past_rows():
                        clean.view(torch.int16))
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("consumers", [1, 2])
-@pytest.mark.parametrize("stages", [2, 3, 4, 6])
-def test_pipeline_protocol_never_deadlocks_or_races(consumers, stages):
-    geom = WgGeometry("nvfp4", False, "split", consumers, 1, 128, stages, "tok")
+@pytest.mark.parametrize("stages", [2, 3, 4, 6, 12])
+def test_pipeline_protocol_never_deadlocks_or_races(consumers, stages, pdl):
+    geom = WgGeometry("nvfp4", False, "split", consumers, 1, 128, stages, "tok", pdl=pdl)
     for nk in (2, 4, 6, 22):
         for seed in range(6):
             tr = simulate_pipeline(geom, nk, seed)
             assert sorted((w, c) for w, c, _ in tr.reads) == \
                 [(w, c) for w in range(consumers) for c in range(nk)]
+
+
+def test_pipeline_model_catches_a_pdl_prologue_that_expects_too_few_bytes():
+    """Not vacuous for PDL either: a prologue arrival that expected only the weight bytes
+    would let a consumer read a stage whose activation box has not landed."""
+
+    class Short(WgGeometry):
+        @property
+        def tx_bytes(self):
+            return self.w_stage_bytes
+
+    geom = Short("nvfp4", False, "split", 2, 1, 128, 4, "tok", pdl=True)
+    with pytest.raises(AssertionError):
+        for seed in range(20):
+            simulate_pipeline(geom, 8, seed)
 
 
 def test_pipeline_model_catches_a_wrong_parity():
@@ -326,6 +342,14 @@ COMPILE_CASES = [
      LinearSm90WgmmaVariant(1, 1, 16, 4, Raster.CH, Packing.NIB, 8)),
     (LinearProblem("nvfp4", "none", 64, 4096, 4096),
      LinearSm90WgmmaVariant(2, 2, 64, 4, Raster.TOK, Packing.SPLIT, 2)),
+    # programmatic dependent launch behind the quantizer (with and without split-K)
+    (LinearProblem("nvfp4", "full", 32, 6144, 4096),
+     LinearSm90WgmmaVariant(1, 1, 64, 6, Raster.TOK, Packing.SPLIT, 2, True)),
+    (LinearProblem("mxfp4", "none", 1024, 4096, 4096),
+     LinearSm90WgmmaVariant(2, 1, 128, 4, Raster.CH, Packing.NIB, 1, True)),
+    # a deep ring for a narrow token tile, one warpgroup over two m64 blocks
+    (LinearProblem("nvfp4", "none", 16, 24576, 4096),
+     LinearSm90WgmmaVariant(1, 2, 16, 12, Raster.TOK, Packing.SPLIT, 1, True)),
 ]
 
 
@@ -367,7 +391,16 @@ def test_compiles_for_sm90a(p, v, tmp_path):
     # two elections in the producer (barrier arrival + weight copies; the TMA copy's own):
     # a TMA copy issued from an already single-lane branch would nest a third, whose
     # elect.sync over 32 lanes would then wait for lanes that never come
-    assert ptx.count("elect.sync") == 2
+    assert ptx.count("elect.sync") == 2 + 2 * v.pdl  # PDL: the prologue has both kinds too
+    # PDL: the producer's first weight copies come before its griddepcontrol.wait, which comes
+    # before any activation box; the consumers wait once more before the epilogue (ptxas may
+    # duplicate the producer's wait into both paths around its prologue loop)
+    assert (ptx.count("griddepcontrol.wait") >= 2) == v.pdl
+    assert ("griddepcontrol.wait" in ptx) == v.pdl
+    if v.pdl:
+        first_wait = ptx.index("griddepcontrol.wait")
+        assert ptx.index("cp.async.bulk.shared::cluster.global") < first_wait
+        assert ptx.index("cp.async.bulk.tensor") > first_wait
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert res.spill_bytes == 0, f"{res.spill_bytes} bytes of local memory"
     assert res.registers is not None and res.registers <= 255
@@ -544,6 +577,7 @@ def test_prior_prefers_a_token_tile_close_to_the_rows():
         p = LinearProblem("nvfp4", comp, m, 24576, 4096)
         best = min(FAMILY.space(p, ARCH), key=lambda v: (FAMILY.prior(v, p), v.key()))
         # one consumer warpgroup (two CTAs per SM) for the narrow token tiles
-        assert best.bn == bn and best.stages == 6, (m, comp, best)
+        # 8-stage rings first for narrow token tiles (small stages), 6 otherwise
+        assert best.bn == bn and best.stages == (8 if bn <= 32 else 6), (m, comp, best)
         if bn != 64:
             assert best.consumers == (1 if bn <= 32 else 2), (m, comp, best)

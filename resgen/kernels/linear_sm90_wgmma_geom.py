@@ -81,6 +81,7 @@ class WgGeometry:
     raster: str        # "tok": grid x walks token tiles (a wave shares weights) | "ch"
     store: str = "direct"
     split_k: int = 1   # K slices (grid z); > 1: workspace + last-CTA reduction in split order
+    pdl: bool = False  # programmatic dependent launch behind the quantizer (see the template)
 
     # ------------------------------------------------------------------ derived constants
     @property
@@ -155,8 +156,8 @@ class WgGeometry:
             raise ValueError("bn must be a multiple of 16 in [16, 256] (wgmma n, M-Ext pairs)")
         if self.acc_regs > 128:
             raise ValueError(f"{self.acc_regs} accumulator registers per thread (at most 128)")
-        if not 2 <= self.stages <= 8:
-            raise ValueError("stages must be in [2, 8]")
+        if not 2 <= self.stages <= 12:
+            raise ValueError("stages must be in [2, 12]")
         if self.raster not in RASTERS:
             raise ValueError(f"raster must be one of {RASTERS}")
         if self.store not in STORES:

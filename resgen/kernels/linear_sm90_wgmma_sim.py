@@ -233,22 +233,30 @@ def simulate_pipeline(geom: WgGeometry, nk: int, seed: int = 0,
     The producer, per chunk c: wait empty[s] parity ph ^ 1; arrive.expect_tx(full[s], TX);
     the copies land later (asynchronously). A consumer, per chunk c: wait full[s] parity ph,
     read the stage, issue its MMAs, then (after wgmma.wait_group 1) release chunk c - 1's
-    stage; the last chunk is never released. Raises AssertionError on a protocol violation or a
-    deadlock."""
+    stage; the last chunk is never released. Each chunk's copies land as two parts (the weight
+    records and the activation box), in any order, each completing its own bytes; a stage holds
+    chunk c once both of c's parts have landed. PDL (geom.pdl): the producer first arrives on
+    the first min(stages, nk) full barriers and issues only their weight parts, then (after
+    griddepcontrol.wait, instantaneous here) their boxes, then continues as above. Raises
+    AssertionError on a protocol violation or a deadlock."""
     s_n = geom.stages
     full = [_Mbarrier(1) for _ in range(s_n)]
     empty = [_Mbarrier(geom.release_count) for _ in range(s_n)]
     content = [None] * s_n                 # chunk whose data a stage holds
     holders = [set() for _ in range(s_n)]  # consumers that may still read a stage
-    in_flight: list[tuple[int, int]] = []  # (stage, chunk) copies issued, not landed
+    in_flight: list[tuple[int, int, str]] = []   # (stage, chunk, part) issued, not landed
+    landed = [dict() for _ in range(s_n)]        # stage -> {chunk: parts landed}
+    nbytes = {"w": geom.w_stage_bytes, "b": geom.b_stage_bytes}
     rng = random.Random(seed)
+    npre = min(s_n, nk) if geom.pdl else 0
     prod_c = 0
+    boxes_due = npre > 0                   # PDL: the prologue's boxes, after the wait
     prod_waiting = True
     cons_c = [0] * geom.consumers
     trace = PipelineTrace()
     for step in range(max_steps):
         agents = []
-        if prod_c < nk:
+        if prod_c < nk or boxes_due:
             agents.append("p")
         if in_flight:
             agents.append("tma")
@@ -259,8 +267,18 @@ def simulate_pipeline(geom: WgGeometry, nk: int, seed: int = 0,
         rng.shuffle(agents)
         progressed = False
         for a in agents:
+            if a == "p" and prod_c == npre and boxes_due:
+                for c in range(npre):                   # griddepcontrol.wait, then the boxes
+                    in_flight.append((c, c, "b"))
+                boxes_due = False
+                progressed = True
+                break
             if a == "p":
+                if prod_c >= nk:
+                    continue
                 s, ph = geom.stage_of(prod_c)
+                if prod_c < npre:                      # PDL prologue: first use, no wait
+                    prod_waiting = False
                 if prod_waiting:
                     if not empty[s].test(ph ^ 1):
                         continue
@@ -269,16 +287,22 @@ def simulate_pipeline(geom: WgGeometry, nk: int, seed: int = 0,
                     raise AssertionError(f"stage {s} refilled while consumers {holders[s]} "
                                          f"may still read chunk {content[s]}")
                 full[s].arrive(expect_tx=geom.tx_bytes)
-                in_flight.append((s, prod_c))
+                in_flight.append((s, prod_c, "w"))
+                if prod_c >= npre:
+                    in_flight.append((s, prod_c, "b"))
                 prod_c += 1
                 prod_waiting = True
                 progressed = True
                 break
             if a == "tma":
                 k = rng.randrange(len(in_flight))
-                s, c = in_flight.pop(k)
-                content[s] = c
-                full[s].complete_tx(geom.tx_bytes)
+                s, c, part = in_flight.pop(k)
+                got = landed[s].setdefault(c, set())
+                got.add(part)
+                if got == {"w", "b"}:
+                    content[s] = c
+                    del landed[s][c]
+                full[s].complete_tx(nbytes[part])
                 progressed = True
                 break
             w = a

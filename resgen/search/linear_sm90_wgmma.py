@@ -17,6 +17,8 @@ The variant axes (LinearSm90WgmmaVariant) and what they change in the kernel
     split_k     K slices per output tile (grid z): more CTAs for layers with few channel tiles
                 (decode and mid-size M); the slices meet in a workspace and the tile's last CTA
                 sums them in split order (deterministic, one launch)
+    pdl         programmatic dependent launch behind the layer quantizer: weight copies of the
+                first stages before griddepcontrol.wait, activation boxes after it
 The epilogue stores 32-bit BF16 channel pairs straight from registers after a lane exchange
 (no field: an smem + TMA store path is not implemented, so no key pretends otherwise).
 N, K(+ext) and M are run-time arguments: one compile per (format, M-Ext or not, variant).
@@ -60,10 +62,11 @@ class LinearSm90WgmmaVariant(VariantBase):
     consumers: int = field(default=2, metadata={"range": IntRange(1, 2), "short": "c"})
     m_wg: int = field(default=1, metadata={"range": IntRange(1, 2), "short": "mw"})
     bn: int = field(default=128, metadata={"range": IntRange(16, 256), "short": "bn"})
-    stages: int = field(default=4, metadata={"range": IntRange(2, 8), "short": "st"})
+    stages: int = field(default=4, metadata={"range": IntRange(2, 12), "short": "st"})
     raster: Raster = field(default=Raster.TOK, metadata={"short": "r"})
     packing: Packing = field(default=Packing.SPLIT, metadata={"short": "pk"})
     split_k: int = field(default=1, metadata={"range": IntRange(1, 16), "short": "sk"})
+    pdl: bool = field(default=False, metadata={"short": "pdl"})
 
     @property
     def deterministic(self) -> bool:
@@ -76,7 +79,8 @@ def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
     return WgGeometry(fmt=problem.fmt, mext=problem.compensation == "full",
                       packing=variant.packing.value, consumers=variant.consumers,
                       m_wg=variant.m_wg, bn=variant.bn, stages=variant.stages,
-                      raster=variant.raster.value, split_k=variant.split_k)
+                      raster=variant.raster.value, split_k=variant.split_k,
+                      pdl=bool(variant.pdl))
 
 
 def _wave_cost(v: LinearSm90WgmmaVariant, p: LinearProblem) -> float:
@@ -160,8 +164,8 @@ class LinearSm90WgmmaFamily:
         does not exceed the rows by more than 2x (64 always allowed; the narrow 16 / 32 tiles,
         for decode-sized M, only where the rows fill at most 4 of them), 6 / 4 / 8 / 3 stages
         (a stage is released one chunk after its wgmmas were issued, so S stages keep S - 2
-        chunks of copies in flight), both rasters and packings, and split-K 1 / 2 / 4 / 8 / 3
-        / 6 where the split CTAs stay within 4 per SM."""
+        chunks of copies in flight), both rasters and packings, split-K 1 / 2 / 4 / 8 / 3 / 6
+        where the split CTAs stay within 4 per SM, and PDL off / on."""
         rows = problem.rows
         out = []
         for packing in (Packing.SPLIT, Packing.NIB):
@@ -176,11 +180,15 @@ class LinearSm90WgmmaFamily:
                 for sk in _SPLITS:
                     if sk > 1 and tiles * sk > 4 * _SMS:
                         continue
+                    # 12-stage rings are valid but not enumerated: measured slower than 8 or 6
+                    # stages on 21 of 24 Qwen3-8B workloads (linear_wgmma_pdl_check.json)
                     for st in (6, 4, 8, 3):
                         for raster in (Raster.TOK, Raster.CH):
-                            v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing, sk)
-                            if self.why_invalid(v, problem, arch) is None:
-                                out.append(v)
+                            for pdl in (False, True):
+                                v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing, sk,
+                                                           pdl)
+                                if self.why_invalid(v, problem, arch) is None:
+                                    out.append(v)
         if not out:
             out.append(self.default(problem, arch))
         return out
@@ -205,9 +213,15 @@ class LinearSm90WgmmaFamily:
         s += 0.3 if (v.consumers == 2 and v.bn <= 32) or (v.consumers == 1 and v.bn >= 128) \
             else 0.0
         s += 0.0 if v.m_wg == 1 else 0.4
-        s += {6: 0.0, 4: 0.2, 8: 0.3}.get(v.stages, 0.5)
+        if v.bn <= 32:     # small stages: the deeper ring first
+            s += {8: 0.0, 6: 0.1, 4: 0.3}.get(v.stages, 0.5)
+        else:
+            s += {6: 0.0, 4: 0.2, 8: 0.3}.get(v.stages, 0.5)
         s += 0.0 if v.raster == Raster.TOK else 0.3
         s += 0.0 if v.packing == Packing.SPLIT else 1.0
+        # measured (linear_wgmma_pdl_check.json): within +-6 % of the non-PDL twin either way,
+        # workload dependent, so PDL is tried right after its twin
+        s += 0.15 if v.pdl else 0.0
         s += _wave_cost(v, p)
         return s
 
@@ -229,7 +243,7 @@ class LinearSm90WgmmaFamily:
         return {"fmt": g.fmt, "mext": bool(g.mext), "packing": g.packing,
                 "consumers": int(g.consumers), "m_wg": int(g.m_wg), "bn": int(g.bn),
                 "stages": int(g.stages), "raster": g.raster, "store": g.store,
-                "split_k": int(g.split_k)}
+                "split_k": int(g.split_k), "pdl": bool(g.pdl)}
 
     def compile_key(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem
                     ) -> LinearProblem:
