@@ -3,8 +3,8 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_families.py
 
-Each family's default variant (plus a fused-quantization linear variant and a split-K WGMMA
-variant) is compiled with the
+Each family's default variant (plus a fused-quantization linear variant, a split-K WGMMA
+variant and a PDL + split-K WGMMA variant) is compiled with the
 pipeline, run through its runner's check() (fresh inputs, poisoned outputs, reference), and
 the result printed; the exit code is non-zero if a check fails.
 """
@@ -42,6 +42,10 @@ def main() -> int:
     wsplit = dataclasses.replace(wg.default(wp, ARCH), bn=32, stages=2, split_k=4)
     assert wg.why_invalid(wsplit, wp, ARCH) is None
     cases.append((wg, wsplit, wp))
+    # PDL (weight copies issued before griddepcontrol.wait) with split-K 2
+    wpdl = dataclasses.replace(wsplit, split_k=2, stages=4, pdl=True)
+    assert wg.why_invalid(wpdl, wp, ARCH) is None
+    cases.append((wg, wpdl, wp))
     af = get_family("attention_sm90")
     ap = AttentionProblem(batch=2, q_heads=8, kv_heads=2, head_dim=128, kv_len=300)
     cases.append((af, af.default(ap, ARCH), ap))
