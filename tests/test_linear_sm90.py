@@ -668,7 +668,9 @@ def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, mo
     r.rotate(0)
     y0 = r().clone()
     assert not torch.equal(y0, y1)               # the sets differ
-    qw1, wt1, x1, xop1, ax1 = r.sets[1]
+    xop1, ax1 = r.operand(1)                     # built by the eager call above
+    qw1, wt1, _, xop_stored, _ = r.sets[1]
+    assert xop_stored is xop1
     c = p.ratio if p.ratio is not None else comp
     emu = L.emulate_linear_sm90(xop1, wt1, 3, xop_layout_for(c), ax1).to(torch.bfloat16)
     assert torch.equal(y1.view(torch.int16), emu.view(torch.int16))
@@ -748,7 +750,7 @@ def test_as_layer_puts_the_quantizer_in_front_of_xop_variants_only(act, monkeypa
     p = LinearProblem("nvfp4", "full", 2, 64, 1024)
     v = LinearSm90Variant(warps_m=4, warps_k=1, stages=3, act=Act(act))
     assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
-    r = FAMILY.runner(_SimulatedKernel(geometry_of(v, p), registry), v, p, "cpu", n_sets=1)
+    r = FAMILY.runner(_SimulatedKernel(geometry_of(v, p), registry), v, p, "cpu", n_sets=3)
     made = []
 
     def fake_layer_quantizer(problem, arch="sm_90a"):
@@ -766,8 +768,15 @@ def test_as_layer_puts_the_quantizer_in_front_of_xop_variants_only(act, monkeypa
     res = r.check()
     assert res.ok, res.detail
     assert made[0].calls == 1                 # check() ran the whole-layer check too
-    r()
-    assert made[0].calls == 2                 # and the timed call is quantizer + GEMM
+    for i in range(3):
+        r.rotate(i)
+        r()
+    assert made[0].calls == 4                 # and the timed call is quantizer + GEMM
+    # behind the quantizer no set's torch-quantized operand was ever built (tuning cost)
+    assert all(xop is None and ax is None for _, _, _, xop, ax in r.sets)
+    xop, ax = r.operand(2)                    # built on demand, then kept
+    assert r.sets[2][3] is xop and r.operand(2)[0] is xop
+    assert r.bytes_per_set() == r.sets[0][1].nbytes() + r.sets[0][3].numel() * 2
 
 
 def test_weight_sets_are_copies_in_their_own_memory():

@@ -523,6 +523,7 @@ def test_runner_behind_the_quantizer_operand(fmt, comp):
     assert res.ok, res.detail
     r()
     assert q.calls == 2
+    assert r.sets[0][3] is None               # the torch operand is never built behind it
 
 
 def test_launcher_rejects_mismatches():

@@ -563,12 +563,11 @@ def _weight_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed
                                device, n_sets, seed)
 
 
-def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n_sets: int,
-                seed: int, fused: bool = False) -> list:
-    """[(qweight, Sm90Weight, x, operand, alpha_x)] * n_sets. operand: the xop (bf16
-    [T_pad, Kp], from make_xop) or, for fused variants, x itself as bf16 [m, K]."""
-    from ..kernels.linear_sm90 import make_xop
-
+def _input_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int,
+                fused: bool = False) -> list:
+    """[(qweight, Sm90Weight, x, operand, alpha_x)] * n_sets. operand: for fused variants x
+    itself as bf16 [m, K] (alpha_x its static scale); for xop variants None until the runner's
+    operand(i) builds the xop (bf16 [T_pad, Kp], make_xop) on first use."""
     gen = torch.Generator(device=device).manual_seed(seed * 1000003 + problem.m)
     sets = []
     for qw, wt in _weight_sets(problem, packing, device, n_sets, seed):
@@ -577,16 +576,21 @@ def _input_sets(problem: LinearProblem, packing: str, t_multiple: int, device, n
             sets.append((qw, wt, x, x.to(torch.bfloat16).contiguous(),
                          _static_alpha(qw, device)))
         else:
-            xop, ax = make_xop(x, qw, _compensation(problem), t_multiple=t_multiple)
-            sets.append((qw, wt, x, xop, ax))
+            sets.append((qw, wt, x, None, None))
     return sets
 
 
 class _LinearRunnerCommon:
     """What the linear_sm90_mma and linear_sm90_wgmma runners share: the state every runner
     sets first, input-set rotation, attaching a quantizer and the whole-layer check behind it.
-    A subclass provides sets ([(qweight, weight, x, xop, alpha_x)]), out, launcher, cur and
-    _quantized_call(xb, outs, alpha, masks, wt, out)."""
+    A subclass provides sets ([(qweight, weight, x, xop or None, alpha_x or None)]), out,
+    launcher, cur, xop_multiple (the xop's row multiple) and
+    _quantized_call(xb, outs, alpha, masks, wt, out).
+
+    The torch-quantized operand of a set (make_xop: about a hundred small torch ops, ~1 ms of
+    launches on the GPU) is built on first use (operand(i)): a runner timed behind the layer
+    quantizer (every tuning run: as_layer) never needs it, and small layers use up to 64 sets.
+    """
 
     variant: Any
     problem: LinearProblem
@@ -600,6 +604,7 @@ class _LinearRunnerCommon:
     quantizer: Any
     qsets: list
     cur: int
+    xop_multiple: int
 
     def _init_common(self, variant, problem: LinearProblem, geometry: Callable[[Any, Any], Any],
                      device, seed: int) -> None:
@@ -610,9 +615,24 @@ class _LinearRunnerCommon:
         self.comp = _compensation(problem)
         self.m, self.rows = problem.m, problem.rows
 
+    def operand(self, i: int) -> tuple[torch.Tensor, Any]:
+        """(xop, alpha_x) of input set i, built by make_xop on first use. Raises while a CUDA
+        graph is being captured (the torch quantization would be captured with the kernel):
+        call it, or run the set once eagerly, before capturing."""
+        qw, wt, x, xop, ax = self.sets[i]
+        if xop is None:
+            from ..kernels.linear_sm90 import make_xop
+
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"input set {i}'s operand is built on first use; run the "
+                                   "set once eagerly (or call operand(i)) before capturing")
+            xop, ax = make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
+            self.sets[i] = (qw, wt, x, xop, ax)
+        return xop, ax
+
     def bytes_per_set(self) -> int:
-        _, wt, _, xop, _ = self.sets[0]
-        return wt.nbytes() + xop.numel() * 2
+        wt = self.sets[0][1]
+        return wt.nbytes() + self.operand(0)[0].numel() * 2
 
     def rotate(self, i: int) -> None:
         self.cur = i % len(self.sets)
@@ -622,15 +642,19 @@ class _LinearRunnerCommon:
         row_multiple), its static alpha (or None) and the K-Ext masks (or None)."""
         self.quantizer = qkernel
         self.qsets = []
+        per_weight: dict[int, tuple] = {}      # the sets share one qweight (copies of it)
         for qw, _, x, _, _ in self.sets:
             outs = qkernel.outputs(self.m, row_multiple=row_multiple, device=self.device)
-            alpha = None
-            if qkernel.config.alpha == "static":
-                alpha = torch.as_tensor(qw.input_scale, dtype=torch.float32,
-                                        device=self.device).reshape(1)
-            masks = None
-            if qw.selection is not None and self.problem.ratio is not None:
-                masks = qw.selection.masks.to(self.device)
+            if id(qw) not in per_weight:
+                alpha = None
+                if qkernel.config.alpha == "static":
+                    alpha = torch.as_tensor(qw.input_scale, dtype=torch.float32,
+                                            device=self.device).reshape(1)
+                masks = None
+                if qw.selection is not None and self.problem.ratio is not None:
+                    masks = qw.selection.masks.to(self.device)
+                per_weight[id(qw)] = (alpha, masks)
+            alpha, masks = per_weight[id(qw)]
             self.qsets.append((x.to(torch.bfloat16).contiguous(), outs, alpha, masks))
 
     def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
@@ -695,8 +719,9 @@ class LinearSm90Runner(_LinearRunnerCommon):
                              f"{FAMILY.compile_key(variant, problem).key()}")
         self._init_common(variant, problem, geometry_of, device, seed)
         self.fused = variant.fused
-        self.sets = _input_sets(problem, variant.packing.value, self.geom.tok, self.device,
-                                n_sets, seed, self.fused)
+        self.xop_multiple = self.geom.tok
+        self.sets = _input_sets(problem, variant.packing.value, self.device, n_sets, seed,
+                                self.fused)
         qw0 = self.sets[0][0]
         self.masks = (qw0.selection.masks.to(self.device)
                       if self.fused and qw0.selection is not None else None)
@@ -736,6 +761,8 @@ class LinearSm90Runner(_LinearRunnerCommon):
         if self.quantizer is not None:
             xb, outs, alpha, masks = self.qsets[self.cur]
             return self._quantized_call(xb, outs, alpha, masks, wt, self.out)
+        if xop is None:
+            xop, ax = self.operand(self.cur)
         return self.launcher(wt, xop, self.m, self.rows, ax, self.out, self._masks_for(qw))
 
     def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:

@@ -336,15 +336,13 @@ def _weights(problem: LinearProblem, packing: str, device, n_sets: int, seed: in
 
 
 def _input_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
-    """[(qweight, WgWeight, x, xop, alpha_x)] * n_sets: cached weights, fresh activations."""
-    from ..kernels.linear_sm90 import make_xop
-
+    """[(qweight, WgWeight, x, None, None)] * n_sets: cached weights, fresh activations; the
+    runner's operand(i) builds set i's xop on first use."""
     gen = torch.Generator(device=device).manual_seed(seed * 7919 + problem.m)
     sets = []
     for qw, wt in _weights(problem, packing, device, n_sets, seed):
         x = torch.randn(problem.m, problem.k, generator=gen, device=device)
-        xop, ax = make_xop(x, qw, _compensation(problem), t_multiple=8)
-        sets.append((qw, wt, x, xop, ax))
+        sets.append((qw, wt, x, None, None))
     return sets
 
 
@@ -358,6 +356,7 @@ class LinearSm90WgmmaRunner(_LinearRunnerCommon):
         from ..kernels.linear_sm90_wgmma import WgmmaLauncher
 
         self._init_common(variant, problem, geometry_of, device, seed)
+        self.xop_multiple = 8
         self.sets = _input_sets(problem, variant.packing.value, self.device, n_sets, seed)
         self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
         self.quantizer = None
@@ -379,6 +378,8 @@ class LinearSm90WgmmaRunner(_LinearRunnerCommon):
         if self.quantizer is not None:
             xb, outs, alpha, masks = self.qsets[self.cur]
             return self._quantized_call(xb, outs, alpha, masks, wt, self.out)
+        if xop is None:
+            xop, ax = self.operand(self.cur)
         return self.launcher(wt, xop, self.m, self.rows, ax, self.out)
 
     def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
