@@ -43,10 +43,11 @@ def test_best_of_ok_rows_geomean_per_bucket(tmp_path, capsys):
         dst.write(src.read())
     res = C.compare(C.best_medians(old, "linear"), C.best_medians(tmp_path / "new.sqlite.xz",
                                                                   "linear"))
-    assert list(res) == ["M=1", "M=16"]
+    assert list(res) == ["M=1", "M=16", "all"]
     n, g, lo, hi = res["M=1"]
     assert n == 2 and math.isclose(g, math.sqrt(2.0 * 0.5)) and (lo, hi) == (0.5, 2.0)
     assert res["M=16"][:2] == (1, 2.0)
+    assert res["all"][0] == 3 and math.isclose(res["all"][1], 2.0 ** (1 / 3))
     assert C.main([str(old), str(new)]) == 0
     assert "geomean" in capsys.readouterr().out
     assert C.main([str(old), str(new), "--op", "attention"]) == 1

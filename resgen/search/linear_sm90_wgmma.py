@@ -180,8 +180,8 @@ class LinearSm90WgmmaFamily:
                 for sk in _SPLITS:
                     if sk > 1 and tiles * sk > 4 * _SMS:
                         continue
-                    # 12-stage rings are valid but not enumerated: measured slower than 8 or 6
-                    # stages on 21 of 24 Qwen3-8B workloads (linear_wgmma_pdl_check.json)
+                    # 12-stage rings are valid but not enumerated: slower than 8 or 6 stages in
+                    # 21 of 24 measured pairs (bench/results/h200/linear_wgmma_pdl_check.*)
                     for st in (6, 4, 8, 3):
                         for raster in (Raster.TOK, Raster.CH):
                             for pdl in (False, True):
@@ -219,8 +219,8 @@ class LinearSm90WgmmaFamily:
             s += {6: 0.0, 4: 0.2, 8: 0.3}.get(v.stages, 0.5)
         s += 0.0 if v.raster == Raster.TOK else 0.3
         s += 0.0 if v.packing == Packing.SPLIT else 1.0
-        # measured (linear_wgmma_pdl_check.json): within +-6 % of the non-PDL twin either way,
-        # workload dependent, so PDL is tried right after its twin
+        # measured (bench/results/h200/linear_wgmma_pdl_check.*): 0.83-1.09x its non-PDL twin,
+        # geometric mean 1.00, workload dependent: PDL is tried right after its twin
         s += 0.15 if v.pdl else 0.0
         s += _wave_cost(v, p)
         return s
