@@ -1,0 +1,308 @@
+"""FP4 linear layers served by the tuned kernels: the run-time side of resgen.
+
+    from resgen.ops import Linear
+    layer = Linear(qweight, "full")      # a QLinearWeight (resgen.calibrate.prepare_weight)
+    y = layer(x)                         # x: bf16 [..., K] on the GPU -> bf16 [..., N]
+
+For each row count M the layer builds a plan once:
+  1. the variant: `resgen.runtime` looks up the LinearProblem (format, compensation, M, N, K,
+     static or dynamic NVFP4 scale) in the dispatch databases (the shipped `tuned/` table, the
+     user's cache, RESGEN_DB), M mapped to the tuned buckets, never an invalid or stale row; a
+     miss serves the family default (warned once). `family=` pins a family, `variant=` a
+     variant (checked with its family's predicate for every M);
+  2. the kernel: compiled once per (family, variant, compile key, arch) in this process, from
+     the fingerprinted on-disk render cache;
+  3. the weight: prepared once per (family, packing) in that family's layout (offline work,
+     not repeated per call);
+  4. the buffers: the launcher's split-K workspace / semaphores and, for variants that read a
+     prepared operand, the layer quantizer (quant_sm90, row pairs for M-Ext, the K-Ext
+     extension for a ratio) with its outputs for M rows.
+A call then runs the whole layer: BF16 activations in, quantizer + GEMM (two launches; fused
+linear_sm90_mma variants quantize in their own prologue: one launch), BF16 out, a new tensor.
+
+Compensation: "none" (plain W4A4), "full" (M-Ext: base and residue products added in FP32 in
+registers) or a K-Ext ratio (0.125 / 0.25 / 0.5 / 1.0, the weight prepared with a selection of
+that ratio); a weight prepared with a selection also serves "none" / "full" (its base part).
+
+Build the plans of the row counts a CUDA graph will use (`warmup(ms)`) before capturing: a
+missing plan allocates and may compile, which capture forbids (raised as an error). A layer,
+like its launchers, must not run on two streams at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .calibrate import QLinearWeight
+from .search.variant import LinearProblem
+
+__all__ = ["Linear", "LayerPlan", "compile_cached"]
+
+_COMPILED: dict[tuple, Any] = {}
+_KEXT = ("0.125", "0.25", "0.5", "1.0")
+
+
+def compile_cached(family: Any, variant: Any, problem: LinearProblem, arch: str) -> Any:
+    """The compiled kernel of `variant` for `problem` (memoized per family, variant, compile
+    key and arch in this process). Raises RuntimeError with the compiler's message on failure."""
+    from .search import build
+
+    key = (family.NAME, variant.key(), family.compile_key(variant, problem).key(), arch)
+    if key not in _COMPILED:
+        out = build.compile_variant(family, variant, problem, arch)
+        if not out.ok:
+            raise RuntimeError(f"{variant.name()} did not compile for {problem.key()} on "
+                               f"{arch}: {out.error}")
+        _COMPILED[key] = out.compiled
+    return _COMPILED[key]
+
+
+def _default_quantizer(problem: LinearProblem, arch: str) -> Any:
+    from .search.linear_sm90 import layer_quantizer
+
+    return layer_quantizer(problem, arch)
+
+
+@dataclass
+class LayerPlan:
+    """What runs for one row count: the problem, the variant and where it came from, and
+    `run(xb, out)` (xb: bf16 [M, K] contiguous, out: bf16 [M, N])."""
+
+    problem: LinearProblem
+    family: str
+    variant: Any
+    source: str
+    run: Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+class Linear:
+    """A quantized linear layer y = x W^T (+ residue compensation) on the tuned kernels.
+
+    qweight:      resgen.calibrate.QLinearWeight (NVFP4 or MXFP4; any device: copied to
+                  `device` once).
+    compensation: "none" | "full" | a K-Ext ratio (float or its string).
+    device:       the CUDA device to run on (default: the current one).
+    arch:         compile target (default sm_90a).
+    family / variant: pin a kernel family / one variant instead of the dispatch table.
+    dispatcher:   a resgen.runtime.Dispatcher (default: the process-wide one).
+    compile_fn, quantizer_fn: replace the compile step ((family, variant, problem, arch) ->
+                  compiled kernel) and the layer quantizer ((problem, arch) -> quantizer);
+                  the CPU tests stand simulations in for both.
+    """
+
+    def __init__(self, qweight: QLinearWeight, compensation: str | float = "none", *,
+                 device: torch.device | str | None = None, arch: str = "sm_90a",
+                 family: str | None = None, variant: Any = None, dispatcher: Any = None,
+                 compile_fn: Callable[[Any, Any, LinearProblem, str], Any] | None = None,
+                 quantizer_fn: Callable[[LinearProblem, str], Any] | None = None) -> None:
+        from .reference import check_compensation
+
+        comp = _compensation_string(compensation)
+        ratio = None if comp in ("none", "full") else float(comp)
+        check_compensation(ratio if ratio is not None else comp, qweight)
+        if ratio is None and qweight.selection is not None:
+            # a K-Ext weight serves plain / M-Ext through its base part
+            qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
+                                    qweight.input_scale, qweight.meta)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        self.qweight = _to_device(qweight, self.device)
+        # K-Ext channel masks (uint8 [K / 8]) on the device, for the quantizer / fused kernels
+        self.masks = (qweight.selection.masks.to(self.device)
+                      if qweight.selection is not None else None)
+        self.compensation = comp
+        self.fmt = qweight.fmt
+        self.k, self.n = qweight.in_features, qweight.out_features
+        # MXFP4 has no tensor scale: its workloads are keyed like static ones
+        self.static_scale = self.fmt == "mxfp4" or qweight.input_scale is not None
+        self.arch = arch
+        self.family, self.variant = family, variant
+        if variant is not None and family is not None and variant.FAMILY != family:
+            raise ValueError(f"variant {variant.name()} is not of family {family}")
+        self._dispatcher = dispatcher
+        self._compile = compile_fn or compile_cached
+        self._quantizer = quantizer_fn or _default_quantizer
+        self._weights: dict[tuple[str, str], Any] = {}
+        self._plans: dict[int, LayerPlan] = {}
+
+    # -- planning ---------------------------------------------------------------------------
+    def problem(self, m: int) -> LinearProblem:
+        """The LinearProblem of a call with m token rows."""
+        return LinearProblem(self.fmt, self.compensation, int(m), self.n, self.k,
+                             self.static_scale)
+
+    def plan(self, m: int) -> LayerPlan:
+        """The plan for m rows (built on first use, then cached)."""
+        plan = self._plans.get(m)
+        if plan is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"no plan for M = {m} yet: call warmup([{m}, ...]) before "
+                                   "capturing a CUDA graph (a plan allocates and may compile)")
+            plan = self._plans[m] = self._build(m)
+        return plan
+
+    def warmup(self, ms: Iterable[int]) -> list[LayerPlan]:
+        """Build the plans of these row counts now (e.g. before CUDA graph capture)."""
+        return [self.plan(int(m)) for m in ms]
+
+    def _choose(self, p: LinearProblem) -> tuple[Any, Any, str]:
+        from .search.family import get_family
+
+        if self.variant is not None:
+            fam = get_family(self.variant.FAMILY)
+            why = fam.why_invalid(self.variant, p, self.arch)
+            if why is not None:
+                raise ValueError(f"pinned variant {self.variant.name()} cannot run "
+                                 f"{p.key()}: {why}")
+            return fam, self.variant, "pinned"
+        d = self._dispatcher
+        if d is None:
+            from . import runtime
+
+            d = runtime.dispatcher()
+        v = d.lookup("linear", p, self.family)
+        return get_family(v.FAMILY), v, d.source("linear", p, self.family)
+
+    def _weight(self, fam: Any, v: Any) -> Any:
+        packing = v.packing.value
+        key = (fam.NAME, packing)
+        if key not in self._weights:
+            self._weights[key] = _LAYOUTS[fam.NAME](self.qweight, packing)
+        return self._weights[key]
+
+    def _build(self, m: int) -> LayerPlan:
+        p = self.problem(m)
+        fam, v, source = self._choose(p)
+        if fam.NAME not in _SERVE:
+            raise ValueError(f"family {fam.NAME} has no run-time path in resgen.ops")
+        compiled = self._compile(fam, v, p, self.arch)
+        run = _SERVE[fam.NAME](self, compiled, v, p, self._weight(fam, v))
+        return LayerPlan(p, fam.NAME, v, source, run)
+
+    # -- calling ----------------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: bf16 [..., K] on the layer's device -> bf16 [..., N]."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"expected bfloat16 activations, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"activations are on {x.device}, the layer on {self.device}")
+        if x.dim() < 1 or x.shape[-1] != self.k:
+            raise ValueError(f"activations of shape {tuple(x.shape)}: the last dimension must "
+                             f"be K = {self.k}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k).contiguous()
+        m = x2.shape[0]
+        plan = self.plan(m) if m else None
+        out = torch.empty(m, self.n, dtype=torch.bfloat16, device=self.device)
+        if plan is not None:
+            plan.run(x2, out)
+        return out.reshape(*lead, self.n)
+
+
+def _compensation_string(c: str | float) -> str:
+    if isinstance(c, str):
+        if c in ("none", "full"):
+            return c
+        try:
+            c = float(c)
+        except ValueError:
+            raise ValueError(f"compensation must be 'none', 'full' or a K-Ext ratio "
+                             f"{_KEXT}, got {c!r}") from None
+    s = str(float(c))
+    if s not in _KEXT:
+        raise ValueError(f"K-Ext ratio must be one of {_KEXT}, got {c!r}")
+    return s
+
+
+def _to_device(qw: QLinearWeight, device: torch.device) -> QLinearWeight:
+    """The codes, scales and tensor scale on `device` (the selection stays where it is: its
+    masks reach the kernels through Linear.masks)."""
+    scale = qw.input_scale
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(device)
+    return dataclasses.replace(qw, q=qw.q.to(device), input_scale=scale)
+
+
+def _static_alpha(qw: QLinearWeight, device: torch.device) -> torch.Tensor | None:
+    """The static NVFP4 activation scale as float32 [1], or None (MXFP4 / dynamic)."""
+    if qw.fmt != "nvfp4" or qw.input_scale is None:
+        return None
+    return torch.as_tensor(qw.input_scale, dtype=torch.float32, device=device).reshape(1)
+
+
+def _masks(layer: Linear, p: LinearProblem) -> torch.Tensor | None:
+    return layer.masks if p.ratio is not None else None
+
+
+def _behind_quantizer(layer: Linear, p: LinearProblem, row_multiple: int,
+                      gemm: Callable[[Any, torch.Tensor], Any]
+                      ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """run(xb, out): the layer quantizer writes the operand, then gemm(operand, out)."""
+    q = layer._quantizer(p, layer.arch)
+    outs = q.outputs(p.m, row_multiple=row_multiple, device=layer.device)
+    alpha = _static_alpha(layer.qweight, layer.device) if q.config.alpha == "static" else None
+    masks = _masks(layer, p)
+    kw = {} if masks is None else {"masks": masks}
+
+    def run(xb: torch.Tensor, out: torch.Tensor) -> Any:
+        return gemm(q(xb, outs, alpha=alpha, **kw), out)
+
+    return run
+
+
+def _serve_mma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
+               ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    from .kernels.linear_sm90 import LinearSm90Launcher
+    from .search.linear_sm90 import geometry_of
+
+    g = geometry_of(v, p)
+    launch = LinearSm90Launcher(compiled, g, ws_floats=g.ws_floats(p.rows, p.m),
+                                sem_count=g.sem_count(p.rows), device=layer.device)
+    if v.fused:         # quantizes in its own prologue: one launch
+        alpha = _static_alpha(layer.qweight, layer.device)
+        masks = _masks(layer, p)
+        return lambda xb, out: launch(wt, xb, p.m, p.rows, alpha, out, masks)
+    return _behind_quantizer(layer, p, g.tok, lambda op, out: launch(wt, op.xop, p.m, p.rows,
+                                                                       op.alpha, out))
+
+
+def _serve_wgmma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
+                 ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    from .kernels.linear_sm90_wgmma import WgmmaLauncher
+    from .search.linear_sm90_wgmma import geometry_of
+
+    launch = WgmmaLauncher(compiled, geometry_of(v, p), layer.device)
+    return _behind_quantizer(layer, p, 8, lambda op, out: launch(wt, op.xop, p.m, p.rows,
+                                                                   op.alpha, out))
+
+
+def _layout_mma(qw: QLinearWeight, packing: str) -> Any:
+    from .kernels.layouts import prepare_sm90_weight
+
+    return prepare_sm90_weight(qw, packing)
+
+
+def _layout_wgmma(qw: QLinearWeight, packing: str) -> Any:
+    from .kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
+
+    return prepare_wgmma_weight(qw, packing)
+
+
+# family -> (Linear, compiled, variant, problem, prepared weight) -> run(xb, out)
+_SERVE: dict[str, Callable[..., Callable[[torch.Tensor, torch.Tensor], Any]]] = {
+    "linear_sm90_mma": _serve_mma,
+    "linear_sm90_wgmma": _serve_wgmma,
+}
+# family -> (qweight, packing) -> the weight in that family's layout
+_LAYOUTS: dict[str, Callable[[QLinearWeight, str], Any]] = {
+    "linear_sm90_mma": _layout_mma,
+    "linear_sm90_wgmma": _layout_wgmma,
+}

@@ -1,0 +1,206 @@
+"""resgen.ops.Linear on the CPU: the CPU simulations of the two linear families stand in for the
+compiled kernels and the quantizer's torch definition for quant_sm90, so the whole run-time
+path (dispatch, per-M plans, weight layouts, launchers, quantizer buffers, K-Ext masks) is
+checked against resgen.reference.linear. The GPU path is tests/gpu/test_ops_gpu.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from resgen import calibrate as C
+from resgen import reference as R
+from resgen.kernels.linear_sm90_wgmma_sim import SimulatedKernel
+from resgen.ops import Linear
+from resgen.runtime import Device, Dispatcher
+from resgen.search import linear_sm90 as LS
+from resgen.search import linear_sm90_wgmma as LW
+from resgen.search.variant import LinearProblem
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fakefam import isolated_cache, make_env  # noqa: E402,F401
+from test_linear_sm90 import _record_launcher_pointers, _SimulatedKernel  # noqa: E402
+from test_linear_sm90_wgmma import _ReferenceQuantizer  # noqa: E402
+
+ARCH = "sm_90a"
+pytestmark = pytest.mark.usefixtures("isolated_cache")
+
+
+def _qweight(fmt, n=128, k=512, ratio=None, static=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    sel = None
+    if ratio is not None:
+        st = C.ChannelStats(k)
+        st.update(torch.randn(16, k, generator=g) * torch.exp(torch.randn(1, k, generator=g)))
+        sel = C.select_channels(st.mean_abs(), ratio)
+    isc = torch.tensor(4.0 / (6 * 448)) if (fmt == "nvfp4" and static) else None
+    return C.prepare_weight(w, fmt, sel, input_scale=isc)
+
+
+class _Compiles:
+    """compile_fn: a simulation per (variant, problem), counting the compiles asked for."""
+
+    def __init__(self, registry=None):
+        self.registry, self.calls = registry, []
+
+    def __call__(self, fam, v, p, arch):
+        assert arch == ARCH
+        self.calls.append((fam.NAME, v, p.m))
+        if fam.NAME == "linear_sm90_wgmma":
+            return SimulatedKernel(LW.geometry_of(v, p))
+        return _SimulatedKernel(LS.geometry_of(v, p), self.registry)
+
+
+def _quantizers(made):
+    def make(p, arch):
+        alpha = "none" if p.fmt == "mxfp4" else ("static" if p.static_scale else "dynamic")
+        made.append(_ReferenceQuantizer(p.fmt, p.compensation, alpha))
+        return made[-1]
+    return make
+
+
+def _empty_dispatcher():
+    return Dispatcher(paths=[], device=Device("NVIDIA H200", ARCH))
+
+
+def _rel(y, ref):
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("fmt, comp", [("nvfp4", "none"), ("nvfp4", "full"), ("mxfp4", "full"),
+                                       ("nvfp4", 0.25), ("mxfp4", "0.5")])
+def test_wgmma_layer_matches_the_reference(fmt, comp):
+    qw = _qweight(fmt, ratio=None if comp in ("none", "full") else float(comp))
+    v = LW.LinearSm90WgmmaVariant(1, 2, 16, 3, LW.Raster.CH, LS.Packing.NIB)
+    compiles, made = _Compiles(), []
+    layer = Linear(qw, comp, device="cpu", variant=v, compile_fn=compiles,
+                   quantizer_fn=_quantizers(made))
+    g = torch.Generator().manual_seed(3)
+    for m in (5, 2, 5):
+        x = (torch.randn(m, 512, generator=g) * 3).to(torch.bfloat16)
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 128)
+        ref = R.linear(x.float(), qw, comp if comp in ("none", "full") else float(comp))
+        assert not bool(y.isnan().any()) and _rel(y, ref) <= 3e-3
+    # one plan (compile, quantizer, buffers) per row count, one weight layout for both
+    assert [c[2] for c in compiles.calls] == [5, 2] and len(made) == 2
+    assert list(layer._weights) == [("linear_sm90_wgmma", "nib")]
+    assert layer.plan(5).source == "pinned" and layer.plan(5).variant == v
+
+
+def test_leading_dims_and_empty_input():
+    qw = _qweight("nvfp4")
+    v = LW.LinearSm90WgmmaVariant(1, 1, 16, 3)
+    layer = Linear(qw, "full", device="cpu", variant=v, compile_fn=_Compiles(),
+                   quantizer_fn=_quantizers([]))
+    x = torch.randn(2, 3, 512).to(torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (2, 3, 128)
+    ref = R.linear(x.float().reshape(6, 512), qw, "full").reshape(2, 3, 128)
+    assert _rel(y, ref) <= 3e-3
+    assert layer(torch.empty(0, 512, dtype=torch.bfloat16)).shape == (0, 128)
+
+
+@pytest.mark.parametrize("act", ["xop", "fused"])
+@pytest.mark.parametrize("comp", ["full", "0.25"])
+def test_mma_layer_xop_and_fused(act, comp, monkeypatch):
+    """linear_sm90_mma through the dispatcher's default (xop, behind the quantizer) and a
+    pinned fused variant (one launch, the K-Ext masks passed to the kernel)."""
+    registry = _record_launcher_pointers(monkeypatch)
+    qw = _qweight("nvfp4", n=64, k=1024, ratio=None if comp == "full" else float(comp))
+    made = []
+    kw = dict(device="cpu", compile_fn=_Compiles(registry), quantizer_fn=_quantizers(made))
+    if act == "fused":
+        v = LS.LinearSm90Variant(warps_m=4, warps_k=1, stages=3, act=LS.Act.FUSED)
+        layer = Linear(qw, comp, variant=v, **kw)
+    else:
+        layer = Linear(qw, comp, family="linear_sm90_mma", dispatcher=_empty_dispatcher(), **kw)
+    x = (torch.randn(3, 1024) * 2).to(torch.bfloat16)
+    y = layer(x)
+    ref = R.linear(x.float(), qw, comp if comp == "full" else float(comp))
+    assert _rel(y, ref) <= 3e-3
+    plan = layer.plan(3)
+    assert plan.family == "linear_sm90_mma"
+    assert (len(made) == 0) == (act == "fused")
+    if act == "xop":
+        assert plan.source == "default"
+
+
+def test_a_kext_weight_serves_plain_and_mext_with_its_base():
+    qw = _qweight("nvfp4", ratio=0.5)
+    v = LW.LinearSm90WgmmaVariant(1, 1, 16, 3)
+    layer = Linear(qw, "none", device="cpu", variant=v, compile_fn=_Compiles(),
+                   quantizer_fn=_quantizers([]))
+    assert layer.qweight.selection is None and layer.masks is None
+    x = torch.randn(4, 512).to(torch.bfloat16)
+    assert _rel(layer(x), R.linear(x.float(), qw, "none")) <= 3e-3
+
+
+def test_dispatch_from_a_table_row(tmp_path):
+    """The variant comes from the dispatch database when one answers (bucket M = 4 for 3
+    rows); a problem the table lacks falls back to the family default."""
+    qw = _qweight("mxfp4")
+    v = LW.LinearSm90WgmmaVariant(1, 1, 16, 4, LW.Raster.TOK, LS.Packing.SPLIT, 2)
+    p4 = LinearProblem("mxfp4", "full", 4, 128, 512)
+    assert LW.FAMILY.why_invalid(v, p4, ARCH) is None
+    db = tmp_path / "t.sqlite"
+    _store_ok_row(db, v, p4)
+    d = Dispatcher(paths=[db], device=Device("NVIDIA H200", ARCH))
+    layer = Linear(qw, "full", device="cpu", dispatcher=d, compile_fn=_Compiles(),
+                   quantizer_fn=_quantizers([]))
+    plan = layer.plan(3)
+    assert plan.variant == v and "bucket {'m': 4}" in plan.source
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    assert _rel(layer(x), R.linear(x.float(), qw, "full")) <= 3e-3
+    other = Linear(_qweight("mxfp4", n=64), "full", device="cpu", dispatcher=d,
+                   family="linear_sm90_wgmma", compile_fn=_Compiles(),
+                   quantizer_fn=_quantizers([]))
+    assert other.plan(3).source == "default"
+
+
+def _store_ok_row(db, v, p):
+    """One timed ok row for (v, p) under the current fingerprint, as the tuner writes it."""
+    from resgen.db import TuningDB
+    from resgen.search.build import variant_fingerprint
+    from resgen.search.record import ResultRecord, Status
+
+    with TuningDB(db) as t:
+        t.record(ResultRecord(
+            problem=p, variant=v, environment=make_env("NVIDIA H200", ARCH),
+            fingerprint=variant_fingerprint(LW.FAMILY, v, p, ARCH), status=Status.OK,
+            median_us=10.0, samples_us=[10.0], space_index=0, policy={"tie_rel": 0.01}))
+
+
+@pytest.mark.parametrize("bad, err", [
+    (lambda x: x.float(), TypeError),
+    (lambda x: x[:, :256], ValueError),
+    (lambda x: x.numpy(), TypeError),
+])
+def test_bad_input_is_a_clear_error(bad, err):
+    qw = _qweight("nvfp4")
+    layer = Linear(qw, "none", device="cpu", variant=LW.LinearSm90WgmmaVariant(1, 1, 16, 3),
+                   compile_fn=_Compiles(), quantizer_fn=_quantizers([]))
+    with pytest.raises(err):
+        layer(bad(torch.randn(2, 512).to(torch.bfloat16)))
+
+
+def test_bad_configuration_is_a_clear_error():
+    qw = _qweight("nvfp4")
+    with pytest.raises(ValueError, match="ratio"):
+        Linear(qw, 0.25, device="cpu")              # no selection for a K-Ext ratio
+    with pytest.raises(ValueError, match="ratio"):
+        Linear(_qweight("nvfp4", ratio=0.5), "0.25", device="cpu")
+    with pytest.raises(ValueError, match="K-Ext ratio"):
+        Linear(qw, "0.3", device="cpu")
+    with pytest.raises(ValueError, match="compensation"):
+        Linear(qw, "half", device="cpu")
+    wide = LW.LinearSm90WgmmaVariant(2, 2, 16, 3)     # 256-channel CTA tiles, N = 128
+    layer = Linear(qw, "none", device="cpu", variant=wide, compile_fn=_Compiles(),
+                   quantizer_fn=_quantizers([]))
+    with pytest.raises(ValueError, match="cannot run"):
+        layer(torch.randn(1, 512).to(torch.bfloat16))
