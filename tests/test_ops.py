@@ -1,10 +1,13 @@
-"""resgen.ops.Linear on the CPU: the CPU simulations of the two linear families stand in for the
-compiled kernels and the quantizer's torch definition for quant_sm90, so the whole run-time
+"""resgen.ops on the CPU. Linear: the CPU simulations of the two linear families stand in for
+the compiled kernels and the quantizer's torch definition for quant_sm90, so the whole run-time
 path (dispatch, per-M plans, weight layouts, launchers, quantizer buffers, K-Ext masks) is
-checked against resgen.reference.linear. The GPU path is tests/gpu/test_ops_gpu.py."""
+checked against resgen.reference.linear. DecodeAttention: its planning (dispatch per batch and
+KV-length class, the class-floor rule, pinned variants), with the reference standing in for
+the kernel. The GPU path is tests/gpu/test_ops_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -204,3 +207,111 @@ def test_bad_configuration_is_a_clear_error():
                    quantizer_fn=_quantizers([]))
     with pytest.raises(ValueError, match="cannot run"):
         layer(torch.randn(1, 512).to(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class _RefAttention:
+    """op_fn stand-in: resgen.reference.decode_attention with the kernel's call signature."""
+
+    def __init__(self, made):
+        self.made = made
+
+    def __call__(self, compiled, v, p):
+        self.made.append((v, p))
+
+        def op(q, cache, bt, sl, out=None, sm_scale=None):
+            y = R.decode_attention(q.float(), cache, bt, sl, compensation=p.compensation,
+                                   pv="fp32" if p.pv == "f16" else "fp8").to(torch.bfloat16)
+            if out is None:
+                return y
+            out.copy_(y)
+            return out
+        return op
+
+
+def _attn(made, **kw):
+    from resgen.ops import DecodeAttention
+
+    compiles = []
+    op = DecodeAttention(8, 2, 64, 16, dispatcher=_empty_dispatcher(),
+                         compile_fn=lambda f, v, p, a: compiles.append((v, p)) or object(),
+                         op_fn=_RefAttention(made), **kw)
+    return op, compiles
+
+
+def test_decode_attention_plans_per_batch_and_length_class():
+    from resgen.kvcache import PagedKVCache
+
+    made = []
+    attn, compiles = _attn(made)
+    g = torch.Generator().manual_seed(0)
+    lens = [40, 7, 0]
+    ks = [torch.randn(2, n, 64, generator=g) for n in lens]
+    vs = [torch.randn(2, n, 64, generator=g) for n in lens]
+    cache, bt, sl = PagedKVCache.from_dense(ks, vs, page_size=16)
+    q = torch.randn(3, 8, 64, generator=g).to(torch.bfloat16)
+    out = attn(q, cache, bt, sl)                       # longest = 40 -> class 64
+    ref = R.decode_attention(q.float(), cache, bt, sl, compensation=True, pv="fp32")
+    assert torch.equal(out, ref.to(torch.bfloat16))
+    assert bool((out[2] == 0).all())                   # the empty sequence
+    plan = attn.plan(3, 40)
+    assert (plan.problem.batch, plan.problem.kv_len) == (3, 64) and plan.source == "default"
+    # the whole class 33..64 reuses the plan; 65 is a new class; another batch a new plan
+    for n in (33, 64):
+        assert attn.plan(3, n) is plan
+    assert attn.plan(3, 65) is not plan and attn.plan(4, 40) is not plan
+    assert len(compiles) == 3
+    # max_kv_len given: no read of seq_lens; into `out`
+    buf = torch.empty_like(q)
+    assert attn(q, cache, bt, sl, max_kv_len=40, out=buf) is buf
+
+
+def test_decode_attention_falls_back_to_the_class_floor_and_checks_pins():
+    from resgen.search.attention_sm90 import AttentionSm90Variant, Packing, Reduction
+
+    # 4 splits need >= 4 pages: fine at 64 keys (page 16) but not at 33 (3 pages)
+    v = AttentionSm90Variant(num_warps=4, kc=16, packing=Packing.PAIR, splits=4,
+                             reduction=Reduction.LASTCTA, prefetch=True)
+
+    class _Pinned:
+        def lookup(self, op, p, family=None):
+            return v if p.kv_len >= 64 else dataclasses.replace(v, splits=2)
+
+        def source(self, op, p, family=None):
+            return f"table kv {p.kv_len}"
+
+    from resgen.ops import DecodeAttention
+
+    made = []
+    attn = DecodeAttention(8, 2, 64, 16, dispatcher=_Pinned(), op_fn=_RefAttention(made),
+                           compile_fn=lambda f, vv, p, a: object())
+    plan = attn.plan(1, 40)          # class 64: its variant needs 4 pages, 33 keys have 3
+    assert plan.variant.splits == 2 and plan.problem.kv_len == 40
+    assert attn.plan(1, 40) is plan          # 2 splits fit the whole class: cached
+    assert attn.plan(1, 64) is plan
+    # a pinned 4-split variant fits 64 keys but not the class floor (33): per call only
+    pinned = DecodeAttention(8, 2, 64, 16, variant=v, op_fn=_RefAttention([]),
+                             compile_fn=lambda f, vv, p, a: object())
+    with pytest.raises(ValueError, match="cannot run"):
+        pinned.plan(1, 20)
+    first = pinned.plan(1, 64)
+    assert first.variant == v and first.problem.kv_len == 64
+    assert pinned.plan(1, 64) is not first
+    with pytest.raises(ValueError, match="cannot run"):
+        pinned.plan(1, 40)
+
+
+def test_decode_attention_bad_input():
+    from resgen.ops import DecodeAttention
+
+    with pytest.raises(ValueError, match="multiple"):
+        DecodeAttention(6, 4, 64)
+    with pytest.raises(ValueError, match="pv"):
+        DecodeAttention(8, 2, 64, pv="bf16")
+    with pytest.raises(ValueError, match="geometry"):
+        DecodeAttention(8, 2, 96)
+    attn, _ = _attn([])
+    with pytest.raises(ValueError, match="expects"):
+        attn(torch.zeros(1, 4, 64, dtype=torch.bfloat16), None, None, torch.zeros(1))

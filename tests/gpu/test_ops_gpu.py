@@ -69,3 +69,30 @@ def test_graph_of_warmed_up_plans_replays_like_eager():
     with pytest.raises(RuntimeError, match="warmup"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             layer(torch.zeros(5, 4096, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, compensation, pv", [
+    (32, 8, True, "f16"), (64, 8, True, "f16"), (32, 8, False, "f16"), (32, 8, True, "fp8")])
+def test_dispatched_decode_attention_matches_the_reference(q_heads, kv_heads, compensation,
+                                                           pv):
+    from resgen.kvcache import PagedKVCache
+    from resgen.ops import DecodeAttention
+    from resgen.search.attention_sm90 import TOLERANCE, compare
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = [3000, 37, 1, 0, 512]
+    ks = [torch.randn(kv_heads, n, 128, generator=g, device="cuda") for n in lens]
+    vs = [torch.randn(kv_heads, n, 128, generator=g, device="cuda") for n in lens]
+    cache, bt, sl = PagedKVCache.from_dense(ks, vs, page_size=32)
+    bt, sl = bt.to(torch.int32).contiguous(), sl.to(torch.int32)
+    attn = DecodeAttention(q_heads, kv_heads, 128, 32, compensation=compensation, pv=pv)
+    q = (torch.randn(len(lens), q_heads, 128, generator=g, device="cuda") * 2).to(
+        torch.bfloat16)
+    out = attn(q, cache, bt, sl)
+    ref = R.decode_attention(q.float(), cache, bt, sl, compensation=compensation,
+                             pv="fp32" if pv == "f16" else "fp8")
+    res = compare(out, ref, TOLERANCE[pv])
+    assert res.ok, (attn.plan(len(lens), 3000).variant.name(), res.detail)
+    assert bool((out[3] == 0).all())
+    again = attn(q, cache, bt, sl, max_kv_len=3000)
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))

@@ -1,4 +1,4 @@
-"""FP4 linear layers served by the tuned kernels: the run-time side of resgen.
+"""FP4 linear layers served by the tuned kernels.
 
     from resgen.ops import Linear
     layer = Linear(qweight, "full")      # a QLinearWeight (resgen.calibrate.prepare_weight)
@@ -37,32 +37,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .calibrate import QLinearWeight
-from .search.variant import LinearProblem
+from ..calibrate import QLinearWeight
+from ..search.variant import LinearProblem
+from .compile import compile_cached
 
-__all__ = ["Linear", "LayerPlan", "compile_cached"]
-
-_COMPILED: dict[tuple, Any] = {}
-_KEXT = ("0.125", "0.25", "0.5", "1.0")
-
-
-def compile_cached(family: Any, variant: Any, problem: LinearProblem, arch: str) -> Any:
-    """The compiled kernel of `variant` for `problem` (memoized per family, variant, compile
-    key and arch in this process). Raises RuntimeError with the compiler's message on failure."""
-    from .search import build
-
-    key = (family.NAME, variant.key(), family.compile_key(variant, problem).key(), arch)
-    if key not in _COMPILED:
-        out = build.compile_variant(family, variant, problem, arch)
-        if not out.ok:
-            raise RuntimeError(f"{variant.name()} did not compile for {problem.key()} on "
-                               f"{arch}: {out.error}")
-        _COMPILED[key] = out.compiled
-    return _COMPILED[key]
-
+__all__ = ["Linear", "LayerPlan"]
 
 def _default_quantizer(problem: LinearProblem, arch: str) -> Any:
-    from .search.linear_sm90 import layer_quantizer
+    from ..search.linear_sm90 import layer_quantizer
 
     return layer_quantizer(problem, arch)
 
@@ -99,7 +81,7 @@ class Linear:
                  family: str | None = None, variant: Any = None, dispatcher: Any = None,
                  compile_fn: Callable[[Any, Any, LinearProblem, str], Any] | None = None,
                  quantizer_fn: Callable[[LinearProblem, str], Any] | None = None) -> None:
-        from .reference import check_compensation
+        from ..reference import check_compensation
 
         comp = _compensation_string(compensation)
         ratio = None if comp in ("none", "full") else float(comp)
@@ -152,7 +134,7 @@ class Linear:
         return [self.plan(int(m)) for m in ms]
 
     def _choose(self, p: LinearProblem) -> tuple[Any, Any, str]:
-        from .search.family import get_family
+        from ..search.family import get_family
 
         if self.variant is not None:
             fam = get_family(self.variant.FAMILY)
@@ -163,7 +145,7 @@ class Linear:
             return fam, self.variant, "pinned"
         d = self._dispatcher
         if d is None:
-            from . import runtime
+            from .. import runtime
 
             d = runtime.dispatcher()
         v = d.lookup("linear", p, self.family)
@@ -205,6 +187,9 @@ class Linear:
         if plan is not None:
             plan.run(x2, out)
         return out.reshape(*lead, self.n)
+
+
+_KEXT = ("0.125", "0.25", "0.5", "1.0")
 
 
 def _compensation_string(c: str | float) -> str:
@@ -260,8 +245,8 @@ def _behind_quantizer(layer: Linear, p: LinearProblem, row_multiple: int,
 
 def _serve_mma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
                ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    from .kernels.linear_sm90 import LinearSm90Launcher
-    from .search.linear_sm90 import geometry_of
+    from ..kernels.linear_sm90 import LinearSm90Launcher
+    from ..search.linear_sm90 import geometry_of
 
     g = geometry_of(v, p)
     launch = LinearSm90Launcher(compiled, g, ws_floats=g.ws_floats(p.rows, p.m),
@@ -276,8 +261,8 @@ def _serve_mma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
 
 def _serve_wgmma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
                  ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    from .kernels.linear_sm90_wgmma import WgmmaLauncher
-    from .search.linear_sm90_wgmma import geometry_of
+    from ..kernels.linear_sm90_wgmma import WgmmaLauncher
+    from ..search.linear_sm90_wgmma import geometry_of
 
     launch = WgmmaLauncher(compiled, geometry_of(v, p), layer.device)
     return _behind_quantizer(layer, p, 8, lambda op, out: launch(wt, op.xop, p.m, p.rows,
@@ -285,13 +270,13 @@ def _serve_wgmma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
 
 
 def _layout_mma(qw: QLinearWeight, packing: str) -> Any:
-    from .kernels.layouts import prepare_sm90_weight
+    from ..kernels.layouts import prepare_sm90_weight
 
     return prepare_sm90_weight(qw, packing)
 
 
 def _layout_wgmma(qw: QLinearWeight, packing: str) -> Any:
-    from .kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
+    from ..kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
 
     return prepare_wgmma_weight(qw, packing)
 

@@ -1,0 +1,10 @@
+"""Run-time ops served by the tuned kernels: `Linear` (FP4 linear layers: plain, M-Ext,
+K-Ext) and `DecodeAttention` (ResAttn / plain NVFP4-KV decode over a paged cache). Each looks
+up the tuned variant for the real shape (resgen.runtime), compiles it once per process and
+keeps its buffers per shape class; see resgen/ops/linear.py and resgen/ops/attention.py."""
+
+from .attention import AttentionPlan, DecodeAttention
+from .compile import compile_cached
+from .linear import LayerPlan, Linear
+
+__all__ = ["Linear", "LayerPlan", "DecodeAttention", "AttentionPlan", "compile_cached"]
