@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from resgen import calibrate as C
 from resgen import reference as R
 from resgen.kernels.linear_sm90_wgmma_sim import SimulatedKernel
 from resgen.ops import Linear
@@ -27,22 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fakefam import isolated_cache, make_env  # noqa: E402,F401
 from test_linear_sm90 import _record_launcher_pointers, _SimulatedKernel  # noqa: E402
-from test_linear_sm90_wgmma import _ReferenceQuantizer  # noqa: E402
+from test_linear_sm90_wgmma import _qweight, _ReferenceQuantizer  # noqa: E402
 
 ARCH = "sm_90a"
 pytestmark = pytest.mark.usefixtures("isolated_cache")
-
-
-def _qweight(fmt, n=128, k=512, ratio=None, static=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
-    sel = None
-    if ratio is not None:
-        st = C.ChannelStats(k)
-        st.update(torch.randn(16, k, generator=g) * torch.exp(torch.randn(1, k, generator=g)))
-        sel = C.select_channels(st.mean_abs(), ratio)
-    isc = torch.tensor(4.0 / (6 * 448)) if (fmt == "nvfp4" and static) else None
-    return C.prepare_weight(w, fmt, sel, input_scale=isc)
 
 
 class _Compiles:

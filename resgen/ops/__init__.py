@@ -4,7 +4,8 @@ up the tuned variant for the real shape (resgen.runtime), compiles it once per p
 keeps its buffers per shape class; see resgen/ops/linear.py and resgen/ops/attention.py."""
 
 from .attention import AttentionPlan, DecodeAttention
-from .compile import compile_cached
+from .common import choose_variant, compile_cached
 from .linear import LayerPlan, Linear
 
-__all__ = ["Linear", "LayerPlan", "DecodeAttention", "AttentionPlan", "compile_cached"]
+__all__ = ["Linear", "LayerPlan", "DecodeAttention", "AttentionPlan", "compile_cached",
+           "choose_variant"]

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..search.variant import AttentionProblem
-from .compile import compile_cached
+from .common import choose_variant, compile_cached
 
 __all__ = ["DecodeAttention", "AttentionPlan"]
 
@@ -99,22 +99,8 @@ class DecodeAttention:
         return [self.plan(b, n) for b, n in shapes]
 
     def _choose(self, p: AttentionProblem) -> tuple[Any, Any, str]:
-        from ..search.family import get_family
-
-        if self.variant is not None:
-            fam = get_family(self.variant.FAMILY)
-            why = fam.why_invalid(self.variant, p, self.arch)
-            if why is not None:
-                raise ValueError(f"pinned variant {self.variant.name()} cannot run "
-                                 f"{p.key()}: {why}")
-            return fam, self.variant, "pinned"
-        d = self._dispatcher
-        if d is None:
-            from .. import runtime
-
-            d = runtime.dispatcher()
-        v = d.lookup("decode_attention", p, self.family)
-        return get_family(v.FAMILY), v, d.source("decode_attention", p, self.family)
+        return choose_variant("decode_attention", p, self.arch, self.family, self.variant,
+                              self._dispatcher)
 
     def _build(self, batch: int, kv_class: int, kv_len: int) -> tuple[AttentionPlan, bool]:
         """(plan, whether it serves the whole class). The class's top length is looked up

@@ -39,7 +39,7 @@ import torch
 
 from ..calibrate import QLinearWeight
 from ..search.variant import LinearProblem
-from .compile import compile_cached
+from .common import choose_variant, compile_cached
 
 __all__ = ["Linear", "LayerPlan"]
 
@@ -134,22 +134,8 @@ class Linear:
         return [self.plan(int(m)) for m in ms]
 
     def _choose(self, p: LinearProblem) -> tuple[Any, Any, str]:
-        from ..search.family import get_family
-
-        if self.variant is not None:
-            fam = get_family(self.variant.FAMILY)
-            why = fam.why_invalid(self.variant, p, self.arch)
-            if why is not None:
-                raise ValueError(f"pinned variant {self.variant.name()} cannot run "
-                                 f"{p.key()}: {why}")
-            return fam, self.variant, "pinned"
-        d = self._dispatcher
-        if d is None:
-            from .. import runtime
-
-            d = runtime.dispatcher()
-        v = d.lookup("linear", p, self.family)
-        return get_family(v.FAMILY), v, d.source("linear", p, self.family)
+        return choose_variant("linear", p, self.arch, self.family, self.variant,
+                              self._dispatcher)
 
     def _weight(self, fam: Any, v: Any) -> Any:
         packing = v.packing.value
