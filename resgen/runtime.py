@@ -16,6 +16,8 @@ Within a bucket the acceptable rows compete only under one measurement policy, t
 (version, then name) present: a policy version can change what is timed (tune v2 times linear
 layers whole, v1 timed the GEMM alone), so medians of different versions are not compared.
 Otherwise the family's default is returned and a warning is logged once per (op, bucket).
+A real value served from a bucket more than 2x below it (prefill M from the decode buckets)
+is logged once per (op, bucket) too: valid, but tuned for another regime.
 A missing, corrupt, foreign or newer-schema file is skipped with one warning: never a crash.
 
 Answers are cached in memory per (op, problem, family); a warm lookup is one dict access
@@ -239,6 +241,18 @@ class Dispatcher:
                              f"{type(problem).__name__} on {self.arch}")
         return fams
 
+    def _warn_far(self, op: str, nb: str, fields: tuple[str, ...], real: tuple[int, ...],
+                  buckets: tuple[int, ...]) -> None:
+        """Warn once per (op, problem class, bucket) when a real value is served from a tuned
+        bucket more than 2x below it (e.g. prefill M from the decode buckets): valid, but
+        tuned for another regime (split-K for one token tile, say)."""
+        far = {f: (r, b) for f, r, b in zip(fields, real, buckets) if r > 2 * max(int(b), 1)}
+        if far:
+            what = ", ".join(f"{f} = {r} from the bucket {b}" for f, (r, b) in far.items())
+            self._warn(("far", op, nb, tuple(buckets)),
+                       f"{op} {nb}: {what} (the largest tuned at or below it); tune buckets "
+                       f"near it for this workload (e.g. resgen tune --m-buckets ...)")
+
     def _current_fp(self, fam: KernelFamily, v: VariantBase, tuned: ProblemBase) -> str:
         """The fingerprint v would have now; computed once per compile class
         (build.memo_fingerprint); "" (matching no row) if it cannot be computed."""
@@ -280,6 +294,7 @@ class Dispatcher:
             win = pick_winner([r.as_pick() for r in ok],
                               min((r.tie_rel for r in ok), default=0.01))
             if win is not None:
+                self._warn_far(op, nb, fields, real, entry.buckets)
                 return win["row"].variant, f"{path} bucket {dict(zip(fields, entry.buckets))}"
         # Miss: the family default, loud once per (op, bucket).
         bucket = tuple(1 << max(0, (int(x) - 1)).bit_length() for x in real)

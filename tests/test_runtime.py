@@ -123,6 +123,23 @@ def test_miss_warns_once_per_bucket(tmp_path, caplog):
     assert len([r for r in caplog.records if "no tuned entry" in r.message]) == 3
 
 
+def test_far_bucket_warns_once(tmp_path, caplog):
+    """A real M more than 2x above the largest tuned bucket is served (valid) with one warning
+    per bucket; within 2x, or at or below a bucket, nothing is said."""
+    path = tmp_path / "t.sqlite"
+    tune_fake(path, ms=[1, 4, 16], max_variants=64)
+    d = _disp(path)
+    with caplog.at_level(logging.WARNING, logger="resgen.runtime"):
+        for m in (3, 16, 32):
+            d.lookup(OP, FakeProblem(m=m, k=4096))
+        assert not [r for r in caplog.records if "from the bucket" in r.message]
+        for m in (33, 100, 2048):
+            p = FakeProblem(m=m, k=4096)
+            assert FAM.why_invalid(d.lookup(OP, p), p, "sm_90a") is None
+    far = [r.message for r in caplog.records if "from the bucket" in r.message]
+    assert len(far) == 1 and "m = 33 from the bucket 16" in far[0]
+
+
 def test_bad_files_fall_back_without_crashing(tmp_path, caplog):
     good = tmp_path / "good.sqlite"
     p = FakeProblem(m=4, k=4096)
