@@ -302,3 +302,26 @@ def test_decode_attention_bad_input():
     attn, _ = _attn([])
     with pytest.raises(ValueError, match="expects"):
         attn(torch.zeros(1, 4, 64, dtype=torch.bfloat16), None, None, torch.zeros(1))
+
+
+# ----------------------------------------------------------------------------- nn front end
+
+
+def test_fp4linear_from_an_nn_linear():
+    from resgen.ops.nn import FP4Linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 128, bias=True)
+    v = LW.LinearSm90WgmmaVariant(1, 1, 16, 3)
+    mod = FP4Linear.from_linear(lin, "nvfp4", "full", input_scale=4.0 / (6 * 448),
+                                device="cpu", variant=v, compile_fn=_Compiles(),
+                                quantizer_fn=_quantizers([]))
+    assert "compensation=full" in repr(mod) and mod.bias.dtype == torch.float32
+    x = torch.randn(2, 3, 512)
+    y = mod(x)
+    assert y.dtype == torch.float32 and y.shape == (2, 3, 128)
+    xb = x.to(torch.bfloat16).float().reshape(6, 512)
+    ref = R.linear(xb, mod.op.qweight, "full") + lin.bias.detach()
+    assert _rel(y.reshape(6, 128), ref) <= 3e-3
+    with pytest.raises(ValueError, match="bias"):
+        FP4Linear(mod.op.qweight, "none", torch.zeros(5), device="cpu", variant=v)

@@ -96,3 +96,15 @@ def test_dispatched_decode_attention_matches_the_reference(q_heads, kv_heads, co
     assert bool((out[3] == 0).all())
     again = attn(q, cache, bt, sl, max_kv_len=3000)
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+
+
+def test_fp4linear_module_on_the_gpu():
+    from resgen.ops import FP4Linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4096, 6144, bias=True, device="cuda")
+    mod = FP4Linear.from_linear(lin, "mxfp4", "full")
+    x = torch.randn(4, 4096, device="cuda")
+    y = mod(x)
+    ref = R.linear(x.to(torch.bfloat16).float(), mod.op.qweight, "full") + lin.bias.detach()
+    assert y.dtype == torch.float32 and _rel(y, ref) <= 3e-3
