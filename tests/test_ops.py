@@ -83,6 +83,29 @@ def test_wgmma_layer_matches_the_reference(fmt, comp):
     assert layer.plan(5).source == "pinned" and layer.plan(5).variant == v
 
 
+def test_wgmma_plan_reserves_the_split_workspace(monkeypatch):
+    """A plan holds its split-K workspace before the first call (CUDA graph capture after
+    warmup must not allocate)."""
+    import resgen.kernels.linear_sm90_wgmma as K
+
+    made = []
+    orig = K.WgmmaLauncher.__init__
+
+    def spy(self, *a, **kw):
+        orig(self, *a, **kw)
+        made.append(self)
+
+    qw = _qweight("nvfp4")
+    v = LW.LinearSm90WgmmaVariant(1, 1, 16, 2, split_k=4)
+    layer = Linear(qw, "full", device="cpu", variant=v, compile_fn=_Compiles(),
+                   quantizer_fn=_quantizers([]))
+    monkeypatch.setattr(K.WgmmaLauncher, "__init__", spy)
+    layer.warmup([5])
+    g = LW.geometry_of(v, layer.problem(5))
+    assert made[0].ws.numel() >= g.ws_floats(10, 128) > 4
+    assert made[0].sem.numel() >= g.sem_count(10, 128)
+
+
 def test_leading_dims_and_empty_input():
     qw = _qweight("nvfp4")
     v = LW.LinearSm90WgmmaVariant(1, 1, 16, 3)

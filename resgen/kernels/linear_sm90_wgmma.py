@@ -78,6 +78,11 @@ class WgmmaLauncher:
         self.sem = torch.zeros(1, dtype=torch.int32, device=device)
         self._ptrs: dict[tuple[int, str, int], Any] = {}
 
+    def reserve(self, rows: int, n: int) -> None:
+        """Grow the split-K workspace / semaphores to what a launch over rows x N needs (done
+        by every launch; call it ahead of CUDA graph capture, as resgen.ops plans do)."""
+        self._reserve(rows, n)
+
     def _reserve(self, rows: int, n: int) -> None:
         """Grow the split-K workspace / semaphores to what a launch over rows x N needs."""
         wsf, sems = self.geom.ws_floats(rows, n), self.geom.sem_count(rows, n)

@@ -251,6 +251,7 @@ def _serve_wgmma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
     from ..search.linear_sm90_wgmma import geometry_of
 
     launch = WgmmaLauncher(compiled, geometry_of(v, p), layer.device)
+    launch.reserve(p.rows, p.n)         # split-K workspace now, not at the first (captured) call
     return _behind_quantizer(layer, p, 8, lambda op, out: launch(wt, op.xop, p.m, p.rows,
                                                                    op.alpha, out))
 
