@@ -145,4 +145,8 @@ def _bind(compiled: Any, v: Any, p: AttentionProblem) -> Any:
     from ..kernels.attention_sm90 import DecodeAttentionSm90
     from ..search.attention_sm90 import shape_of
 
-    return DecodeAttentionSm90(compiled, shape_of(v, p), v.splits)
+    op = DecodeAttentionSm90(compiled, shape_of(v, p), v.splits)
+    if torch.cuda.is_available():
+        # the split workspace of this batch now, not at the first (perhaps captured) call
+        op.workspace(p.batch, p.kv_heads, torch.device("cuda", torch.cuda.current_device()))
+    return op
