@@ -108,3 +108,28 @@ def test_fp4linear_module_on_the_gpu():
     y = mod(x)
     ref = R.linear(x.to(torch.bfloat16).float(), mod.op.qweight, "full") + lin.bias.detach()
     assert y.dtype == torch.float32 and _rel(y, ref) <= 3e-3
+
+
+def test_decode_attention_graph_after_warmup():
+    from resgen.kvcache import PagedKVCache
+    from resgen.ops import DecodeAttention
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens = [5000, 4100]
+    ks = [torch.randn(8, n, 128, generator=g, device="cuda") for n in lens]
+    vs = [torch.randn(8, n, 128, generator=g, device="cuda") for n in lens]
+    cache, bt, sl = PagedKVCache.from_dense(ks, vs, page_size=32)
+    bt, sl = bt.to(torch.int32).contiguous(), sl.to(torch.int32)
+    attn = DecodeAttention(32, 8, 128)
+    attn.warmup([(2, 5000)])
+    q = torch.randn(2, 32, 128, generator=g, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn(q, cache, bt, sl, max_kv_len=5000, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = attn(q, cache, bt, sl, max_kv_len=5000)
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
