@@ -33,8 +33,10 @@ The time budget (RESGEN_BENCH_BUDGET_S, default 205 s from the start) stops star
 a failing variant / point is recorded and skipped; SIGINT (timeout -s INT) ends the run with
 the results so far. JSON is rewritten after every point. Output in $OUT (default
 bench/results/h200): attention_sm90_check.json, attention_sm90_check.svg (bench/plot_attention.py),
-attention_sm90_pytest.xml. A short table is printed last. FlashInfer is not measured (its
-wheel is 101 MB, over the 64 MiB that can travel to the GPU machine, which has no network).
+attention_sm90_pytest.xml. A short table is printed last.
+FlashInfer's fa2 decode (NVFP4 KV on the same cache bytes, BF16 query) is timed at every point
+as a peer when RESGEN_FLASHINFER points at an unpacked FlashInfer (bench/flashinfer_peer.py
+says how it reaches the GPU machine); otherwise the JSON says why it is absent.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ for _p in (ROOT, ROOT / "tests" / "gpu", ROOT / "bench"):
 
 import torch  # noqa: E402
 
+import flashinfer_peer  # noqa: E402
 from resgen.kernels.attention_sm90 import decode_hbm_bytes  # noqa: E402
 from resgen.search.attention_sm90 import (FAMILY, MAX_SPLITS, AttentionSm90Variant,  # noqa: E402
                                           Packing, Reduction, preset)
@@ -372,6 +375,14 @@ def run_point(bench: Bench, geom: str, b: int, n: int) -> dict | None:
                 bench.log(f"ROW CHECK FAILED {geom} B={b} L={n}: {entry['row_check']['detail']}")
         except Exception as e:
             bench.err(f"row check {geom} B={b} L={n}", e)
+    if flashinfer_peer.load() is not None and bench.left() > -10:
+        try:
+            entry["flashinfer"] = flashinfer_peer.time_sets(sets.sets, sets.out)
+            if not entry["flashinfer"]["check"]["ok"]:
+                bench.log(f"FLASHINFER CHECK FAILED {geom} B={b} L={n}: "
+                          f"{entry['flashinfer']['check']['detail']}")
+        except Exception as e:
+            bench.err(f"flashinfer {geom} B={b} L={n}", e)
     del sets
     torch.cuda.empty_cache()
     try:
@@ -383,9 +394,11 @@ def run_point(bench: Bench, geom: str, b: int, n: int) -> dict | None:
     r = (best or {}).get("us")
     pl = (entry["plain"]["best"] or {}).get("us")
     sd = entry["sdpa"].get("us")
+    fi = (entry.get("flashinfer") or {}).get("us")
     bench.log(f"{geom} B={b} L={n // 1024}K: ResAttn {r and round(r, 1)} us, plain "
-              f"{pl and round(pl, 1)} us, SDPA {sd and round(sd, 1)} us, floor "
-              f"{entry['floor_us']:.1f} us")
+              f"{pl and round(pl, 1)} us, SDPA {sd and round(sd, 1)} us"
+              + (f", FlashInfer {round(fi, 1)} us" if fi else "")
+              + f", floor {entry['floor_us']:.1f} us")
     return entry
 
 
@@ -412,9 +425,10 @@ def _f(x, w=9, p=1) -> str:
 
 
 def summary_table(configs: list[dict]) -> str:
+    with_fi = any((e.get("flashinfer") or {}).get("us") for e in configs)
     hdr = (f"{'geom':10s} {'B':>3s} {'KV':>5s} {'ResAttn':>9s} {'plain':>9s} {'R/P':>5s} "
            f"{'fp8PV':>8s} {'SDPA':>9s} {'xSDPA':>6s} {'floor':>8s} {'%floor':>6s} "
-           f"{'table':>9s}")
+           f"{'table':>9s}" + (f" {'FlashInf':>9s} {'xFI':>5s}" if with_fi else ""))
     lines = [hdr, "-" * len(hdr)]
     for e in configs:
         r = ((e.get("resattn") or {}).get("best") or {}).get("us")
@@ -422,10 +436,13 @@ def summary_table(configs: list[dict]) -> str:
         f8 = ((e.get("resattn_fp8") or {}).get("best") or {}).get("us")
         sd = (e.get("sdpa") or {}).get("us")
         tb = (((e.get("table") or {}).get("resattn")) or {}).get("us")
+        fi = (e.get("flashinfer") or {}).get("us")
         lines.append(f"{e['geom']:10s} {e['batch']:3d} {e['kv_len'] // 1024:4d}K {_f(r)} "
                      f"{_f(pl)} {_f(r / pl if r and pl else None, 5, 2)} {_f(f8, 8)} {_f(sd)} "
                      f"{_f(sd / r if sd and r else None, 6, 2)} {_f(e['floor_us'], 8)} "
-                     f"{_f(100 * e['floor_us'] / r if r else None, 6, 0)} {_f(tb)}")
+                     f"{_f(100 * e['floor_us'] / r if r else None, 6, 0)} {_f(tb)}"
+                     + (f" {_f(fi)} {_f(fi / r if fi and r else None, 5, 2)}"
+                        if with_fi else ""))
     return "\n".join(lines)
 
 
@@ -457,8 +474,8 @@ def env() -> dict:
             "cute_dsl": cute_dsl_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "policy": DEFAULT_POLICY.as_dict(), "hbm_bytes_per_s": HBM,
-            "flashinfer": "not measured: flashinfer-python 0.7.4 wheel is 101 MB, over the "
-                          "64 MiB that can be carried to the GPU machine (no network there)"}
+            "flashinfer": flashinfer_peer.version()
+            or f"not measured: {flashinfer_peer.why_not()}"}
 
 
 def finish(bench: Bench) -> None:
