@@ -348,3 +348,16 @@ def test_fp4linear_from_an_nn_linear():
     assert _rel(y.reshape(6, 128), ref) <= 3e-3
     with pytest.raises(ValueError, match="bias"):
         FP4Linear(mod.op.qweight, "none", torch.zeros(5), device="cpu", variant=v)
+
+
+def test_plans_are_bounded(monkeypatch):
+    import resgen.ops.common as OC
+
+    monkeypatch.setattr(OC, "MAX_PLANS", 3)
+    layer = Linear(_qweight("nvfp4"), "none", device="cpu",
+                   variant=LW.LinearSm90WgmmaVariant(1, 1, 16, 3), compile_fn=_Compiles(),
+                   quantizer_fn=_quantizers([]))
+    first = layer.plan(1)
+    for m in (2, 3, 1, 4):          # 1 is used again, so 2 is the oldest when 4 arrives
+        layer.plan(m)
+    assert list(layer._plans) == [3, 1, 4] and layer.plan(1) is first

@@ -18,12 +18,14 @@ from the GPU. Build plans before CUDA graph capture (`warmup`).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ..search.variant import AttentionProblem
+from . import common
 from .common import choose_variant, compile_cached
 
 __all__ = ["DecodeAttention", "AttentionPlan"]
@@ -74,7 +76,7 @@ class DecodeAttention:
         self._dispatcher = dispatcher
         self._compile = compile_fn or compile_cached
         self._op = op_fn or _bind
-        self._plans: dict[tuple[int, int], AttentionPlan] = {}
+        self._plans: OrderedDict[tuple[int, int], AttentionPlan] = OrderedDict()
 
     def problem(self, batch: int, kv_len: int) -> AttentionProblem:
         return AttentionProblem(int(batch), self.q_heads, self.kv_heads, self.head_dim,
@@ -92,6 +94,10 @@ class DecodeAttention:
             plan, whole_class = self._build(*key, int(kv_len))
             if whole_class:
                 self._plans[key] = plan
+                while len(self._plans) > common.MAX_PLANS:     # most recently used kept
+                    self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
         return plan
 
     def warmup(self, shapes: Iterable[tuple[int, int]]) -> list[AttentionPlan]:

@@ -8,7 +8,9 @@ from typing import Any
 
 from ..search.variant import ProblemBase
 
-__all__ = ["compile_cached", "choose_variant"]
+__all__ = ["compile_cached", "choose_variant", "MAX_PLANS"]
+
+MAX_PLANS = 256     # per op instance: shape classes whose plans (and buffers) are kept, LRU
 
 _COMPILED: dict[tuple, Any] = {}
 

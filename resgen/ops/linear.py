@@ -32,6 +32,7 @@ like its launchers, must not run on two streams at once.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -39,6 +40,7 @@ import torch
 
 from ..calibrate import QLinearWeight
 from ..search.variant import LinearProblem
+from . import common
 from .common import choose_variant, compile_cached
 
 __all__ = ["Linear", "LayerPlan"]
@@ -111,7 +113,7 @@ class Linear:
         self._compile = compile_fn or compile_cached
         self._quantizer = quantizer_fn or _default_quantizer
         self._weights: dict[tuple[str, str], Any] = {}
-        self._plans: dict[int, LayerPlan] = {}
+        self._plans: OrderedDict[int, LayerPlan] = OrderedDict()
 
     # -- planning ---------------------------------------------------------------------------
     def problem(self, m: int) -> LinearProblem:
@@ -120,13 +122,18 @@ class Linear:
                              self.static_scale)
 
     def plan(self, m: int) -> LayerPlan:
-        """The plan for m rows (built on first use, then cached)."""
+        """The plan for m rows (built on first use, then cached; the most recently used
+        resgen.ops.common.MAX_PLANS are kept, so prefill lengths that never repeat do not accumulate buffers)."""
         plan = self._plans.get(m)
         if plan is None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"no plan for M = {m} yet: call warmup([{m}, ...]) before "
                                    "capturing a CUDA graph (a plan allocates and may compile)")
             plan = self._plans[m] = self._build(m)
+            while len(self._plans) > common.MAX_PLANS:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(m)
         return plan
 
     def warmup(self, ms: Iterable[int]) -> list[LayerPlan]:
