@@ -123,7 +123,8 @@ class Linear:
 
     def plan(self, m: int) -> LayerPlan:
         """The plan for m rows (built on first use, then cached; the most recently used
-        resgen.ops.common.MAX_PLANS are kept, so prefill lengths that never repeat do not accumulate buffers)."""
+        resgen.ops.common.MAX_PLANS are kept, so prefill lengths that never repeat do not
+        accumulate buffers)."""
         plan = self._plans.get(m)
         if plan is None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
