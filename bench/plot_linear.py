@@ -22,7 +22,7 @@ is the `resgen bench` report described last):
 - or, for the decode range (--decode given a `resgen bench` JSON: a dict with "rows"): what the
   runtime dispatches from the shipped table, one variant per (shape, fmt, mode, M), either
   kernel family (records with resgen_us and check.ok; shapes named by their N x K). The
-  committed figure uses bench/results/h200/bench_qwen3_8b_table10.json this way.
+  committed figure uses bench/results/h200/bench_qwen3_8b_table10.json.xz this way.
 y = best(mode) / best(plain, mode "none") for the same shape, format, M and file (kernel
 family), so plain = 1.0 and lower is faster. At M = 128 both families were measured; both points
 are drawn (decode: filled circles, prefill: open squares) with a dotted line at the change.
@@ -49,7 +49,7 @@ from resgen.models import get_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "h200"
-DECODE_JSON = RESULTS / "bench_qwen3_8b_table10.json"      # a resgen bench report (dispatch)
+DECODE_JSON = RESULTS / "bench_qwen3_8b_table10.json.xz"      # a resgen bench report (dispatch)
 PREFILL_JSON = RESULTS / "final_linear_sm90_wgmma_prefill.json.xz"
 OUT_NAME = "linear_relative_latency"
 
