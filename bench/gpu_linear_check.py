@@ -56,13 +56,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from resgen.models import get_model  # noqa: E402
+
 ARCH = "sm_90a"
 OUT = Path(os.environ.get("OUT", "bench/results/h200"))
 BUDGET_S = float(os.environ.get("RESGEN_BENCH_BUDGET_S", "340"))
 HANG_S = float(os.environ.get("RESGEN_BENCH_HANG_S", "60"))
 GRACE_S = 120.0
-SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
-          "o": (4096, 4096)}
+_QWEN3_8B = {s.name: (s.n, s.k) for s in get_model("qwen3-8b").linear_shapes()}
+SHAPES = {name: _QWEN3_8B[name] for name in ("gate_up", "down", "qkv", "o")}   # priority
 PLAN = os.environ.get("RESGEN_BENCH_PLAN", "full")
 MS_PHASE2 = (16, 4, 64, 8, 2, 32)        # priority order (a budget cut drops the last)
 BASE_MS = (1, 2, 4, 8, 16, 32, 64, 128)

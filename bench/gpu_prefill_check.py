@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import baselines as B  # noqa: E402
+from resgen.models import get_model  # noqa: E402
 from resgen.search.linear_sm90 import Packing  # noqa: E402
 from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant,  # noqa: E402
                                              Raster, compile_once)
@@ -61,8 +62,8 @@ TEST_FILE = Path(__file__).resolve().parent.parent / "tests" / "gpu" / \
     "test_linear_sm90_wgmma_gpu.py"
 T_START = time.time()
 T0 = time.time()                   # start of the timing part (reset after the tests)
-SHAPES = {"gate_up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096),
-          "o": (4096, 4096)}
+_QWEN3_8B = {s.name: (s.n, s.k) for s in get_model("qwen3-8b").linear_shapes()}
+SHAPES = {name: _QWEN3_8B[name] for name in ("gate_up", "down", "qkv", "o")}   # priority
 MS_FIRST = (2048, 1024)
 MS_LATER = (512, 256, 128)
 MODES = ("none", "full", "0.125", "0.25", "0.5", "1.0")
