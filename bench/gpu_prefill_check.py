@@ -62,7 +62,7 @@ TEST_FILE = Path(__file__).resolve().parent.parent / "tests" / "gpu" / \
     "test_linear_sm90_wgmma_gpu.py"
 T_START = time.time()
 T0 = time.time()                   # start of the timing part (reset after the tests)
-_QWEN3_8B = {s.name: (s.n, s.k) for s in get_model("qwen3-8b").linear_shapes()}
+_QWEN3_8B = get_model("qwen3-8b").linear_nk()
 SHAPES = {name: _QWEN3_8B[name] for name in ("gate_up", "down", "qkv", "o")}   # priority
 MS_FIRST = (2048, 1024)
 MS_LATER = (512, 256, 128)

@@ -40,8 +40,8 @@ def nvfp4_bytes(n: int, k: int) -> int:
 def sizes() -> dict[str, int]:
     from resgen.models import get_model
 
-    out = {f"qwen3-8b {s.name}": nvfp4_bytes(s.n, s.k)
-           for s in get_model("qwen3-8b").linear_shapes()}
+    out = {f"qwen3-8b {name}": nvfp4_bytes(n, k)
+           for name, (n, k) in get_model("qwen3-8b").linear_nk().items()}
     for mb in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         out[f"{mb} MiB"] = mb << 20
     return out

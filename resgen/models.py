@@ -120,6 +120,10 @@ class ModelSpec:
                 LinearShape("gate_up", 2 * inter, self.hidden),
                 LinearShape("down", self.hidden, inter)]
 
+    def linear_nk(self, tp: int = 1) -> dict[str, tuple[int, int]]:
+        """{projection name: (N, K)} per rank, in layer order (linear_shapes as a mapping)."""
+        return {s.name: (s.n, s.k) for s in self.linear_shapes(tp)}
+
     def attention(self, tp: int = 1) -> AttentionGeometry:
         self._check_tp(tp)
         return AttentionGeometry(self.heads // tp, self._kv_per_rank(tp), self.head_dim)

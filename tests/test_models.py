@@ -97,3 +97,9 @@ def test_workload_lists():
     assert {(a.q_heads, a.kv_heads, a.head_dim) for a in att} == {(32, 8, 128)}
     assert {a.compensation for a in att} == {True, False}
     assert {a.pv for a in att} == {"f16", "fp8"}
+
+
+def test_linear_nk_is_linear_shapes_as_a_mapping():
+    spec = MODELS["qwen3-8b"]
+    assert spec.linear_nk(2) == {s.name: (s.n, s.k) for s in spec.linear_shapes(2)}
+    assert list(spec.linear_nk()) == ["qkv", "o", "gate_up", "down"]

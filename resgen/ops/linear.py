@@ -210,13 +210,6 @@ def _to_device(qw: QLinearWeight, device: torch.device) -> QLinearWeight:
     return dataclasses.replace(qw, q=qw.q.to(device), input_scale=scale)
 
 
-def _static_alpha(qw: QLinearWeight, device: torch.device) -> torch.Tensor | None:
-    """The static NVFP4 activation scale as float32 [1], or None (MXFP4 / dynamic)."""
-    if qw.fmt != "nvfp4" or qw.input_scale is None:
-        return None
-    return torch.as_tensor(qw.input_scale, dtype=torch.float32, device=device).reshape(1)
-
-
 def _masks(layer: Linear, p: LinearProblem) -> torch.Tensor | None:
     return layer.masks if p.ratio is not None else None
 
@@ -225,6 +218,8 @@ def _behind_quantizer(layer: Linear, p: LinearProblem, row_multiple: int,
                       gemm: Callable[[Any, torch.Tensor], Any]
                       ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     """run(xb, out): the layer quantizer writes the operand, then gemm(operand, out)."""
+    from ..search.linear_sm90 import _static_alpha
+
     q = layer._quantizer(p, layer.arch)
     outs = q.outputs(p.m, row_multiple=row_multiple, device=layer.device)
     alpha = _static_alpha(layer.qweight, layer.device) if q.config.alpha == "static" else None
@@ -240,7 +235,7 @@ def _behind_quantizer(layer: Linear, p: LinearProblem, row_multiple: int,
 def _serve_mma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
                ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     from ..kernels.linear_sm90 import LinearSm90Launcher
-    from ..search.linear_sm90 import geometry_of
+    from ..search.linear_sm90 import _static_alpha, geometry_of
 
     g = geometry_of(v, p)
     launch = LinearSm90Launcher(compiled, g, ws_floats=g.ws_floats(p.rows, p.m),

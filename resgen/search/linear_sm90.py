@@ -646,10 +646,8 @@ class _LinearRunnerCommon:
         for qw, _, x, _, _ in self.sets:
             outs = qkernel.outputs(self.m, row_multiple=row_multiple, device=self.device)
             if id(qw) not in per_weight:
-                alpha = None
-                if qkernel.config.alpha == "static":
-                    alpha = torch.as_tensor(qw.input_scale, dtype=torch.float32,
-                                            device=self.device).reshape(1)
+                alpha = (_static_alpha(qw, self.device) if qkernel.config.alpha == "static"
+                         else None)
                 masks = None
                 if qw.selection is not None and self.problem.ratio is not None:
                     masks = qw.selection.masks.to(self.device)
