@@ -8,7 +8,7 @@ For each size (the NVFP4 weight + scale bytes of the Qwen3-8B projections, plus 
 torch reads the bytes under the same timing policy as the tuner and `resgen bench`
 (resgen.search.timing.DEFAULT_POLICY: CUDA graph of many launches, input sets rotated past
 2 x the L2, median of repetitions):
-  - "sum":  torch.sum of the buffer viewed as int32 (read-only; torch's reduction kernel);
+  - "sum":  torch.sum of an FP32 buffer (read-only; torch's vectorized reduction kernel);
   - "copy": a device-to-device copy of the buffer (reads and writes: 2 x the bytes).
 Reported: microseconds per launch, effective read bandwidth, and the HBM floor at 4.45 TB/s.
 Compare with the per-layer times of `resgen bench` (bench_qwen3_8b_table10.log, M = 1): a layer
@@ -50,9 +50,11 @@ def sizes() -> dict[str, int]:
 class _Reader:
     def __init__(self, nbytes: int, n_sets: int, mode: str):
         words = nbytes // 4
-        self.bufs = [torch.ones(words, dtype=torch.int32, device="cuda") for _ in range(n_sets)]
+        # FP32 ones: torch's FP32 sum is a vectorized, bandwidth-bound reduction (an int32 sum
+        # into int64 ran at 0.5-0.7 TB/s on the H200, bound by its arithmetic, not by HBM)
+        self.bufs = [torch.ones(words, dtype=torch.float32, device="cuda") for _ in range(n_sets)]
         self.dst = torch.empty_like(self.bufs[0]) if mode == "copy" else None
-        self.out = torch.empty((), dtype=torch.int64, device="cuda")
+        self.out = torch.empty((), dtype=torch.float32, device="cuda")
         self.mode, self.cur = mode, 0
 
     def rotate(self, i: int) -> None:
@@ -62,7 +64,7 @@ class _Reader:
         b = self.bufs[self.cur]
         if self.mode == "copy":
             return self.dst.copy_(b)
-        return torch.sum(b, dtype=torch.int64, out=self.out)
+        return torch.sum(b, dim=0, out=self.out)
 
 
 def main() -> int:

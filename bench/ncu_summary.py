@@ -1,7 +1,7 @@
 """Summarize bench/ncu_decode_m1.py's Nsight Compute CSV: one row per profiled variant (the
 second of its two launches), the figures that say what bounds a small decode layer.
 
-    python bench/ncu_summary.py bench/results/h200/ncu_decode_m1.csv \\
+    python bench/ncu_summary.py bench/results/h200/ncu_decode_m1.csv.xz \\
         bench/results/h200/ncu_decode_m1.order.txt > bench/results/h200/ncu_decode_m1.md
 """
 
@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ncu_decode_m1 import SHAPES  # noqa: E402
+from report_io import read_text  # noqa: E402
 
 COLUMNS = (("Duration", "us", 1e-3), ("DRAM Throughput", "DRAM %", 1.0),
            ("Compute (SM) Throughput", "SM %", 1.0), ("L2 Cache Throughput", "L2 %", 1.0),
@@ -32,7 +33,7 @@ def _num(s: str) -> float:
 
 def load(csv_path: Path) -> dict[int, dict[str, float]]:
     """Kernel launch ID -> {metric name: value} (numeric metrics only)."""
-    text = "".join(line for line in csv_path.read_text().splitlines(True)
+    text = "".join(line for line in read_text(csv_path).splitlines(True)
                    if not line.startswith("=="))
     out: dict[int, dict[str, float]] = {}
     for r in csv.DictReader(io.StringIO(text)):

@@ -1,6 +1,6 @@
 """SVG plot of bench/gpu_attention_check.py results (no plotting library needed).
 
-    python bench/plot_attention.py bench/results/h200/attention_sm90_check.json [out.svg]
+    python bench/plot_attention.py bench/results/h200/attention_sm90_check.json[.xz] [out.svg]
 
 Two rows of panels, one panel per geometry (like the paper's Fig. 10 a-c): top, ResAttn's
 speedup over torch SDPA with BF16 KV against KV length, one line per batch, with the 2.9x target;
@@ -9,12 +9,12 @@ bottom, ResAttn's share of the NVFP4 HBM floor (floor time / ResAttn time), with
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from report_io import load_json  # noqa: E402
 from svgplot import COLORS, Axes, Frame, HLine, Series, document, panel  # noqa: E402
 
 W, H = 300, 210           # one panel
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
         print(__doc__)
         return 2
     src = Path(argv[0])
-    out = Path(argv[1]) if len(argv) > 1 else src.with_suffix(".svg")
-    out.write_text(render(json.loads(src.read_text())))
+    out = Path(argv[1]) if len(argv) > 1 else src.with_name(src.name.removesuffix(".xz")).with_suffix(".svg")
+    out.write_text(render(load_json(src)))
     print(f"wrote {out}")
     return 0
 

@@ -23,6 +23,9 @@ is the `resgen bench` report described last):
   runtime dispatches from the shipped table, one variant per (shape, fmt, mode, M), either
   kernel family (records with resgen_us and check.ok; shapes named by their N x K). The
   committed figure uses bench/results/h200/bench_qwen3_8b_table10.json.xz this way.
+- or, for the prefill range (--prefill given a `resgen bench` JSON), likewise: the committed
+  figure uses bench/results/h200/bench_qwen3_8b_table12_prefill.json.xz (M = 256..2048, the
+  shipped table's prefill buckets).
 y = best(mode) / best(plain, mode "none") for the same shape, format, M and file (kernel
 family), so plain = 1.0 and lower is faster. At M = 128 both families were measured; both points
 are drawn (decode: filled circles, prefill: open squares) with a dotted line at the change.
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import math
 import statistics
 import sys
@@ -45,12 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import svgplot as sp  # noqa: E402
+from report_io import load_json  # noqa: E402
 from resgen.models import get_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "h200"
 DECODE_JSON = RESULTS / "bench_qwen3_8b_table10.json.xz"      # a resgen bench report (dispatch)
-PREFILL_JSON = RESULTS / "final_linear_sm90_wgmma_prefill.json.xz"
+PREFILL_JSON = RESULTS / "bench_qwen3_8b_table12_prefill.json.xz"     # resgen bench, M >= 256
 OUT_NAME = "linear_relative_latency"
 
 SHAPES = ("qkv", "o", "gate_up", "down")          # panel order
@@ -73,6 +76,8 @@ DISPATCH = Family("dispatch", "the runtime's choice per layer (linear_sm90_mma o
 # names of the Qwen3-8B projection shapes (TP1) the reports' (N, K) belong to
 SHAPE_OF = {(s.n, s.k): s.name for s in get_model("qwen3-8b").linear_shapes()}
 PREFILL = Family("prefill", "linear_sm90_wgmma", "open-square", FAMILY_SPLIT_M, 1 << 30)
+PREFILL_DISPATCH = Family("prefill dispatch", "the runtime's choice from the prefill buckets "
+                          "(linear_sm90_wgmma)", "open-square", FAMILY_SPLIT_M, 1 << 30)
 
 # (fmt, mode) -> (legend label, colour), in legend order. Other compensated modes found in the
 # files get a generic label and the remaining colours.
@@ -96,12 +101,6 @@ def _keep_min(best: dict[Key, float], key: Key, us: float) -> None:
         best[key] = us
 
 
-def load_json(path: Path) -> dict:
-    """A JSON report, plain or xz-compressed (name ending in .xz)."""
-    raw = path.read_bytes()
-    return json.loads(lzma.decompress(raw) if path.suffix == ".xz" else raw)
-
-
 def is_bench(report: dict) -> bool:
     """A `resgen bench` report (rows of dispatched variants) rather than gpu_linear_check's."""
     return isinstance(report, dict) and isinstance(report.get("rows"), list)
@@ -109,6 +108,10 @@ def is_bench(report: dict) -> bool:
 
 def decode_family(report: dict) -> Family:
     return DISPATCH if is_bench(report) else DECODE
+
+
+def prefill_family(report: dict) -> Family:
+    return PREFILL_DISPATCH if is_bench(report) else PREFILL
 
 
 def _bench_shape(p: dict) -> str:
@@ -149,7 +152,10 @@ def decode_best(report: dict) -> dict[Key, float]:
 
 def prefill_best(report: dict) -> dict[Key, float]:
     """Best whole-layer (quantizer + GEMM) median (us) per (shape, fmt, mode, m) of a
-    gpu_prefill_check.py report, over entries whose correctness check passed."""
+    gpu_prefill_check.py report, over entries whose correctness check passed, or the
+    dispatched medians of a `resgen bench` report (bench_best)."""
+    if is_bench(report):
+        return bench_best(report)
     entries = report.get("entries") if isinstance(report, dict) else None
     if not isinstance(entries, list):
         raise ValueError("prefill report: expected a dict with an 'entries' list "
@@ -228,17 +234,26 @@ def _decode_source(dec: dict) -> str:
             "'layer' column).")
 
 
-def subtitle(dec: dict) -> tuple[str, ...]:
+def _prefill_source(pre: dict) -> str:
+    """How the prefill-range points were obtained (figure subtitle)."""
+    if is_bench(pre):
+        return ("M ≥ 256, the runtime's dispatch from the shipped table's prefill buckets (open "
+                "squares): resgen bench rows (whole layer, check ok), one variant per layer.")
+    return ("prefill, M ≥ 128, linear_sm90_wgmma (open squares): "
+            "final_linear_sm90_wgmma_prefill.json.xz 'entries', quantizer=true, check.ok: min "
+            "median_us.")
+
+
+def subtitle(dec: dict, pre: dict) -> tuple[str, ...]:
     return (
         "y = whole-layer latency (BF16 activations in, activation quantization included) / "
         "plain FP4 of the same format, shape, M and source; lower is faster.",
         _decode_source(dec),
-        "prefill, M ≥ 128, linear_sm90_wgmma (open squares): "
-        "final_linear_sm90_wgmma_prefill.json.xz 'entries', quantizer=true, check.ok: min "
-        "median_us.",
+        _prefill_source(pre),
         "Not used: GEMM-only (kind=gemm, quantizer=false) and PDL (pdl=true) timings.",
-        "Dotted vertical line: change of source (both measured at M = 128). Dashed coloured "
-        "line: the M values between its points were not measured.",
+        "Dotted vertical line: change of source"
+        + ("" if is_bench(pre) else " (both measured at M = 128)")
+        + ". Dashed coloured line: the M values between its points were not measured.",
     )
 
 
@@ -248,14 +263,14 @@ def _env_line(dec: dict, pre: dict) -> str:
     return (f"{e.get('gpu_name', '?')} ({e.get('arch', '?')}), torch {e.get('torch', '?')}, "
             f"CuTe DSL {e.get('cute_dsl', '?')}, timing {label}; decode run "
             f"{str(e.get('date') or dec.get('date', '?'))[:16]}, prefill run "
-            f"{str(p.get('date', '?'))[:16]} UTC; python bench/plot_linear.py")
+            f"{str(p.get('date') or pre.get('date', '?'))[:16]} UTC; python bench/plot_linear.py")
 
 
 def render_svg(dec: dict, pre: dict) -> str:
     """The figure: a title, the data-source subtitle, a shared legend, 2 x 2 panels."""
     d_rat, p_rat = ratios(decode_best(dec)), ratios(prefill_best(pre))
-    dfam = decode_family(dec)
-    fam_ratios = [(dfam, d_rat), (PREFILL, p_rat)]
+    dfam, pfam = decode_family(dec), prefill_family(pre)
+    fam_ratios = [(dfam, d_rat), (pfam, p_rat)]
     styles = series_styles(d_rat, p_rat)
     dims = shape_dims(dec, pre)
     shapes = [s for s in SHAPES if s in dims] + sorted(set(dims) - set(SHAPES))
@@ -264,13 +279,13 @@ def render_svg(dec: dict, pre: dict) -> str:
     body = [sp.text(14, 24, "FP4 linear layers on H200 (Hopper kernels, Qwen3-8B shapes): "
                     "latency relative to plain FP4", size=15, weight="bold")]
     y = 44
-    for line in subtitle(dec):
+    for line in subtitle(dec, pre):
         body.append(sp.text(14, y, line, size=10, fill="#333"))
         y += 14
     entries = [sp.Series("plain FP4 (= 1.0)", [], "#000", dash="5 3", marker="none")]
     entries += [sp.Series(label, [], color, marker="none") for label, color in styles.values()]
     entries += [sp.Series(f"{f.tag}: {f.kernel}", [], "#666", marker=f.marker)
-                for f in (dfam, PREFILL)]
+                for f in (dfam, pfam)]
     leg, leg_h = sp.legend(24, y + 8, entries, width - 40)
     body += leg
     top = y + 8 + leg_h
@@ -280,7 +295,8 @@ def render_svg(dec: dict, pre: dict) -> str:
                    hlines=(sp.HLine(1.0, "#000", "5 3"),),
                    vlines=(sp.VLine(FAMILY_SPLIT_M, "#555", "2 3",
                                     "dispatch" if dfam is DISPATCH else "decode (mma)",
-                                    "prefill (wgmma)"),))
+                                    "prefill" if pfam is PREFILL_DISPATCH
+                                    else "prefill (wgmma)"),))
     origins = sp.grid_origins(len(shapes), cols, FRAME.width, FRAME.height, left=10, top=top)
     for shape, (x0, y0) in zip(shapes, origins):
         n, k = dims[shape]
@@ -308,8 +324,8 @@ def render_md(dec: dict, pre: dict) -> str:
     modes = list(styles)
     dims = shape_dims(dec, pre)
     shapes = [s for s in SHAPES if s in dims] + sorted(set(dims) - set(SHAPES))
-    dfam = decode_family(dec)
-    fams = [(dfam, d_best, d_rat), (PREFILL, p_best, p_rat)]
+    dfam, pfam = decode_family(dec), prefill_family(pre)
+    fams = [(dfam, d_best, d_rat), (pfam, p_best, p_rat)]
     if dfam is DISPATCH:
         dsrc = (f"- M <= {FAMILY_SPLIT_M}, {dfam.kernel}: a `resgen bench` report on the shipped "
                 "table, rows with `check.ok`; `resgen_us`.")
@@ -325,8 +341,12 @@ def render_md(dec: dict, pre: dict) -> str:
            "and kernel family (lower is faster). Whole layer = BF16 activations in, activation "
            "quantization included.", "",
            dsrc,
-           f"- prefill, M >= {FAMILY_SPLIT_M}, `{PREFILL.kernel}`: `{PREFILL_JSON.name}`, "
-           "`entries` with `quantizer=true` and `check.ok`; min `median_us`.",
+           (f"- M >= {2 * FAMILY_SPLIT_M}, {pfam.kernel}: a `resgen bench` report on the "
+            "shipped table's prefill buckets, rows with `check.ok`; `resgen_us`."
+            if pfam is PREFILL_DISPATCH else
+            f"- prefill, M >= {FAMILY_SPLIT_M}, `{PREFILL.kernel}`: "
+            "`final_linear_sm90_wgmma_prefill.json.xz`, `entries` with `quantizer=true` and "
+            "`check.ok`; min `median_us`."),
            "- Not used: GEMM-only timings (`kind=gemm`, `quantizer=false`) and PDL timings "
            "(`pdl=true`).", "",
            "| shape | M | family | plain NVFP4 us | " + " | ".join(styles[m][0] for m in modes)

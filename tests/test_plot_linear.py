@@ -17,6 +17,7 @@ sys.path.insert(0, str(BENCH))
 
 import plot_attention  # noqa: E402
 import plot_linear as PL  # noqa: E402
+from report_io import load_json  # noqa: E402
 import svgplot  # noqa: E402
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
@@ -136,6 +137,23 @@ def test_bench_report_as_the_decode_source():
     assert "dispatch" in svg and "Synthetic GPU" in svg
     md = PL.render_md(rep, prefill_report())
     assert "| qkv | 16 | dispatch | 160.0 | 1.250 |" in md
+
+
+def test_bench_report_as_the_prefill_source():
+    """A `resgen bench` report at prefill M (the shipped table's prefill buckets) is read the
+    same way and drawn as the prefill-dispatch family."""
+    rep = bench_report()
+    for r in rep["rows"]:
+        r["problem"]["m"] *= 256                       # M = 256, 4096
+    assert PL.prefill_family(rep) is PL.PREFILL_DISPATCH
+    assert PL.prefill_family(prefill_report()) is PL.PREFILL
+    r = PL.ratios(PL.prefill_best(rep))
+    assert r[("qkv", "nvfp4", "full", 4096)] == pytest.approx(1.25)
+    svg = PL.render_svg(decode_report(), rep)
+    root = ET.fromstring(svg)
+    keys = {e.get("data-series") for e in _polylines(root)}
+    assert "nvfp4/full/prefill dispatch" in keys
+    assert "| qkv | 256 | prefill dispatch | 10.0 | 1.250 |" in PL.render_md(decode_report(), rep)
 
 
 def test_bad_reports_raise_value_error():
@@ -265,7 +283,7 @@ def test_attention_plot_reproduces_the_committed_h200_figure():
     """plot_attention.render (called by bench/gpu_attention_check.py) now draws through
     svgplot; on the committed H200 report it must give the committed SVG byte for byte."""
     res = BENCH / "results" / "h200"
-    report = json.loads((res / "attention_sm90_check.json").read_text())
+    report = load_json(res / "attention_sm90_check.json.xz")
     assert plot_attention.render(report) == (res / "attention_sm90_check.svg").read_text()
 
 

@@ -591,7 +591,8 @@ class TuningDB:
     def export_sqlite(self, dest: str | os.PathLike) -> Path:
         """A compact, checkpointed copy in rollback-journal mode (what tuned/ ships: a WAL
         file cannot be read from a read-only directory without its -shm); xz-compressed when
-        `dest` ends in .xz."""
+        `dest` ends in .xz, at preset 9 (its 64 MiB dictionary spans a whole table: about 6 %
+        smaller than preset 6 on the shipped one; a 31 MB table takes about 14 s to compress)."""
         dest = Path(dest)
         if dest.exists():
             raise FileExistsError(f"{dest} exists; remove it first")
@@ -608,7 +609,7 @@ class TuningDB:
             import lzma
 
             try:
-                dest.write_bytes(lzma.compress(plain.read_bytes(), preset=6))
+                dest.write_bytes(lzma.compress(plain.read_bytes(), preset=9))
             finally:
                 plain.unlink()
         return dest

@@ -1,0 +1,20 @@
+"""Reading committed benchmark files, plain or xz-compressed (bench/results/h200 keeps large raw
+results as NAME.xz to fit the device call's carry; see tests/test_repo_footprint.py)."""
+
+from __future__ import annotations
+
+import json
+import lzma
+from pathlib import Path
+from typing import Any
+
+
+def read_text(path: Path) -> str:
+    """The file's text; decompressed when its name ends in .xz."""
+    raw = Path(path).read_bytes()
+    return (lzma.decompress(raw) if Path(path).suffix == ".xz" else raw).decode()
+
+
+def load_json(path: Path) -> Any:
+    """A JSON report, plain or xz-compressed."""
+    return json.loads(read_text(path))
