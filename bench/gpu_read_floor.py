@@ -11,9 +11,12 @@ torch reads the bytes under the same timing policy as the tuner and `resgen benc
   - "sum":  torch.sum of an FP32 buffer (read-only; torch's vectorized reduction kernel);
   - "copy": a device-to-device copy of the buffer (reads and writes: 2 x the bytes).
 Reported: microseconds per launch, effective read bandwidth, and the HBM floor at 4.45 TB/s.
-Compare with the per-layer times of `resgen bench` (bench_qwen3_8b_table10.log, M = 1): a layer
-can be no faster than reading its weights, so the gap between "sum" and the layer is what a
-kernel change could still win. Runs in well under a minute.
+Compare with the per-layer times of `resgen bench` (bench_qwen3_8b_table10.log, M = 1). What
+the H200 run showed (bench/results/h200/read_floor.json): torch's sum is no floor at these
+sizes (about 8 us of fixed cost: 9.6 us for the o layer's 9.4 MB, 20.5 us for gate_up's
+56.6 MB, slower than resgen's layers); the copy streams 14-57 MB at 3.95-3.99 TB/s of read +
+write traffic (89-90 % of 4.45 TB/s) and 9.4 MB at 3.39 TB/s, the rate a streaming kernel can
+sustain at those sizes. Runs in well under a minute.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ def sizes() -> dict[str, int]:
 class _Reader:
     def __init__(self, nbytes: int, n_sets: int, mode: str):
         words = nbytes // 4
-        # FP32 ones: torch's FP32 sum is a vectorized, bandwidth-bound reduction (an int32 sum
-        # into int64 ran at 0.5-0.7 TB/s on the H200, bound by its arithmetic, not by HBM)
+        # FP32 ones: an int32 sum into int64 ran at 0.5-0.7 TB/s on the H200 even at 256 MiB
+        # (bound by its arithmetic); the FP32 sum reaches 3.9 TB/s there
         self.bufs = [torch.ones(words, dtype=torch.float32, device="cuda") for _ in range(n_sets)]
         self.dst = torch.empty_like(self.bufs[0]) if mode == "copy" else None
         self.out = torch.empty((), dtype=torch.float32, device="cuda")
