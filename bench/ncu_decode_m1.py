@@ -17,8 +17,6 @@ CSV into a table.
 
 from __future__ import annotations
 
-import json
-import lzma
 import sys
 from pathlib import Path
 
@@ -28,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_linear_check import SHAPES  # noqa: E402  (the benchmark whose winners are profiled)
+from report_io import load_json  # noqa: E402
 
 
 def best_variants() -> list[tuple[str, str, str]]:
     """(shape, mode, variant key) of the fastest non-PDL whole-layer M = 1 NVFP4 timings."""
-    d = json.loads(lzma.decompress(
-        (ROOT / "bench/results/h200/final_linear_sm90_check.json.xz").read_bytes()))
+    d = load_json(ROOT / "bench/results/h200/final_linear_sm90_check.json.xz")
     best: dict[tuple[str, str], dict] = {}
     for t in d["tasks"]:
         if (t.get("kind") == "layer" and not t.get("pdl") and t.get("timing_mode") == "graph"
