@@ -369,7 +369,59 @@ SIM_CASES = [
     ("nvfp4", "0.125", 2, dict(warps_m=1, warps_k=1, m_tiles=4, groups=1, stages=6)),
     ("mxfp4", "full", 11, dict(warps_m=2, warps_k=1, n_tiles=4, split_k=2, groups=2,
                                reduce=Reduction.WORKSPACE, packing=Packing.NIB, **_REGS)),
+    # the bulk ring: refills (stages < iterations), two tiles and two groups per iteration,
+    # MXFP4 scale slots (16 per vector), K-Ext's extended K
+    ("nvfp4", "none", 3, dict(warps_m=2, warps_k=1, pipeline=Pipeline.BULK, stages=3)),
+    ("mxfp4", "full", 5, dict(warps_m=1, warps_k=1, m_tiles=2, n_tiles=2, groups=2,
+                              pipeline=Pipeline.BULK, stages=2)),
+    ("nvfp4", "0.125", 2, dict(warps_m=1, warps_k=1, m_tiles=4, pipeline=Pipeline.BULK,
+                               stages=2)),
 ]
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+@pytest.mark.parametrize("v", [LinearSm90Variant(2, 2, 2, 1, 2, Pipeline.BULK, 3),
+                               LinearSm90Variant(1, 8, 1, 1, 1, Pipeline.BULK, 4)])
+def test_bulk_copies_put_each_byte_where_the_lanes_read_it(fmt, v):
+    """The copy-engine transfers of one slot are 16-byte aligned, add up to the mbarrier's
+    transaction bytes, never overlap, and put every weight byte at the lane offset the
+    cp_async ring uses (sw_off) and every scale vector at its scale slot's ss_off."""
+    p = LinearProblem(fmt=fmt, n=4096, k=4096)
+    g = geometry_of(v, p)
+    mt0, grp0 = 3 * g.m_tiles, 2 * g.gs
+    for warp in (0, g.warps_m * g.warps_k - 1):
+        for it, slot in ((0, 0), (g.nit - 1, (g.nit - 1) % g.stages)):
+            cps = g.bulk_copies(mt0, grp0, it, warp, slot)
+            assert sum(nb for *_, nb in cps) == g.bulk_tx_bytes
+            dst: dict[tuple[bool, int], int] = {}
+            for is_scale, soff, goff, nb in cps:
+                assert soff % 16 == 0 and goff % 16 == 0 and nb % 16 == 0
+                for b in range(0, nb, 8):
+                    assert (is_scale, soff + b) not in dst
+                    dst[(is_scale, soff + b)] = goff + b
+            for u in range(g.groups):
+                grp = grp0 + it * g.groups + u
+                for mt in range(g.m_tiles):
+                    for lane in range(32):
+                        for i in range(4):
+                            so = g.sw_off(warp, slot, u, mt, i, lane)
+                            assert dst[(False, so)] == g.w_off(mt0 + mt, grp * 4 + i, lane)
+                    for sl in range(g.sl):
+                        assert dst[(True, g.ss_off(warp, slot, u, mt, sl))] == \
+                            g.s_off(mt0 + mt, grp, sl)
+    assert g.smem_bytes == (g.warps_m * g.warps_k * g.stages * (g.groups * g.m_tiles * 2304 + 8)
+                            + (g.warps_k - 1) * g.warps_m * g.acc * 32 * 4)
+
+
+def test_bulk_ring_validity_rules():
+    p = LinearProblem(n=4096, k=4096)                     # 16 K groups
+    ok = LinearSm90Variant(1, 8, 1, 1, 1, Pipeline.BULK, 2)
+    assert FAMILY.why_invalid(ok, p, ARCH) is None
+    assert "stages >= 2" in FAMILY.why_invalid(dataclasses.replace(ok, stages=1), p, ARCH)
+    assert "bulk ring of 3 stages for 2" in FAMILY.why_invalid(dataclasses.replace(ok, stages=3), p, ARCH)
+    assert "within the bulk ring" in FAMILY.why_invalid(dataclasses.replace(ok, l2_prefetch=2), p, ARCH)
+    assert any(v.pipeline == Pipeline.BULK for v in FAMILY.space(
+        LinearProblem("nvfp4", "full", 1, 24576, 4096), ARCH))
 
 
 @pytest.mark.parametrize("v", [LinearSm90Variant(2, 2, 2, 1, 2, Pipeline.CP_ASYNC, 3),
@@ -448,6 +500,12 @@ FUSED_SIM_CASES = [
     ("nvfp4", "full", 1024, 3, 3, dict(warps_m=1, warps_k=2, stages=3, cluster=4, **_FUSED)),
     ("mxfp4", "0.125", 2048, 2, 2, dict(warps_m=2, warps_k=1, split_k=3, cluster=2,
                                         reduce=Reduction.WORKSPACE, **_DIRECT, **_FUSED)),
+    # the bulk ring behind the fused prologue (PDL: filled before the wait)
+    ("nvfp4", "full", 1024, 1, 1, dict(warps_m=2, warps_k=1, pipeline=Pipeline.BULK, stages=2,
+                                       pdl=True, **_FUSED)),
+    ("mxfp4", "0.25", 2048, 9, 9, dict(warps_m=2, warps_k=1, n_tiles=2, split_k=2,
+                                       reduce=Reduction.WORKSPACE, pipeline=Pipeline.BULK,
+                                       stages=3, **_FUSED)),
 ]
 
 
@@ -516,7 +574,7 @@ def test_why_invalid_fused(v, p, reason):
 
 # ----------------------------------------------------------------------------- compile (sm_90a)
 
-_CP, _DI, _RG = Pipeline.CP_ASYNC, Pipeline.DIRECT, Pipeline.REGS
+_CP, _DI, _RG, _BK = Pipeline.CP_ASYNC, Pipeline.DIRECT, Pipeline.REGS, Pipeline.BULK
 COMPILE_CASES = [
     (LinearProblem("nvfp4", "none", 1, 4096, 4096), LinearSm90Variant(4, 2, 1, 1, 1, _CP, 4)),
     (LinearProblem("nvfp4", "full", 4, 24576, 4096),
@@ -545,6 +603,13 @@ COMPILE_CASES = [
     (LinearProblem("mxfp4", "0.125", 3, 6144, 4096),
      LinearSm90Variant(2, 2, 1, 1, 1, _CP, 3, split_k=3, reduce=Reduction.WORKSPACE,
                        act=Act.FUSED, pdl=True, cluster=2)),
+    # the bulk ring (copy engine + per-slot mbarriers): xop, fused + PDL, MXFP4 scales,
+    # two m16 tiles and two groups per iteration
+    (LinearProblem("nvfp4", "none", 1, 24576, 4096), LinearSm90Variant(4, 2, 1, 1, 1, _BK, 2)),
+    (LinearProblem("nvfp4", "full", 1, 4096, 12288),
+     LinearSm90Variant(1, 8, 1, 1, 1, _BK, 4, act=Act.FUSED, pdl=True)),
+    (LinearProblem("mxfp4", "full", 4, 6144, 4096),
+     LinearSm90Variant(2, 2, 2, 1, 2, _BK, 3, act=Act.FUSED, cluster=2)),
 ]
 
 
@@ -570,6 +635,11 @@ def test_compiles_for_sm90a_without_spills(p, v, tmp_path):
     assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (v.l2_prefetch > 0)
     if v.pipeline == Pipeline.CP_ASYNC:
         assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    elif v.pipeline == Pipeline.BULK:
+        # the copy engine fills the ring: no per-lane global weight loads or cp.async
+        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+        assert "mbarrier.try_wait.parity" in ptx and "fence.proxy.async.shared::cta" in ptx
+        assert "ld.global.nc.L1::no_allocate" not in ptx and "cp.async.cg" not in ptx
     else:
         assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx

@@ -57,8 +57,9 @@ class Geometry:
     m_tiles: int
     n_tiles: int
     groups: int        # U
-    pipeline: str      # "direct" | "regs" | "cp_async"
-    stages: int        # cp_async: ring depth (iterations in flight + 1); else 1
+    pipeline: str      # "direct" | "regs" | "cp_async" | "bulk"
+    stages: int        # cp_async: ring depth (iterations in flight + 1); bulk: ring depth
+                       # (iterations in flight); else 1
     l2_prefetch: int   # iterations ahead that lane 0 bulk-prefetches into L2 (0: none)
     split_k: int
     reduce: str        # "none" | "atomic" | "workspace"
@@ -160,23 +161,30 @@ class Geometry:
         return 8 // self.ksel if self.ksel else 0
 
     @property
+    def ringed(self) -> bool:
+        """Weights and scales go through a per-warp shared-memory ring (cp_async, bulk)."""
+        return self.pipeline in ("cp_async", "bulk")
+
+    @property
     def smem_bytes(self) -> int:
-        """Shared memory of one CTA: cp.async rings + in-CTA reduction + fused operand tile +
-        flag."""
+        """Shared memory of one CTA: cp.async / bulk rings (+ the bulk ring's mbarriers) +
+        in-CTA reduction + fused operand tile + flag."""
         ring = 0
-        if self.pipeline == "cp_async":
+        if self.ringed:
             ring = self.warps_m * self.warps_k * self.stages * self.groups * self.m_tiles * 2304
+        if self.pipeline == "bulk":
+            ring += self.warps_m * self.warps_k * self.stages * 8
         red = (self.warps_k - 1) * self.warps_m * self.acc * 32 * 4
         return ring + red + self.xs_bytes + (16 if self.reduce == "workspace" else 0)
 
     def check(self) -> None:
         """Raise ValueError if the constants do not describe a runnable kernel."""
-        if self.pipeline not in ("direct", "regs", "cp_async"):
+        if self.pipeline not in ("direct", "regs", "cp_async", "bulk"):
             raise ValueError(f"unknown pipeline {self.pipeline!r}")
         if self.act not in ("xop", "fused"):
             raise ValueError(f"unknown activation source {self.act!r}")
-        if (self.pipeline == "cp_async") != (self.stages > 1):
-            raise ValueError("stages > 1 exactly for the cp_async pipeline")
+        if self.ringed != (self.stages > 1):
+            raise ValueError("stages > 1 exactly for the cp_async and bulk pipelines")
         if self.smem_bytes > 227 * 1024:
             raise ValueError("shared memory above 227 KB per CTA")
         if self.n % (16 * self.m_tiles * self.warps_m):
@@ -271,6 +279,33 @@ class Geometry:
         """cp.async ring: the lane's 8-byte scale vector (group u, tile mt)."""
         return ((((warp * self.stages + slot) * self.groups + u) * self.m_tiles + mt) * 256
                 + lane * 8)
+
+    # ------------------------------------------------------------------ bulk ring
+    @property
+    def bulk_tx_bytes(self) -> int:
+        """Bytes one iteration's bulk copies complete on its mbarrier: per (group, m16 tile)
+        the 4 chunks' weights (2048) and the group's scale vectors (SL x 8)."""
+        return self.groups * self.m_tiles * (2048 + self.sl * 8)
+
+    def bar_off(self, warp: Any, slot: Any) -> Any:
+        """Byte offset of the mbarrier of ring slot `slot` of warp `warp`."""
+        return (warp * self.stages + slot) * 8
+
+    def bulk_copies(self, mt0: Any, grp0: Any, it: Any, warp: Any, slot: Any):
+        """The copy-engine transfers that fill ring slot `slot` of warp `warp` with iteration
+        `it`: (is_scale, shared-memory byte offset in its ring, global byte offset, bytes).
+        Each lands exactly where the cp_async pipeline's lanes would have put the same bytes
+        (sw_off / ss_off), except that a scale slot's 8 bytes sit at position SL (not at the
+        lane): a lane reads them back at ss_off(..., sl)."""
+        out = []
+        for u in range(self.groups):
+            grp = grp0 + it * self.groups + u
+            for mt in range(self.m_tiles):
+                out.append((False, self.sw_off(warp, slot, u, mt, 0, 0),
+                            self.w_off(mt0 + mt, grp * 4, 0), 2048))
+                out.append((True, self.ss_off(warp, slot, u, mt, 0),
+                            self.s_off(mt0 + mt, grp, 0), self.sl * 8))
+        return out
 
     def prefetch_spans(self, mt0: Any, grp0: Any, it: Any):
         """(byte offset, bytes) of the weight and scale spans iteration `it` of a warp reads,

@@ -218,11 +218,40 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
                         for q in range(2):
                             _ring_put(ring, sbase + 4 * q, sv[u][mt][q])
 
-            def read(slot):
+            uses: dict[int, int] = {}                     # bulk: slot -> fills so far
+            filled: dict[int, int] = {}                   # bulk: slot -> iteration in it
+
+            def issue_bulk(it, slot):
+                """Lane 0's copy-engine fills of slot `slot` with iteration it (bulk)."""
+                if slot in filled:
+                    raise AssertionError("bulk refill of a slot not yet read")
+                total = 0
+                for is_scale, soff, goff, nb in G.bulk_copies(int(mt0[0]), int(grp0[0]), it,
+                                                              warp, slot):
+                    if soff % 16 or goff % 16 or nb % 16:
+                        raise AssertionError("bulk copy not 16-byte aligned")
+                    mem = smem_ if is_scale else wmem
+                    src = mem.words(torch.arange(goff, goff + nb, 4), 1)[0]
+                    _ring_put(ring, torch.arange(soff, soff + nb, 4) + (1 << 40) * is_scale,
+                              src)
+                    total += nb
+                if total != G.bulk_tx_bytes:
+                    raise AssertionError("bulk copies do not add up to the mbarrier's bytes")
+                uses[slot] = uses.get(slot, 0) + 1
+                filled[slot] = it
+
+            def read(slot, it=None):
+                if G.pipeline == "bulk":
+                    # the kernel waits for phase parity (it // S) & 1 of the slot's mbarrier:
+                    # the fill it waits for must be the slot's (it // S)-th
+                    if filled.get(slot) != it or uses[slot] - 1 != it // G.stages:
+                        raise AssertionError("bulk read of a slot holding another iteration")
+                    del filled[slot]
+                sidx = sl if G.pipeline == "bulk" else ln
                 wv = [[[[_ring_get(ring, G.sw_off(warp, slot, u, mt, i, ln) + 4 * q)
                          for q in range(4)] for i in range(4)] for mt in range(G.m_tiles)]
                       for u in range(G.groups)]
-                sv = [[[_ring_get(ring, G.ss_off(warp, slot, u, mt, ln) + (1 << 40) + 4 * q)
+                sv = [[[_ring_get(ring, G.ss_off(warp, slot, u, mt, sidx) + (1 << 40) + 4 * q)
                         for q in range(2)] for mt in range(G.m_tiles)] for u in range(G.groups)]
                 return wv, sv
 
@@ -235,12 +264,20 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
                 for s0 in range(G.stages - 1):
                     if s0 < G.nit:
                         issue(s0, s0)
+            if G.pipeline == "bulk":
+                for s0 in range(min(G.stages, G.nit)):
+                    issue_bulk(s0, s0)
             for it in range(G.nit):
                 if G.pipeline == "cp_async":
                     nxt = it + G.stages - 1
                     if nxt < G.nit:
                         issue(nxt, nxt % G.stages)
                     wall, sall = read(it % G.stages)
+                elif G.pipeline == "bulk":
+                    # read the slot, then (the warp synchronized) refill it S iterations on
+                    wall, sall = read(it % G.stages, it)
+                    if it + G.stages < G.nit:
+                        issue_bulk(it + G.stages, it % G.stages)
                 else:
                     wall, sall = fetch(it)
                 for u in range(G.groups):

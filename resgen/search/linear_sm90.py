@@ -13,7 +13,10 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
                        double buffer of the next iteration; ptxas may sink those loads),
                        "cp_async" (per-lane cp.async.cg into a shared-memory ring of `stages`
                        iterations, stages - 1 in flight; each lane reads back only what it
-                       copied, so no barrier is needed)
+                       copied, so no barrier is needed), "bulk" (the same ring filled by the
+                       copy engine: one lane per warp issues cp.async.bulk copies of whole
+                       iterations completing on a per-slot mbarrier; all `stages` iterations
+                       in flight, no per-lane copy instructions or address registers)
     l2_prefetch        iterations ahead whose weight/scale spans lane 0 asks the copy engine to
                        pull into L2 (cp.async.bulk.prefetch.L2; 0 = none): later loads hit L2
     split_k, reduce    CTAs along K and how their partials meet: "atomic" (FP32 red.global into
@@ -69,6 +72,7 @@ class Pipeline(Choice):
     DIRECT = "direct"
     REGS = "regs"
     CP_ASYNC = "cp_async"
+    BULK = "bulk"
 
 
 class Reduction(Choice):
@@ -176,7 +180,7 @@ def _reg_estimate(v: LinearSm90Variant, p: LinearProblem | None = None) -> int:
     Variants above _MAX_REGS_EST spilled in every compile tried; the fused prologue's
     quantization needs about 72 (MXFP4 blocks of 32: more) on its own."""
     held = {Pipeline.DIRECT: 8 * v.groups * v.m_tiles, Pipeline.REGS: 36 * v.groups * v.m_tiles,
-            Pipeline.CP_ASYNC: 6 * v.m_tiles}[v.pipeline]
+            Pipeline.CP_ASYNC: 6 * v.m_tiles, Pipeline.BULK: 6 * v.m_tiles}[v.pipeline]
     b = 8 * v.n_tiles * (2 if v.m_tiles > 1 else 1)
     est = 40 + 4 * v.m_tiles * v.n_tiles + b + held
     if v.fused:
@@ -213,9 +217,10 @@ class LinearSm90Family:
         if ng % div:
             return (f"Kp/256 = {ng} K groups do not split evenly over split_k * warps_k * "
                     f"groups = {div}")
-        if (v.pipeline == Pipeline.CP_ASYNC) != (v.stages > 1):
-            return ("the cp_async pipeline needs stages >= 2" if v.pipeline == Pipeline.CP_ASYNC
-                    else f"stages={v.stages} only applies to the cp_async pipeline")
+        ringed = v.pipeline in (Pipeline.CP_ASYNC, Pipeline.BULK)
+        if ringed != (v.stages > 1):
+            return (f"the {v.pipeline.value} pipeline needs stages >= 2" if ringed
+                    else f"stages={v.stages} only applies to the cp_async and bulk pipelines")
         if (v.split_k > 1) != (v.reduce != Reduction.NONE):
             return ("split_k > 1 needs reduce atomic/workspace" if v.split_k > 1
                     else f"reduce={v.reduce.value} without split_k > 1")
@@ -238,12 +243,16 @@ class LinearSm90Family:
         nit = geom.nit
         if v.pipeline == Pipeline.CP_ASYNC and v.stages > nit + 1:
             return f"{v.stages} stages for {nit} iterations per warp"
+        if v.pipeline == Pipeline.BULK and v.stages > nit:
+            return f"a bulk ring of {v.stages} stages for {nit} iterations per warp"
         # l2_prefetch == nit: the whole K slice is requested up front (with PDL: before the
         # wait for the previous kernel)
         if v.l2_prefetch > nit:
             return f"L2 prefetch {v.l2_prefetch} iterations ahead of {nit} per warp"
         if v.pipeline == Pipeline.CP_ASYNC and 0 < v.l2_prefetch < v.stages:
             return "an L2 prefetch closer than the cp.async ring's depth does nothing"
+        if v.pipeline == Pipeline.BULK and 0 < v.l2_prefetch <= v.stages:
+            return "an L2 prefetch within the bulk ring's depth does nothing"
         try:
             geom.check()
         except ValueError as e:       # every rule above should have caught it first
@@ -261,7 +270,8 @@ class LinearSm90Family:
         prefetches (l2_prefetch = nit) request the warp's whole K slice up front (with PDL:
         while the previous kernel still runs)."""
         out = [(Pipeline.CP_ASYNC, 3, 0), (Pipeline.CP_ASYNC, 4, 0), (Pipeline.REGS, 1, 0),
-               (Pipeline.DIRECT, 1, 1), (Pipeline.DIRECT, 1, 2)]
+               (Pipeline.DIRECT, 1, 1), (Pipeline.DIRECT, 1, 2), (Pipeline.BULK, 2, 0),
+               (Pipeline.BULK, 4, 0)]
         if 2 < nit <= 8:
             out += [(Pipeline.DIRECT, 1, nit), (Pipeline.REGS, 1, nit)]
         return out
@@ -341,7 +351,9 @@ class LinearSm90Family:
         v, p = variant, problem
         rows = p.rows
         order = self._WIDE_FIRST if p.n >= 16384 else self._NARROW_FIRST
-        key = (v.warps_m, v.warps_k, v.m_tiles, v.pipeline)
+        # a bulk ring ranks like the cp.async ring of the same layout (not yet measured)
+        pipe = Pipeline.CP_ASYNC if v.pipeline == Pipeline.BULK else v.pipeline
+        key = (v.warps_m, v.warps_k, v.m_tiles, pipe)
         s = float(order.index(key)) if key in order else float(len(order) + 2)
         can_fuse = _why_not_fused(replace(v, act=Act.FUSED), p) is None
         if can_fuse and rows <= 8:
@@ -356,6 +368,8 @@ class LinearSm90Family:
         s += 0.5 if v.reduce == Reduction.ATOMIC else 0.0
         if v.pipeline == Pipeline.CP_ASYNC:
             s += 0.0 if v.stages == 3 else 1.5
+        if v.pipeline == Pipeline.BULK:
+            s += 0.2 if v.stages == 2 else 1.0
         if v.pipeline == Pipeline.DIRECT:
             s += 0.0 if v.l2_prefetch == 2 else 0.4
         if v.pipeline == Pipeline.REGS:

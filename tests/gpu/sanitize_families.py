@@ -3,8 +3,8 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_families.py
 
-Each family's default variant (plus a fused-quantization linear variant, a split-K WGMMA
-variant and a PDL + split-K WGMMA variant) is compiled with the
+Each family's default variant (plus a fused-quantization linear variant, a bulk-ring linear
+variant with PDL, a split-K WGMMA variant and a PDL + split-K WGMMA variant) is compiled with the
 pipeline, run through its runner's check() (fresh inputs, poisoned outputs, reference), and
 the result printed; the exit code is non-zero if a check fails.
 """
@@ -19,7 +19,7 @@ import torch
 
 from resgen.search import build
 from resgen.search.family import get_family
-from resgen.search.linear_sm90 import Act
+from resgen.search.linear_sm90 import Act, Pipeline
 from resgen.search.quant_sm90 import QuantProblem
 from resgen.search.variant import AttentionProblem, LinearProblem
 
@@ -32,6 +32,13 @@ def main() -> int:
     fused = [v for v in lin.space(lp, ARCH) if v.act == Act.FUSED
              and lin.why_invalid(v, lp, ARCH) is None][:1]
     cases = [(lin, lin.default(lp, ARCH), lp), *[(lin, v, lp) for v in fused]]
+    # the bulk ring (copy engine into shared memory, per-slot mbarriers), refilled: 4
+    # iterations through 2 slots, behind the fused prologue, PDL
+    bulk = dataclasses.replace(lin.default(lp, ARCH), warps_m=1, warps_k=1, n_tiles=1,
+                               pipeline=Pipeline.BULK, stages=2, l2_prefetch=0, split_k=1,
+                               act=Act.FUSED, pdl=True)
+    assert lin.why_invalid(bulk, lp, ARCH) is None, lin.why_invalid(bulk, lp, ARCH)
+    cases.append((lin, bulk, lp))
     qf = get_family("quant_sm90")
     qp = QuantProblem.for_linear(lp, kp_align=256)
     cases.append((qf, qf.default(qp, ARCH), qp))

@@ -1,7 +1,7 @@
 """linear_sm90_mma on an H200: a covering subset of the space of small problems (every field value
 of the space at least once, both formats, every compensation), the nib / 2-group variants
 outside the space, fused quantization at partial tiles and K-Ext (per CTA and shared by a
-cluster of 2; a cluster of 4 outside the space), the Qwen3-8B shapes; fresh
+cluster of 2; a cluster of 4 outside the space), the Qwen3-8B shapes (with bulk-ring variants); fresh
 random inputs, NaN-poisoned outputs, ||out - ref|| / ||ref|| <= 3e-3 vs resgen.reference.linear,
 bit-identical reruns for deterministic variants, repeated calls (semaphores / workspace reset),
 CUDA-graph replay, and two PDL layers chained through their activations (the second must wait
@@ -136,19 +136,26 @@ def test_qwen_shapes(n, k, fmt, comp, m):
              LinearSm90Variant(warps_m=4, warps_k=2, n_tiles=nt, pipeline=Pipeline.REGS,
                                stages=1, act=Act.FUSED, pdl=True),
              LinearSm90Variant(warps_m=4, warps_k=2, n_tiles=nt, pipeline=Pipeline.REGS,
-                               stages=1, act=Act.FUSED, cluster=2)]
+                               stages=1, act=Act.FUSED, cluster=2),
+             # the bulk ring (copy engine + mbarriers), xop and fused + PDL
+             LinearSm90Variant(warps_m=4, warps_k=2, n_tiles=nt, pipeline=Pipeline.BULK,
+                               stages=4),
+             LinearSm90Variant(warps_m=1, warps_k=8, n_tiles=nt, pipeline=Pipeline.BULK,
+                               stages=2, act=Act.FUSED, pdl=True)]
     ran = 0
     for v in cands:
         if FAMILY.why_invalid(v, p, ARCH) is None:
             _check_variant(v, p, ms=(m,), determinism=v.reduce != Reduction.ATOMIC)
             ran += 1
-    assert ran >= 2
+    assert ran >= 5           # including the bulk xop variant, valid on every shape
 
 
+@pytest.mark.parametrize("pipe", [(Pipeline.CP_ASYNC, 3), (Pipeline.BULK, 2)],
+                         ids=lambda x: f"{x[0].value}{x[1]}")
 @pytest.mark.parametrize("pdl", [False, True])
-def test_cuda_graph_replay_matches_eager(pdl):
+def test_cuda_graph_replay_matches_eager(pdl, pipe):
     p = LinearProblem("nvfp4", "full", 3, 4096, 4096)
-    v = LinearSm90Variant(warps_m=1, warps_k=4, pipeline=Pipeline.CP_ASYNC, stages=3,
+    v = LinearSm90Variant(warps_m=1, warps_k=4, pipeline=pipe[0], stages=pipe[1],
                           split_k=2, reduce=Reduction.WORKSPACE, act=Act.FUSED, pdl=pdl)
     r = FAMILY.runner(_compiled(v, p), v, p, "cuda", n_sets=2, seed=0)
     r.rotate(1)
