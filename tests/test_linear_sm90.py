@@ -870,14 +870,20 @@ def test_weight_sets_are_copies_in_their_own_memory():
 
 def test_prior_puts_the_h200_winning_patterns_first():
     """The ranked search tries, right after the default, what won whole-layer timings on the
-    H200: fused 4 x 2 register-pipeline CTAs for a wide M = 1 layer, fused 1 x 8 cp.async
-    for a long-K one, and the xop operand once the token count grows."""
+    H200: fused 4 x 2 CTAs on a 2-slot bulk ring for a wide M = 1 layer (then the register
+    pipeline), fused 1 x 8 cp.async for a long-K one, and the xop operand once the token
+    count grows."""
     def first(p):
         return min(FAMILY.space(p, ARCH), key=lambda v: (FAMILY.prior(v, p), v.key()))
 
-    v = first(LinearProblem("nvfp4", "none", 1, 24576, 4096))
-    assert (v.warps_m, v.warps_k, v.pipeline, v.act, v.pdl) == (4, 2, Pipeline.REGS, Act.FUSED,
-                                                                False)
+    for comp in ("none", "full"):
+        p = LinearProblem("nvfp4", comp, 1, 24576, 4096)
+        v = first(p)
+        assert (v.warps_m, v.warps_k, v.pipeline, v.stages, v.act, v.pdl) == \
+            (4, 2, Pipeline.BULK, 2, Act.FUSED, False)
+        ranked = sorted(FAMILY.space(p, ARCH), key=lambda v: (FAMILY.prior(v, p), v.key()))
+        assert any(r.pipeline == Pipeline.REGS and (r.warps_m, r.warps_k) == (4, 2)
+                   for r in ranked[:4])
     v = first(LinearProblem("nvfp4", "full", 1, 4096, 12288))
     assert (v.warps_m, v.warps_k, v.pipeline, v.stages, v.act) == (1, 8, Pipeline.CP_ASYNC, 3,
                                                                    Act.FUSED)

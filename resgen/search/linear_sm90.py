@@ -328,7 +328,12 @@ class LinearSm90Family:
     # (warps_m, warps_k, m_tiles, pipeline) in the order they won whole-layer timings on the
     # H200 (bench/results/h200/final_linear_sm90_check.log): wide layers (N >= 16384) 4 x 2
     # warps with the register double buffer; the others the most K slices per CTA.
-    _WIDE_FIRST = ((4, 2, 1, Pipeline.REGS), (2, 4, 1, Pipeline.CP_ASYNC),
+    # The bulk ring's first H200 run (bench/results/h200/bulk_probe.json, M = 1, fused): 4 x 2
+    # warps with a 2-slot bulk ring beat the register buffer on gate_up (plain 16.73 vs
+    # 17.11 us, M-Ext 17.47 vs 19.01 with a cluster of 2); on down it lost to the cp.async
+    # ring (12.6-13.5 vs 10.75 us), so elsewhere it ranks like the cp.async ring of its layout.
+    _WIDE_FIRST = ((4, 2, 1, Pipeline.BULK), (4, 2, 1, Pipeline.REGS),
+                   (2, 4, 1, Pipeline.CP_ASYNC),
                    (1, 8, 1, Pipeline.CP_ASYNC), (1, 8, 1, Pipeline.DIRECT),
                    (2, 2, 2, Pipeline.REGS), (4, 2, 1, Pipeline.CP_ASYNC))
     _NARROW_FIRST = ((1, 8, 1, Pipeline.CP_ASYNC), (1, 8, 1, Pipeline.DIRECT),
@@ -351,9 +356,9 @@ class LinearSm90Family:
         v, p = variant, problem
         rows = p.rows
         order = self._WIDE_FIRST if p.n >= 16384 else self._NARROW_FIRST
-        # a bulk ring ranks like the cp.async ring of the same layout (not yet measured)
-        pipe = Pipeline.CP_ASYNC if v.pipeline == Pipeline.BULK else v.pipeline
-        key = (v.warps_m, v.warps_k, v.m_tiles, pipe)
+        key = (v.warps_m, v.warps_k, v.m_tiles, v.pipeline)
+        if key not in order and v.pipeline == Pipeline.BULK:
+            key = (v.warps_m, v.warps_k, v.m_tiles, Pipeline.CP_ASYNC)
         s = float(order.index(key)) if key in order else float(len(order) + 2)
         can_fuse = _why_not_fused(replace(v, act=Act.FUSED), p) is None
         if can_fuse and rows <= 8:
