@@ -717,3 +717,15 @@ def test_summaries_merge_in_stage_order_whatever_the_arrival_order():
         (m,) = [m for m in merged if m.problem_key == "p"]
         assert (m.stage, m.search, m.winner, m.evaluated) == ("cover+refine", "cover+optuna",
                                                               "b", 2)
+
+
+def test_refine_share_never_reaches_past_the_run_budget():
+    """The last workloads of a run used to get workers x the time left, so a run whose
+    workloads all finished still ran into the hard stop (tune13b: 64 workloads, 14
+    processes, killed 30 s past the budget)."""
+    from resgen.search.tuner import workload_share
+
+    assert workload_share("refine", 100.0, 14, 1) == 100.0      # not 1400 s
+    assert workload_share("refine", 100.0, 14, 28) == 50.0      # the fair share
+    assert workload_share("refine", -5.0, 14, 3) == 0.0         # past the budget
+    assert workload_share("cover", 100.0, 14, 500) == 100.0     # one variant each, any time

@@ -352,7 +352,9 @@ class LinearSm90Family:
         tiles of two or more operand rows (M-Ext, M >= 2) quantized once per cluster of 2 CTAs,
         one-row tiles per CTA (linear_cluster_check.log: 0.81-0.95 of the cluster-1 time
         summed over the four Qwen3-8B shapes at M = 4 and 16, 0.98 for M-Ext at M = 1, 1.06
-        for plain M = 1); PDL variants after their non-PDL twins."""
+        for plain M = 1), on the bulk ring from four rows (its M-Ext at M = 1, two rows, ran
+        17.47 us without a cluster in bulk_probe.json, 20.18 with one in tune13a); PDL
+        variants after their non-PDL twins."""
         v, p = variant, problem
         rows = p.rows
         order = self._WIDE_FIRST if p.n >= 16384 else self._NARROW_FIRST
@@ -380,7 +382,10 @@ class LinearSm90Family:
         if v.pipeline == Pipeline.REGS:
             s += 0.0 if v.l2_prefetch == 0 else 0.4
         if v.fused:
-            s += 0.0 if v.cluster == (2 if rows >= 2 else 1) else 0.3
+            # the bulk ring at M-Ext M = 1 (2 rows): cluster 1 (bulk_probe.json: 17.47 us on
+            # gate_up; tune13 timed the cluster-2 twin at 20.18 against plain 17.35)
+            want = 2 if rows >= (4 if v.pipeline == Pipeline.BULK else 2) else 1
+            s += 0.0 if v.cluster == want else 0.3
         s += 1.2 if v.pdl else 0.0
         return s
 

@@ -855,6 +855,18 @@ def _device_healthy(device: str) -> bool:
 Item = tuple[str, list[Job]]          # (stage, jobs) as queued
 
 
+def workload_share(stage: str, left_s: float, workers: int, left_workloads: int) -> float:
+    """Seconds one workload may search, given `left_s` seconds of the run's budget and
+    `left_workloads` workloads of `stage` not yet started (this one included) over `workers`
+    processes: the cover stage may use the whole rest (one variant each), the refine stage
+    its fair share, never past the run's budget (the last few workloads of a run would
+    otherwise get workers x the time left and keep searching until the hard stop)."""
+    left_s = max(left_s, 0.0)
+    if stage == "cover":
+        return left_s
+    return min(left_s * workers / max(left_workloads, 1), left_s)
+
+
 def _run_groups(next_item: Callable[[], Item | None], store_factory: Callable[[], Any],
                 env: Environment, config: TuneConfig, deadline: float | None,
                 remaining: Callable[[str, int], int], workers: int,
@@ -873,11 +885,8 @@ def _run_groups(next_item: Callable[[], Item | None], store_factory: Callable[[]
                 left = remaining(stage, -1) + 1   # this stage's workloads not yet started
                 wl_deadline = None
                 if deadline is not None:
-                    if stage == "cover":              # the whole budget: one variant each
-                        share = deadline - time.time()
-                    else:
-                        share = (deadline - time.time()) * workers / max(left, 1)
-                    wl_deadline = time.monotonic() + max(share, 0.0)
+                    wl_deadline = time.monotonic() + workload_share(
+                        stage, deadline - time.time(), workers, left)
                 emit("start", job)
                 if disabled(job.family):
                     emit("done", WorkloadSummary(
