@@ -1,7 +1,10 @@
 """Latency of residue-compensated FP4 linear layers relative to plain FP4 against M, one panel per
-Qwen3-8B shape (the paper's Fig. 18 style), from the committed H200 results:
+Qwen3 projection shape (the paper's Fig. 18 style), from the committed H200 results:
 
     python bench/plot_linear.py      # writes bench/results/h200/linear_relative_latency.{svg,md}
+    python bench/plot_linear.py --model qwen3-4b --prefill none \
+        --decode bench/results/h200/bench_qwen3_4b_table13.json.xz
+                                     # ... linear_relative_latency_qwen3_4b.{svg,md} (decode only)
 
 Inputs (options --decode / --prefill / --out-dir override the defaults; the default decode input
 is the `resgen bench` report described last):
@@ -22,7 +25,7 @@ is the `resgen bench` report described last):
 - or, for the decode range (--decode given a `resgen bench` JSON: a dict with "rows"): what the
   runtime dispatches from the shipped table, one variant per (shape, fmt, mode, M), either
   kernel family (records with resgen_us and check.ok; shapes named by their N x K). The
-  committed figure uses bench/results/h200/bench_qwen3_8b_table10.json.xz this way.
+  committed figure uses bench/results/h200/bench_qwen3_8b_table13b.json.xz this way.
 - or, for the prefill range (--prefill given a `resgen bench` JSON), likewise: the committed
   figure uses bench/results/h200/bench_qwen3_8b_table12_prefill.json.xz (M = 256..2048, the
   shipped table's prefill buckets).
@@ -52,7 +55,7 @@ from resgen.models import get_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "h200"
-DECODE_JSON = RESULTS / "bench_qwen3_8b_table10.json.xz"      # a resgen bench report (dispatch)
+DECODE_JSON = RESULTS / "bench_qwen3_8b_table13b.json.xz"     # a resgen bench report (dispatch)
 PREFILL_JSON = RESULTS / "bench_qwen3_8b_table12_prefill.json.xz"     # resgen bench, M >= 256
 OUT_NAME = "linear_relative_latency"
 
@@ -73,8 +76,12 @@ class Family:
 DECODE = Family("decode", "linear_sm90_mma", "circle", 1, FAMILY_SPLIT_M)
 DISPATCH = Family("dispatch", "the runtime's choice per layer (linear_sm90_mma or "
                   "linear_sm90_wgmma)", "circle", 1, FAMILY_SPLIT_M)
-# names of the Qwen3-8B projection shapes (TP1) the reports' (N, K) belong to
-SHAPE_OF = {(s.n, s.k): s.name for s in get_model("qwen3-8b").linear_shapes()}
+# names of the Qwen3 projection shapes (TP1) the reports' (N, K) belong to (the three built-in
+# models' (N, K) pairs are all distinct)
+SHAPE_OF = {(s.n, s.k): s.name for mdl in ("qwen3-4b", "qwen3-8b", "qwen3-32b")
+            for s in get_model(mdl).linear_shapes()}
+MODEL_LABEL = {"qwen3-4b": "Qwen3-4B", "qwen3-8b": "Qwen3-8B", "qwen3-32b": "Qwen3-32B"}
+NO_PREFILL: dict = {"rows": []}      # --prefill none: a bench report without rows
 PREFILL = Family("prefill", "linear_sm90_wgmma", "open-square", FAMILY_SPLIT_M, 1 << 30)
 PREFILL_DISPATCH = Family("prefill dispatch", "the runtime's choice from the prefill buckets "
                           "(linear_sm90_wgmma)", "open-square", FAMILY_SPLIT_M, 1 << 30)
@@ -236,6 +243,8 @@ def _decode_source(dec: dict) -> str:
 
 def _prefill_source(pre: dict) -> str:
     """How the prefill-range points were obtained (figure subtitle)."""
+    if is_bench(pre) and not pre["rows"]:
+        return "M ≥ 256: not measured for this model (no prefill buckets in the shipped table)."
     if is_bench(pre):
         return ("M ≥ 256, the runtime's dispatch from the shipped table's prefill buckets (open "
                 "squares): resgen bench rows (whole layer, check ok), one variant per layer.")
@@ -260,13 +269,15 @@ def subtitle(dec: dict, pre: dict) -> tuple[str, ...]:
 def _env_line(dec: dict, pre: dict) -> str:
     e, p = dec.get("environment") or {}, pre.get("environment") or {}
     label = e.get("policy_label") or (dec.get("policy") or {}).get("name", "?")
+    runs = f"decode run {str(e.get('date') or dec.get('date', '?'))[:16]}"
+    if not (is_bench(pre) and not pre["rows"]):
+        runs += f", prefill run {str(p.get('date') or pre.get('date', '?'))[:16]}"
     return (f"{e.get('gpu_name', '?')} ({e.get('arch', '?')}), torch {e.get('torch', '?')}, "
-            f"CuTe DSL {e.get('cute_dsl', '?')}, timing {label}; decode run "
-            f"{str(e.get('date') or dec.get('date', '?'))[:16]}, prefill run "
-            f"{str(p.get('date') or pre.get('date', '?'))[:16]} UTC; python bench/plot_linear.py")
+            f"CuTe DSL {e.get('cute_dsl', '?')}, timing {label}; {runs} UTC; "
+            "python bench/plot_linear.py")
 
 
-def render_svg(dec: dict, pre: dict) -> str:
+def render_svg(dec: dict, pre: dict, model: str = "Qwen3-8B") -> str:
     """The figure: a title, the data-source subtitle, a shared legend, 2 x 2 panels."""
     d_rat, p_rat = ratios(decode_best(dec)), ratios(prefill_best(pre))
     dfam, pfam = decode_family(dec), prefill_family(pre)
@@ -276,7 +287,7 @@ def render_svg(dec: dict, pre: dict) -> str:
     shapes = [s for s in SHAPES if s in dims] + sorted(set(dims) - set(SHAPES))
     cols = 2
     width = cols * FRAME.width + 20
-    body = [sp.text(14, 24, "FP4 linear layers on H200 (Hopper kernels, Qwen3-8B shapes): "
+    body = [sp.text(14, 24, f"FP4 linear layers on H200 (Hopper kernels, {model} shapes): "
                     "latency relative to plain FP4", size=15, weight="bold")]
     y = 44
     for line in subtitle(dec, pre):
@@ -285,7 +296,7 @@ def render_svg(dec: dict, pre: dict) -> str:
     entries = [sp.Series("plain FP4 (= 1.0)", [], "#000", dash="5 3", marker="none")]
     entries += [sp.Series(label, [], color, marker="none") for label, color in styles.values()]
     entries += [sp.Series(f"{f.tag}: {f.kernel}", [], "#666", marker=f.marker)
-                for f in (dfam, pfam)]
+                for f in (dfam, pfam) if f is dfam or p_rat or prefill_best(pre)]
     leg, leg_h = sp.legend(24, y + 8, entries, width - 40)
     body += leg
     top = y + 8 + leg_h
@@ -315,7 +326,7 @@ def _range(vals: list[float], digits: int = 2) -> str:
     return f"{min(vals):.{digits}f}–{max(vals):.{digits}f}" if vals else "n/a"
 
 
-def render_md(dec: dict, pre: dict) -> str:
+def render_md(dec: dict, pre: dict, model: str = "Qwen3-8B", name: str = OUT_NAME) -> str:
     """The same ratios as a markdown table (plain latencies in us for scale) and the findings
     computed from them."""
     d_best, p_best = decode_best(dec), prefill_best(pre)
@@ -333,20 +344,23 @@ def render_md(dec: dict, pre: dict) -> str:
         dsrc = (f"- decode, M <= {FAMILY_SPLIT_M}, `{DECODE.kernel}`: "
                 "`final_linear_sm90_check.json.xz`, `tasks` with `kind=layer`, `pdl=false`, "
                 "`timing_mode` graph; min `median_us` (the file's table column `layer`).")
-    out = [f"# {OUT_NAME}: FP4 linear latency relative to plain FP4 (H200, Qwen3-8B shapes)", "",
+    psrc = (f"- M >= {2 * FAMILY_SPLIT_M}, {pfam.kernel}: a `resgen bench` report on the "
+            "shipped table's prefill buckets, rows with `check.ok`; `resgen_us`."
+            if pfam is PREFILL_DISPATCH else
+            f"- prefill, M >= {FAMILY_SPLIT_M}, `{PREFILL.kernel}`: "
+            "`final_linear_sm90_wgmma_prefill.json.xz`, `entries` with `quantizer=true` and "
+            "`check.ok`; min `median_us`.")
+    if is_bench(pre) and not pre["rows"]:
+        psrc = f"- M >= {2 * FAMILY_SPLIT_M}: not measured for this model."
+    out = [f"# {name}: FP4 linear latency relative to plain FP4 (H200, {model} shapes)", "",
            "Generated by `python bench/plot_linear.py` (figure: "
-           f"[{OUT_NAME}.svg]({OUT_NAME}.svg)).", "",
+           f"[{name}.svg]({name}.svg)).", "",
            "Each ratio is the best whole-layer median latency of the compensated mode divided by "
            "the best whole-layer median of plain FP4 (mode `none`) of the same format, shape, M "
            "and kernel family (lower is faster). Whole layer = BF16 activations in, activation "
            "quantization included.", "",
            dsrc,
-           (f"- M >= {2 * FAMILY_SPLIT_M}, {pfam.kernel}: a `resgen bench` report on the "
-            "shipped table's prefill buckets, rows with `check.ok`; `resgen_us`."
-            if pfam is PREFILL_DISPATCH else
-            f"- prefill, M >= {FAMILY_SPLIT_M}, `{PREFILL.kernel}`: "
-            "`final_linear_sm90_wgmma_prefill.json.xz`, `entries` with `quantizer=true` and "
-            "`check.ok`; min `median_us`."),
+           psrc,
            "- Not used: GEMM-only timings (`kind=gemm`, `quantizer=false`) and PDL timings "
            "(`pdl=true`).", "",
            "| shape | M | family | plain NVFP4 us | " + " | ".join(styles[m][0] for m in modes)
@@ -445,14 +459,20 @@ def findings(d_best: dict[Key, float], p_best: dict[Key, float],
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decode", type=Path, default=DECODE_JSON)
-    ap.add_argument("--prefill", type=Path, default=PREFILL_JSON)
+    ap.add_argument("--prefill", default=str(PREFILL_JSON),
+                    help="a report for M >= 256, or 'none' (decode range only)")
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODEL_LABEL),
+                    help="names the figure; files other than Qwen3-8B's get a _<model> suffix")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     a = ap.parse_args(argv)
-    dec, pre = load_json(a.decode), load_json(a.prefill)
-    svg, md = render_svg(dec, pre), render_md(dec, pre)
+    dec = load_json(a.decode)
+    pre = NO_PREFILL if a.prefill == "none" else load_json(Path(a.prefill))
+    label = MODEL_LABEL[a.model]
+    name = OUT_NAME if a.model == "qwen3-8b" else f"{OUT_NAME}_{a.model.replace('-', '_')}"
+    svg, md = render_svg(dec, pre, label), render_md(dec, pre, label, name)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     for ext, text in (("svg", svg), ("md", md)):
-        path = a.out_dir / f"{OUT_NAME}.{ext}"
+        path = a.out_dir / f"{name}.{ext}"
         path.write_text(text)
         print(f"wrote {path}")
     return 0

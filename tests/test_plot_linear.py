@@ -245,6 +245,24 @@ def test_main_writes_both_files(tmp_path):
     assert (tmp_path / "out" / f"{PL.OUT_NAME}.md").read_text().count("| qkv |") == 6
 
 
+def test_decode_only_figure_for_another_model(tmp_path):
+    """--prefill none: the decode range alone, named after the model; no prefill series,
+    legend entry or run date, and the markdown says the prefill range was not measured."""
+    dec = tmp_path / "d.json"
+    dec.write_text(json.dumps(bench_report()))
+    assert PL.main(["--decode", str(dec), "--prefill", "none", "--model", "qwen3-4b",
+                    "--out-dir", str(tmp_path / "out")]) == 0
+    name = f"{PL.OUT_NAME}_qwen3_4b"
+    svg = (tmp_path / "out" / f"{name}.svg").read_text()
+    root = ET.fromstring(svg)
+    assert "Qwen3-4B shapes" in svg and "prefill run" not in svg
+    assert "prefill dispatch: " not in svg
+    assert all("prefill" not in (e.get("data-series") or "") for e in _polylines(root))
+    md = (tmp_path / "out" / f"{name}.md").read_text()
+    assert md.startswith(f"# {name}:") and "not measured for this model" in md
+    assert "| qkv | 16 | dispatch | 160.0 | 1.250 |" in md
+
+
 # ------------------------------------------------------------------------------ svgplot
 
 
