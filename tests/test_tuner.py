@@ -318,7 +318,9 @@ def test_hung_process_is_killed_after_the_budget(tmp_path, monkeypatch):
              workers=1, isolate=True, modules=["fakefam"],
              on_event=lambda k, o: events.append((k, o)))
     assert time.monotonic() - t0 < 60
-    assert any(k == "crash" and "hard stop" in o for k, o in events)
+    # the message names the workload the killed process was on
+    assert any(k == "crash" and "hard stop" in o and f"in flight: {FAM.NAME} {jobs[0].problem_key}"
+               in o for k, o in events)
     with TuningDB(tmp_path / "t.sqlite", readonly=True) as db:
         rows = {FakeVariant.from_key(r["variant_key"]): r for r in db.rows()}
     assert rows[hang]["status"] == Status.RUN_FAILED and "never finished" in rows[hang]["error"]

@@ -1141,12 +1141,17 @@ def run_jobs(jobs: Sequence[Job], store_factory: Callable[[], Any], env: Environ
                         rest[0].family if rest else None)
             kind = None
         if deadline is not None and time.time() > deadline + grace:
-            for p in procs.values():
+            busy = []                 # what each killed process had claimed and not finished
+            for pid, p in procs.items():
                 if p.is_alive():
                     p.kill()
+                    rest = claimed.get(pid, ("", []))[1]
+                    if rest:
+                        busy.append(f"{rest[0].family} {rest[0].problem_key}")
             emit("crash", f"hard stop {grace:.0f} s after the time budget: killed the tuner "
-                          "processes still running (a hung kernel?); every finished result "
-                          "is stored")
+                          "processes still running (a hung kernel?"
+                          + (f" in flight: {'; '.join(busy)}" if busy else "")
+                          + "); every finished result is stored")
             break
         if kind is None:
             continue
