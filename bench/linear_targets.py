@@ -34,6 +34,7 @@ PREFILL_JSON = RESULTS / "bench_qwen3_8b_table12_prefill.json.xz"
 GATE_UP_DOWN = {"gate/up": lambda n, k: n > 2 * k, "down": lambda n, k: k > 2 * n}
 
 Key = tuple[str, str, int]                 # (fmt, compensation, m)
+Row = tuple[str, str, float, bool]         # (target, how it is measured, value, met)
 
 
 def sums(report: dict, field: str) -> dict[Key, float]:
@@ -50,12 +51,12 @@ def sums(report: dict, field: str) -> dict[Key, float]:
     return {k: sum(d.values()) for k, d in acc.items() if set(d) == shapes}
 
 
-def decode_targets(report: dict) -> list[tuple[str, str, float | None, bool | None]]:
-    """(target, how it is measured, value, met) rows of the decode range."""
+def decode_targets(report: dict) -> list[Row]:
+    """The target rows of the decode range."""
     res, bf, f8 = (sums(report, f) for f in ("resgen_us", "bf16_us", "fp8_us"))
     tri = sums(report, "triton_us")
     ms = sorted({m for (f, c, m) in res if f == "nvfp4" and c == "none" and m <= 16})
-    out: list[tuple[str, str, float | None, bool | None]] = []
+    out: list[Row] = []
     if ms:
         base = sum(res[("nvfp4", "none", m)] for m in ms)
         for name, ref, goal in (("cuBLAS BF16", bf, 3.5), ("cuBLAS FP8", f8, 2.0)):
@@ -82,9 +83,10 @@ def decode_targets(report: dict) -> list[tuple[str, str, float | None, bool | No
     return out
 
 
-def prefill_targets(report: dict) -> list[tuple[str, str, float | None, bool | None]]:
+def prefill_targets(report: dict) -> list[Row]:
+    """The target rows of the prefill range."""
     res, bf = sums(report, "resgen_us"), sums(report, "bf16_us")
-    out: list[tuple[str, str, float | None, bool | None]] = []
+    out: list[Row] = []
     for m in (1024, 2048):
         pl = res.get(("nvfp4", "none", m))
         if pl is None:
