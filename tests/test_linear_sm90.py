@@ -259,6 +259,7 @@ def test_make_xop_rejects_mismatched_inputs():
 
 # ----------------------------------------------------------------------------- variants
 
+from resgen.kernels.linear_sm90_geom import Geometry  # noqa: E402
 from resgen.kernels.linear_sm90_sim import simulate_kernel  # noqa: E402
 from resgen.search import family as family_registry  # noqa: E402
 from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant,  # noqa: E402
@@ -447,9 +448,49 @@ def test_cp_async_ring_offsets_are_disjoint_and_in_bounds(v):
 def test_kernel_simulation_matches_emulator_bit_for_bit(fmt, comp, m, fields):
     """The template's index math (shared Geometry) + PTX fragment semantics reproduce the
     emulator's BF16 output exactly, for CTAs run in a shuffled order."""
+    _check_xop_simulation(fmt, comp, m, fields, 1024)
+
+
+# ragged K slices: the CTA's K groups split unevenly over its warps (slices of floor / ceil
+# groups, the long slices' last iteration behind a runtime guard); K = 1280 is 5 groups of
+# 256, 2560 is 10 (Qwen3-4B's hidden size), K-Ext 0.125 at 4096 is 18
+RAGGED_SIM_CASES = [
+    ("nvfp4", "none", 3, 1280, dict(warps_m=1, warps_k=4, stages=3)),
+    ("mxfp4", "full", 2, 2560, dict(warps_m=1, warps_k=4, **_DIRECT, l2_prefetch=1)),
+    ("nvfp4", "full", 1, 2560, dict(warps_m=2, warps_k=4, pipeline=Pipeline.BULK, stages=2)),
+    ("nvfp4", "none", 5, 2560, dict(warps_m=1, warps_k=4, split_k=2, stages=2,
+                                    reduce=Reduction.WORKSPACE)),
+    ("mxfp4", "0.125", 1, 4096, dict(warps_m=1, warps_k=8, pipeline=Pipeline.BULK, stages=2)),
+]
+
+
+@pytest.mark.parametrize("fmt, comp, m, k, fields", RAGGED_SIM_CASES)
+def test_ragged_k_slices_simulation_matches_emulator_bit_for_bit(fmt, comp, m, k, fields):
+    v = LinearSm90Variant(**fields)
+    g = geometry_of(v, LinearProblem(fmt=fmt, compensation=comp, m=m, n=64, k=k))
+    assert g.ragged
+    _check_xop_simulation(fmt, comp, m, fields, k)
+
+
+@pytest.mark.parametrize("cg, wk", [(5, 4), (10, 4), (38, 8), (19, 8), (18, 8), (9, 2),
+                                    (16, 8)])
+def test_ragged_slices_cover_the_cta_range_once(cg, wk):
+    """Warp slices tile the CTA's K groups in order, lengths gs or gs - 1 (gs = ceil)."""
+    g = Geometry("nvfp4", False, "split", 16, cg * 4 * 2, 1, wk, 1, 1, 1, "direct", 1, 0, 2,
+                 "workspace")
+    assert g.cg == cg and g.ragged == bool(cg % wk)
+    starts = [g.wstart(w) for w in range(wk + 1)]
+    assert starts[0] == 0 and starts[-1] == cg
+    lens = [g.slice_groups(w) for w in range(wk)]
+    assert sum(lens) == cg and set(lens) <= {g.gs, g.gs - 1} and max(lens) == g.gs
+    # the second CTA along split-K starts where the first ends
+    assert g.warp_coords(torch.tensor([0]), 0, 1, 0)[6].item() == cg
+
+
+def _check_xop_simulation(fmt, comp, m, fields, k):
     import random
 
-    n, k = 64, 1024
+    n = 64
     p = LinearProblem(fmt=fmt, compensation=comp, m=m, n=n, k=k)
     v = LinearSm90Variant(**fields)
     assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
@@ -506,6 +547,12 @@ FUSED_SIM_CASES = [
     ("mxfp4", "0.25", 2048, 9, 9, dict(warps_m=2, warps_k=1, n_tiles=2, split_k=2,
                                        reduce=Reduction.WORKSPACE, pipeline=Pipeline.BULK,
                                        stages=3, **_FUSED)),
+    # ragged K slices behind the fused prologue (the tile columns follow each warp's start)
+    ("nvfp4", "full", 2560, 1, 1, dict(warps_m=1, warps_k=4, stages=3, **_FUSED)),
+    ("mxfp4", "0.125", 4096, 2, 2, dict(warps_m=1, warps_k=8, pipeline=Pipeline.BULK,
+                                        stages=2, pdl=True, **_FUSED)),
+    ("nvfp4", "none", 1280, 3, 3, dict(warps_m=2, warps_k=4, **_DIRECT, cluster=2,
+                                       **_FUSED)),
 ]
 
 
@@ -610,6 +657,13 @@ COMPILE_CASES = [
      LinearSm90Variant(1, 8, 1, 1, 1, _BK, 4, act=Act.FUSED, pdl=True)),
     (LinearProblem("mxfp4", "full", 4, 6144, 4096),
      LinearSm90Variant(2, 2, 2, 1, 2, _BK, 3, act=Act.FUSED, cluster=2)),
+    # ragged K slices (Qwen3-4B down: 38 groups over 8 warps; gate_up: 10 over 4)
+    (LinearProblem("nvfp4", "none", 1, 2560, 9728),
+     LinearSm90Variant(1, 8, 1, 1, 1, _CP, 3, act=Act.FUSED, pdl=True)),
+    (LinearProblem("nvfp4", "full", 1, 2560, 9728),
+     LinearSm90Variant(1, 8, 1, 1, 1, _BK, 2, act=Act.FUSED)),
+    (LinearProblem("mxfp4", "none", 4, 19456, 2560),
+     LinearSm90Variant(2, 4, 1, 1, 1, _DI, 1, l2_prefetch=2)),
 ]
 
 

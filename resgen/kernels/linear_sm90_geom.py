@@ -92,8 +92,31 @@ class Geometry:
         return 32 * self.warps_m * self.warps_k
 
     @property
+    def cg(self) -> int:
+        """K groups of one CTA's range (cross-CTA split-K splits evenly)."""
+        return self.ng // self.split_k
+
+    @property
+    def ragged(self) -> bool:
+        """The CTA's groups do not split evenly over its warps_k K slices: slice wk takes
+        groups [wk cg / WK, (wk + 1) cg / WK) (floors), so slices differ by at most one group
+        and only the last iteration (gs - 1) is conditional (one group per iteration)."""
+        return self.cg % self.warps_k != 0
+
+    @property
     def gs(self) -> int:
-        return self.ng // (self.split_k * self.warps_k)
+        """Groups of the longest K slice of a warp."""
+        return -(-self.cg // self.warps_k)
+
+    def wstart(self, wk: Any) -> Any:
+        """First group of warp slice wk inside the CTA's range (wk may be a device value)."""
+        if not self.ragged:
+            return wk * self.gs
+        return (wk * self.cg) // self.warps_k
+
+    def slice_groups(self, wk: Any) -> Any:
+        """Groups of warp slice wk (gs or, when ragged, possibly gs - 1)."""
+        return self.wstart(wk + 1) - self.wstart(wk)
 
     @property
     def nit(self) -> int:
@@ -189,7 +212,16 @@ class Geometry:
             raise ValueError("shared memory above 227 KB per CTA")
         if self.n % (16 * self.m_tiles * self.warps_m):
             raise ValueError("N must be a multiple of 16 * m_tiles * warps_m")
-        if self.kq % 4 or self.ng % (self.split_k * self.warps_k * self.groups):
+        if self.kq % 4 or self.ng % self.split_k:
+            raise ValueError("K groups must split evenly over split_k")
+        if self.ragged:
+            if self.groups != 1 or self.pipeline == "regs":
+                raise ValueError("ragged K slices: one group per iteration, and the direct, "
+                                 "cp_async or bulk pipeline")
+            if self.warps_k & (self.warps_k - 1) or self.cg < self.warps_k:
+                raise ValueError("ragged K slices: warps_k a power of two, at most the CTA's "
+                                 "K groups")
+        elif self.gs % self.groups:
             raise ValueError("K groups must split evenly over split_k * warps_k * groups")
         if (self.split_k > 1) != (self.reduce != "none"):
             raise ValueError("split_k > 1 needs a reduction, split_k == 1 none")
@@ -241,7 +273,7 @@ class Geometry:
         g = lane // 4
         t = lane % 4
         mt0 = (bx * self.warps_m + wm) * self.m_tiles
-        grp0 = (by * self.warps_k + wk) * self.gs
+        grp0 = by * self.cg + self.wstart(wk)
         row0 = bz * self.tok
         sl = lane if self.nv else 2 * g + t // 2
         return lane, wm, wk, g, t, mt0, grp0, row0, sl
@@ -329,7 +361,7 @@ class Geometry:
     def xs_col(self, wk: Any, it: Any, u: int, i: int, t: Any) -> Any:
         """Byte offset inside a tile row of the lane's first 16-byte B vector: chunk i of group
         u of iteration it of warp slice wk, columns 16 t .. 16 t + 15 of that chunk."""
-        return ((((wk * self.gs + it * self.groups + u) * 4 + i) * 64) + 16 * t) * 2
+        return ((((self.wstart(wk) + it * self.groups + u) * 4 + i) * 64) + 16 * t) * 2
 
     def item_start(self, rank: Any, tid: Any) -> Any:
         """First work item of thread tid of cluster rank `rank` (items advance by

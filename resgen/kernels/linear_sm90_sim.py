@@ -255,28 +255,30 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
                         for q in range(2)] for mt in range(G.m_tiles)] for u in range(G.groups)]
                 return wv, sv
 
-            for it in range(G.nit):     # L2 prefetch spans (lane 0) stay inside the buffers
+            # this warp's iterations: G.nit, or one fewer for the short slices of a ragged split
+            nitw = int(G.slice_groups(int(wk[0]))) // G.groups
+            for it in range(nitw):      # L2 prefetch spans (lane 0) stay inside the buffers
                 for q, (off, nb) in enumerate(G.prefetch_spans(mt0[0], grp0[0], it)):
                     size = (wmem if q % 2 == 0 else smem_).b.numel()
                     if int(off) < 0 or int(off) + nb > size:
                         raise AssertionError("L2 prefetch span out of bounds")
             if G.pipeline == "cp_async":
                 for s0 in range(G.stages - 1):
-                    if s0 < G.nit:
+                    if s0 < nitw:
                         issue(s0, s0)
             if G.pipeline == "bulk":
-                for s0 in range(min(G.stages, G.nit)):
+                for s0 in range(min(G.stages, nitw)):
                     issue_bulk(s0, s0)
-            for it in range(G.nit):
+            for it in range(nitw):
                 if G.pipeline == "cp_async":
                     nxt = it + G.stages - 1
-                    if nxt < G.nit:
+                    if nxt < nitw:
                         issue(nxt, nxt % G.stages)
                     wall, sall = read(it % G.stages)
                 elif G.pipeline == "bulk":
                     # read the slot, then (the warp synchronized) refill it S iterations on
                     wall, sall = read(it % G.stages, it)
-                    if it + G.stages < G.nit:
+                    if it + G.stages < nitw:
                         issue_bulk(it + G.stages, it % G.stages)
                 else:
                     wall, sall = fetch(it)

@@ -213,10 +213,20 @@ class LinearSm90Family:
             return (f"N={p.n} is not a multiple of 16 * m_tiles * warps_m = "
                     f"{16 * v.m_tiles * v.warps_m}")
         ng = kp_of(p) // 256
-        div = v.split_k * v.warps_k * v.groups
-        if ng % div:
-            return (f"Kp/256 = {ng} K groups do not split evenly over split_k * warps_k * "
-                    f"groups = {div}")
+        if ng % v.split_k:
+            return f"Kp/256 = {ng} K groups do not split evenly over split_k = {v.split_k}"
+        cg = ng // v.split_k
+        if cg % v.warps_k:
+            # ragged K slices: warp slices of floor / ceil(cg / warps_k) groups
+            if v.groups != 1 or v.pipeline == Pipeline.REGS:
+                return (f"{cg} K groups per CTA split unevenly over warps_k = {v.warps_k}: "
+                        "ragged slices need one group per iteration and the direct, cp_async "
+                        "or bulk pipeline")
+            if cg < v.warps_k:
+                return f"{cg} K groups per CTA for {v.warps_k} K slices"
+        elif (cg // v.warps_k) % v.groups:
+            return (f"{cg // v.warps_k} K groups per warp do not split into iterations of "
+                    f"{v.groups}")
         ringed = v.pipeline in (Pipeline.CP_ASYNC, Pipeline.BULK)
         if ringed != (v.stages > 1):
             return (f"the {v.pipeline.value} pipeline needs stages >= 2" if ringed
@@ -295,7 +305,7 @@ class LinearSm90Family:
             acts.append(Act.FUSED)
         out = []
         for wm, wk, mt in self._CONFIGS:
-            nit = ng // wk if ng % wk == 0 else 0
+            nit = -(-ng // wk)     # iterations of the longest slice (ragged if ng % wk)
             ctas = problem.n // (16 * mt * wm)
             splits = [(1, Reduction.NONE)]
             if ctas < 264:
