@@ -4,7 +4,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_families.py
 
 Each family's default variant (plus a fused-quantization linear variant, a bulk-ring linear
-variant with PDL, a split-K WGMMA variant and a PDL + split-K WGMMA variant) is compiled with the
+variant with PDL, two ragged-K-slice linear variants, a split-K WGMMA variant and a PDL +
+split-K WGMMA variant) is compiled with the
 pipeline, run through its runner's check() (fresh inputs, poisoned outputs, reference), and
 the result printed; the exit code is non-zero if a check fails.
 """
@@ -39,6 +40,14 @@ def main() -> int:
                                act=Act.FUSED, pdl=True)
     assert lin.why_invalid(bulk, lp, ARCH) is None, lin.why_invalid(bulk, lp, ARCH)
     cases.append((lin, bulk, lp))
+    # ragged K slices: 5 K groups over 4 warps (one long slice runs its guarded last
+    # iteration), on the bulk ring behind the fused prologue and with direct loads (xop)
+    rp = LinearProblem("nvfp4", "full", 3, 256, 1280)
+    for rv in (dataclasses.replace(bulk, warps_k=4), dataclasses.replace(
+            lin.default(rp, ARCH), warps_m=1, warps_k=4, pipeline=Pipeline.DIRECT, stages=1,
+            l2_prefetch=1, split_k=1)):
+        assert lin.why_invalid(rv, rp, ARCH) is None, lin.why_invalid(rv, rp, ARCH)
+        cases.append((lin, rv, rp))
     qf = get_family("quant_sm90")
     qp = QuantProblem.for_linear(lp, kp_align=256)
     cases.append((qf, qf.default(qp, ARCH), qp))

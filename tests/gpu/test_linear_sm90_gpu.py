@@ -16,7 +16,7 @@ import torch
 
 from resgen.search import build
 from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant, Packing, Pipeline,
-                                       Reduction)
+                                       Reduction, geometry_of)
 from resgen.search.variant import LinearProblem
 
 pytestmark = [pytest.mark.gpu,
@@ -148,6 +148,33 @@ def test_qwen_shapes(n, k, fmt, comp, m):
             _check_variant(v, p, ms=(m,), determinism=v.reduce != Reduction.ATOMIC)
             ran += 1
     assert ran >= 5           # including the bulk xop variant, valid on every shape
+
+
+QWEN3_4B_RAGGED = [(2560, 9728), (6144, 2560)]       # 38 and 10 K groups of 256
+
+
+@pytest.mark.parametrize("n, k", QWEN3_4B_RAGGED)
+@pytest.mark.parametrize("fmt, comp", [("nvfp4", "none"), ("nvfp4", "full"),
+                                       ("mxfp4", "full"), ("nvfp4", "0.125")])
+def test_ragged_k_slices(n, k, fmt, comp):
+    """Ragged K slices (a CTA's K groups split unevenly over its warps, the long slices' last
+    iteration behind a runtime guard) on Qwen3-4B's down and qkv shapes: every ragged
+    pipeline (cp.async ring, bulk ring, direct loads with L2 prefetch), xop and fused + PDL,
+    split-K, at 1 and 3 tokens."""
+    p = LinearProblem(fmt, comp, 1, n, k)
+    cands = [LinearSm90Variant(1, 8, 1, 1, 1, Pipeline.CP_ASYNC, 3, act=Act.FUSED, pdl=True),
+             LinearSm90Variant(1, 8, 1, 1, 1, Pipeline.BULK, 2, act=Act.FUSED),
+             LinearSm90Variant(1, 4, 1, 1, 1, Pipeline.DIRECT, 1, l2_prefetch=2),
+             LinearSm90Variant(2, 4, 1, 1, 1, Pipeline.BULK, 2, pdl=True),
+             LinearSm90Variant(1, 4, 1, 1, 1, Pipeline.CP_ASYNC, 2, 0, 2, Reduction.WORKSPACE,
+                               act=Act.FUSED)]
+    ran = ragged = 0
+    for v in cands:
+        if FAMILY.why_invalid(v, p, ARCH) is None:
+            _check_variant(v, p, ms=(1, 3))
+            ran += 1
+            ragged += geometry_of(v, p).ragged
+    assert ran >= 4 and ragged >= 3
 
 
 @pytest.mark.parametrize("pipe", [(Pipeline.CP_ASYNC, 3), (Pipeline.BULK, 2)],
