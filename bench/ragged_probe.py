@@ -2,35 +2,31 @@
 its warps): Qwen3-4B's layers whose K groups (of 256 columns) have no factor 4 or 8 (down:
 K = 9728 = 38 groups; qkv and gate_up: K = 2560 = 10), NVFP4, M = 1, plain and M-Ext, whole
 layers (fused quantization), each variant checked against resgen.reference.linear before it
-is timed (resgen.cli.time_layer, the tuner's policy), beside the layouts the shipped table
-dispatches there (bench_qwen3_4b_table13.json.xz), timed in the same run:
+is timed (resgen.cli.time_layer, the tuner's policy; bench/layer_probe.py), beside the layouts
+the shipped table dispatches there (bench_qwen3_4b_table13.json.xz), timed in the same run:
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
         timeout -k 5 -s INT 150 python3 bench/ragged_probe.py       # JSON to $OUT
 
-Prints one line per variant as it goes and writes $OUT/ragged_probe.json after each.
+Prints one line per variant as it goes (R: ragged) and writes $OUT/ragged_probe.json after
+each.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
-from resgen.cli import time_layer  # noqa: E402
+from layer_probe import ARCH, probe  # noqa: E402
 from resgen.search.linear_sm90 import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402
+from resgen.search.linear_sm90 import geometry_of  # noqa: E402
 from resgen.search.linear_sm90_wgmma import FAMILY as WG  # noqa: E402
 from resgen.search.linear_sm90_wgmma import LinearSm90WgmmaVariant as W  # noqa: E402
-from resgen.search.timing import DEFAULT_POLICY  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
-ARCH = "sm_90a"
 F = dict(act=Act.FUSED)
 CP, BK, DI, RG = Pipeline.CP_ASYNC, Pipeline.BULK, Pipeline.DIRECT, Pipeline.REGS
 # (N, K) -> (table's layouts, ragged candidates); the table's differ per compensation only in
@@ -50,38 +46,20 @@ CASES = {
 }
 
 
-def main() -> int:
-    out = Path(os.environ.get("OUT", "bench/results/h200"))
-    out.mkdir(parents=True, exist_ok=True)
-    rows, cache = [], {}
+def _ragged(fam, v, p) -> bool:
+    return fam is FAMILY and FAMILY.why_invalid(v, p, ARCH) is None and geometry_of(v, p).ragged
+
+
+def cases():
     for comp in ("none", "full"):
         for (n, k), (table, ragged) in CASES.items():
             p = LinearProblem("nvfp4", comp, 1, n, k)
             for fam, v in [*table, *[(FAMILY, r) for r in ragged]]:
-                rec = {"n": n, "k": k, "comp": comp, "variant": v.name(),
-                       "ragged": fam is FAMILY and FAMILY.why_invalid(v, p, ARCH) is None
-                       and (k // 256) % v.warps_k != 0}
-                why = fam.why_invalid(v, p, ARCH)
-                if why:
-                    rec["invalid"] = why
-                else:
-                    try:
-                        t = time_layer(fam, v, p, ARCH, cache, DEFAULT_POLICY)
-                        rec.update(ok=t["check"]["ok"], rel_err=t["check"]["rel_err"],
-                                   us=t.get("resgen_us"), detail=t["check"].get("detail"))
-                    except Exception as e:               # compile or launch failure
-                        rec["error"] = f"{type(e).__name__}: {e}"[:600]
-                        rec["trace"] = traceback.format_exc()[-1500:]
-                rows.append(rec)
-                us = rec.get("us")
-                print(f"{comp:4s} {n}x{k} {'R' if rec['ragged'] else ' '} {v.name()[:72]:72s} "
-                      + (f"{us:7.2f} us rel {rec['rel_err']:.1e}" if us else
-                         str(rec.get("invalid") or rec.get("error") or rec.get("detail"))[:160]),
-                      flush=True)
-                (out / "ragged_probe.json").write_text(json.dumps(
-                    {"gpu": torch.cuda.get_device_name(0), "policy": DEFAULT_POLICY.as_dict(),
-                     "rows": rows}, indent=1))
-    return 0
+                yield p, fam, v, {"ragged": _ragged(fam, v, p)}
+
+
+def main() -> int:
+    return probe("ragged_probe", cases(), tag=lambda rec: "R " if rec["ragged"] else "  ")
 
 
 if __name__ == "__main__":

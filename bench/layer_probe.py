@@ -1,0 +1,59 @@
+"""Shared driver of the small H200 probes (bench/bulk_probe.py, bench/ragged_probe.py): each
+variant of a list is compiled, checked against resgen.reference.linear (fresh inputs, poisoned
+output) and, if correct, timed as the whole layer under the tuner's policy
+(resgen.cli.time_layer); one line is printed per variant as it goes and $OUT/<name>.json is
+rewritten after each, so a probe cut short by its timeout keeps what it measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from resgen.cli import time_layer  # noqa: E402
+from resgen.search.timing import DEFAULT_POLICY  # noqa: E402
+from resgen.search.variant import LinearProblem  # noqa: E402
+
+ARCH = "sm_90a"
+# (problem, family, variant, extra fields of the record)
+Case = tuple[LinearProblem, Any, Any, dict]
+
+
+def probe(name: str, cases: Iterable[Case],
+          tag: Callable[[dict], str] = lambda rec: "") -> int:
+    """Run every case in order; rows of $OUT/<name>.json: n, k, comp, variant, the extra
+    fields, then invalid / ok + rel_err + us (+ detail) / error + trace."""
+    out = Path(os.environ.get("OUT", "bench/results/h200"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    cache: dict = {}
+    for p, fam, v, extra in cases:
+        rec = {"n": p.n, "k": p.k, "comp": p.compensation, "variant": v.name(), **extra}
+        why = fam.why_invalid(v, p, ARCH)
+        if why:
+            rec["invalid"] = why
+        else:
+            try:
+                t = time_layer(fam, v, p, ARCH, cache, DEFAULT_POLICY)
+                rec.update(ok=t["check"]["ok"], rel_err=t["check"]["rel_err"],
+                           us=t.get("resgen_us"), detail=t["check"].get("detail"))
+            except Exception as e:               # compile or launch failure
+                rec["error"] = f"{type(e).__name__}: {e}"[:600]
+                rec["trace"] = traceback.format_exc()[-1500:]
+        rows.append(rec)
+        us = rec.get("us")
+        print(f"{p.compensation:4s} {p.n}x{p.k} {tag(rec)}{v.name()[:72]:72s} "
+              + (f"{us:7.2f} us rel {rec['rel_err']:.1e}" if us else
+                 str(rec.get("invalid") or rec.get("error") or rec.get("detail"))[:160]),
+              flush=True)
+        (out / f"{name}.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(0), "policy": DEFAULT_POLICY.as_dict(),
+             "rows": rows}, indent=1))
+    return 0

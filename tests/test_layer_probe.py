@@ -1,0 +1,48 @@
+"""CPU test of bench/layer_probe.py (the driver of bench/bulk_probe.py and
+bench/ragged_probe.py) with a fake timer: every case is recorded once, invalid variants say
+why, failures keep their error, and the JSON is rewritten after each case."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import layer_probe  # noqa: E402
+import ragged_probe  # noqa: E402
+from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant, Pipeline  # noqa: E402
+from resgen.search.variant import LinearProblem  # noqa: E402
+
+
+def test_probe_records_every_case(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_time_layer(fam, v, p, arch, cache, policy):
+        calls.append(v.name())
+        if v.warps_k == 4:
+            raise RuntimeError("compile failed")
+        return {"check": {"ok": True, "rel_err": 1e-3}, "resgen_us": 5.0}
+
+    monkeypatch.setattr(layer_probe, "time_layer", fake_time_layer)
+    monkeypatch.setattr(layer_probe.torch.cuda, "get_device_name", lambda i: "Fake GPU")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    p = LinearProblem("nvfp4", "none", 1, 2560, 9728)
+    ok = LinearSm90Variant(1, 8, 1, 1, 1, Pipeline.CP_ASYNC, 3)
+    bad = LinearSm90Variant(1, 8, 1, 1, 2, Pipeline.CP_ASYNC, 3)      # ragged needs U = 1
+    err = LinearSm90Variant(1, 4, 1, 1, 1, Pipeline.CP_ASYNC, 3)
+    assert layer_probe.probe("t", [(p, FAMILY, v, {"x": i}) for i, v in
+                                   enumerate((ok, bad, err))]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert [r["x"] for r in rows] == [0, 1, 2] and len(calls) == 2
+    assert rows[0]["us"] == 5.0 and rows[0]["ok"]
+    assert "ragged" in rows[1]["invalid"]
+    assert rows[2]["error"] == "RuntimeError: compile failed"
+
+
+def test_ragged_probe_cases_are_valid_and_mostly_ragged():
+    cases = list(ragged_probe.cases())
+    assert all(fam.why_invalid(v, p, layer_probe.ARCH) is None for p, fam, v, _ in cases)
+    assert sum(extra["ragged"] for *_, extra in cases) == 24
