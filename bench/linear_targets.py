@@ -4,7 +4,7 @@ one committed file and one command:
 
     python bench/linear_targets.py     # writes bench/results/h200/linear_targets.md
 
-Inputs: --decode (default bench/results/h200/bench_qwen3_8b_table13b.json.xz, M = 1..128) and
+Inputs: --decode (default bench/results/h200/bench_qwen3_8b_table14b.json.xz, M = 1..128) and
 --prefill (default bench_qwen3_8b_table12_prefill.json.xz, M = 256..2048), rows with
 check.ok. Every ratio is a ratio of four-shape sums (qkv, o, gate/up, down of the model) of
 medians measured in the same report:
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_io import load_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "h200"
-DECODE_JSON = RESULTS / "bench_qwen3_8b_table13b.json.xz"
+DECODE_JSON = RESULTS / "bench_qwen3_8b_table14b.json.xz"
 PREFILL_JSON = RESULTS / "bench_qwen3_8b_table12_prefill.json.xz"
 GATE_UP_DOWN = {"gate/up": lambda n, k: n > 2 * k, "down": lambda n, k: k > 2 * n}
 

@@ -3,7 +3,7 @@ Qwen3 projection shape (the paper's Fig. 18 style), from the committed H200 resu
 
     python bench/plot_linear.py      # writes bench/results/h200/linear_relative_latency.{svg,md}
     python bench/plot_linear.py --model qwen3-4b --prefill none \
-        --decode bench/results/h200/bench_qwen3_4b_table13.json.xz
+        --decode bench/results/h200/bench_qwen3_4b_table14.json.xz
                                      # ... linear_relative_latency_qwen3_4b.{svg,md} (decode only)
 
 Inputs (options --decode / --prefill / --out-dir override the defaults; the default decode input
@@ -25,7 +25,7 @@ is the `resgen bench` report described last):
 - or, for the decode range (--decode given a `resgen bench` JSON: a dict with "rows"): what the
   runtime dispatches from the shipped table, one variant per (shape, fmt, mode, M), either
   kernel family (records with resgen_us and check.ok; shapes named by their N x K). The
-  committed figure uses bench/results/h200/bench_qwen3_8b_table13b.json.xz this way.
+  committed figure uses bench/results/h200/bench_qwen3_8b_table14b.json.xz this way.
 - or, for the prefill range (--prefill given a `resgen bench` JSON), likewise: the committed
   figure uses bench/results/h200/bench_qwen3_8b_table12_prefill.json.xz (M = 256..2048, the
   shipped table's prefill buckets).
@@ -55,7 +55,7 @@ from resgen.models import get_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "h200"
-DECODE_JSON = RESULTS / "bench_qwen3_8b_table13b.json.xz"     # a resgen bench report (dispatch)
+DECODE_JSON = RESULTS / "bench_qwen3_8b_table14b.json.xz"     # a resgen bench report (dispatch)
 PREFILL_JSON = RESULTS / "bench_qwen3_8b_table12_prefill.json.xz"     # resgen bench, M >= 256
 OUT_NAME = "linear_relative_latency"
 

@@ -3,7 +3,8 @@ its warps): Qwen3-4B's layers whose K groups (of 256 columns) have no factor 4 o
 K = 9728 = 38 groups; qkv and gate_up: K = 2560 = 10), NVFP4, M = 1, plain and M-Ext, whole
 layers (fused quantization), each variant checked against resgen.reference.linear before it
 is timed (resgen.cli.time_layer, the tuner's policy; bench/layer_probe.py), beside the layouts
-the shipped table dispatches there (bench_qwen3_4b_table13.json.xz), timed in the same run:
+the tune13a table dispatched there (bench_qwen3_4b_table13.json.xz), timed in the same run
+(results: bench/results/h200/ragged_probe.{json,log}):
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
         timeout -k 5 -s INT 150 python3 bench/ragged_probe.py       # JSON to $OUT
