@@ -1,7 +1,7 @@
 """GPU check + benchmark of linear_sm90_mma (Hopper decode FP4 linear) on the Qwen3-8B shapes,
 timed as BENCH.md asks: the WHOLE layer (BF16 activations in, online quantization included).
 
-    mkdir -p .devcache && cp -r ../shared/device .devcache/
+    scripts/devcache.sh
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
         python3 bench/gpu_linear_check.py            # about 6 minutes; JSON to $OUT
 

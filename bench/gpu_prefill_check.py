@@ -1,7 +1,7 @@
 """GPU check + benchmark of linear_sm90_wgmma (Hopper prefill FP4 linear on WGMMA) on the
 Qwen3-8B shapes at prefill sizes, in one process (about 8 minutes):
 
-    mkdir -p .devcache && cp -r ../shared/device .devcache/
+    scripts/devcache.sh
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
         timeout -k 10 -s INT 590 python3 bench/gpu_prefill_check.py      # JSON to $OUT
 

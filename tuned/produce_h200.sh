@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Produce the shipped dispatch table tuned/h200.sqlite.xz on one H200, in one device call
 # that ends within about 8.5 minutes (see tuned/README.md). Run from the repository root on
-# the GPU machine, with .devcache/device carried (mkdir -p .devcache && cp -r
-# ../shared/device .devcache/ on the development machine):
+# the GPU machine, with .devcache carried (made by scripts/devcache.sh on the development
+# machine):
 #
 #     bash tuned/produce_h200.sh
 #
