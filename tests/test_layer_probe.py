@@ -1,5 +1,5 @@
-"""CPU test of bench/layer_probe.py (the driver of bench/bulk_probe.py and
-bench/ragged_probe.py) with a fake timer: every case is recorded once, invalid variants say
+"""CPU test of bench/layer_probe.py (the driver of bench/bulk_probe.py, bench/ragged_probe.py
+and bench/prologue_probe.py) with a fake timer: every case is recorded once, invalid variants say
 why, failures keep their error, and the JSON is rewritten after each case."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
 import layer_probe  # noqa: E402
+import prologue_probe  # noqa: E402
 import ragged_probe  # noqa: E402
 from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant, Pipeline  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
@@ -46,3 +47,16 @@ def test_ragged_probe_cases_are_valid_and_mostly_ragged():
     cases = list(ragged_probe.cases())
     assert all(fam.why_invalid(v, p, layer_probe.ARCH) is None for p, fam, v, _ in cases)
     assert sum(extra["ragged"] for *_, extra in cases) == 24
+
+
+def test_prologue_probe_pairs_each_source_with_and_without_the_l2_prefetch():
+    """Every (M, compensation, shape, source) is probed twice: without an L2 prefetch and with
+    the warp's whole K slice (l2_prefetch = its iterations, deeper than the 3-stage ring);
+    only down's fused M-Ext tile at M = 4 (8 operand rows x 12288 columns) does not fit."""
+    cases = list(prologue_probe.cases())
+    assert len(cases) == 2 * 2 * 2 * len(prologue_probe.SOURCES) * 2
+    invalid = [(p, ex) for p, fam, v, ex in cases if fam.why_invalid(v, p, layer_probe.ARCH)]
+    assert {(p.m, p.compensation, p.k, ex["source"].startswith("fused"))
+            for p, ex in invalid} == {(4, "full", 12288, True)}
+    for p, fam, v, ex in cases:
+        assert (v.l2_prefetch > v.stages) == ex["l2_all"]
