@@ -54,6 +54,17 @@ def _pos_int(text: str) -> int:
     return v
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """"I/N" -> (I, N) with 0 <= I < N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N") from None
+    if n < 1 or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= I < N")
+    return i, n
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .search.buckets import DEFAULT_ATTN_BATCHES, DEFAULT_KV_LENS, DEFAULT_M_BUCKETS
 
@@ -114,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--jobs", type=_pos_int, default=None,
                    help="tuner processes (compile in parallel, one on the GPU at a time)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                   help="tune only every N-th workload from the I-th (0-based) of the "
+                        "deterministic workload order: N runs with I = 0 .. N-1, e.g. one per "
+                        "GPU of a host (CUDA_VISIBLE_DEVICES) into separate databases, cover "
+                        "every workload once between them (`resgen db merge` joins them; "
+                        "tuned/produce_h200.sh does this with RESGEN_TUNE_GPUS)")
     t.add_argument("--json", type=Path, default=None, help="write the run summary here")
     t.add_argument("--import", dest="imports", action="append", default=[],
                    help="import this module first (registers out-of-tree families)")
@@ -329,6 +346,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
         per_model[fam.NAME] = ({m.name: len(_problems_for(fam, [m], args)) for m in models}
                                if len(models) > 1 else {models[0].name: len(probs)})
         jobs += [Job(fam.NAME, p.key()) for p in probs]
+    if args.shard is not None:
+        # round robin over the deterministic order: each shard gets every family, model and
+        # M bucket in about equal parts; each workload is tuned (and its variants compared)
+        # on one GPU only
+        i, n = args.shard
+        jobs = jobs[i::n]
+        kept = {(j.family, j.problem_key) for j in jobs}
+        problems = {f: [p for p in ps if (f, p.key()) in kept] for f, ps in problems.items()}
+        per_model = {f: {f"shard-{i}/{n}": len(problems[f])} for f in per_model}
     if not jobs:
         print("no workloads to tune", file=sys.stderr)
         return 2

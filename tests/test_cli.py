@@ -122,6 +122,27 @@ def test_plan_for_several_models_prints_and_touches_nothing(tmp_path, capsys):
 
 
 @no_gpu
+def test_tune_shards_partition_the_workloads(tmp_path, capsys):
+    """--shard I/N: N runs (e.g. one per GPU) tune disjoint workloads that together are every
+    workload once; a bad shard is refused by the parser."""
+    seen = []
+    for i in range(3):
+        s = tmp_path / f"s{i}.json"
+        assert main(TUNE + ["--db", str(tmp_path / f"d{i}.sqlite"), "--jobs", "1",
+                            "--shard", f"{i}/3", "--json", str(s)]) == 0
+        seen.append([(w["family"], w["problem_key"])
+                     for w in json.loads(s.read_text())["workloads"]])
+    capsys.readouterr()
+    flat = [k for part in seen for k in part]
+    assert len(flat) == len(set(flat)) == 16 and all(5 <= len(part) <= 6 for part in seen)
+    assert main(TUNE + ["--db", str(tmp_path / "p.sqlite"), "--plan", "--shard", "1/3"]) == 0
+    assert "shard-1/3:5" in capsys.readouterr().out
+    for bad in ("3/3", "x", "1/0", "-1/2"):
+        with pytest.raises(SystemExit):
+            main(TUNE + ["--db", str(tmp_path / "p.sqlite"), "--shard", bad])
+
+
+@no_gpu
 def test_show_verify_merge_export(tmp_path, capsys):
     a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
     fakefam.tune_fake(a, ms=[1, 16], max_variants=6)                 # timed, fake GPU

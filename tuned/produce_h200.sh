@@ -12,7 +12,11 @@
 # winner) and audit.txt (tests/test_tuned_table.py run against the new table: coverage and
 # freshness). Environment: RESGEN_TUNE_BUDGET (seconds for the tuning itself, default 400),
 # RESGEN_TUNE_ARGS (extra `resgen tune` arguments, e.g. "--families linear_sm90_mma,..."),
-# RESGEN_TUNE_RESUME_FROM (an exported table to continue from, e.g. tuned/h200.sqlite.xz).
+# RESGEN_TUNE_RESUME_FROM (an exported table to continue from, e.g. tuned/h200.sqlite.xz),
+# RESGEN_TUNE_GPUS (default 1; on nvidia-h200-x2, 2: one `resgen tune --shard g/2` per GPU,
+# CUDA_VISIBLE_DEVICES=g, each into its own copy of the work database with its own 14
+# processes, then `resgen db merge`; every workload is tuned on one GPU; tune.log / tune.json
+# are then per shard: tune-g.log, tune-g.json).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/resgen-out}
@@ -22,7 +26,7 @@ export PYTHONUNBUFFERED=1
 source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
 export RESGEN_CACHE_DIR=/tmp/resgen-cache
 BUDGET=${RESGEN_TUNE_BUDGET:-400}
-WORK=/tmp/h200-work.sqlite          # resumed if this machine already tuned into it
+WORK=${RESGEN_TUNE_WORK:-/tmp/h200-work.sqlite}   # resumed if this machine already tuned into it
 T0=$(date +%s)
 # Widening an earlier table on a fresh machine: RESGEN_TUNE_RESUME_FROM=tuned/h200.sqlite.xz
 # (or any exported table / work database in the carried tree) seeds the work database with
@@ -30,7 +34,7 @@ T0=$(date +%s)
 # current templates, kernel modules and versions), so those are reused, not re-timed, and
 # results of changed templates are dropped (the exported table must hold no stale row).
 if [ -n "${RESGEN_TUNE_RESUME_FROM:-}" ] && [ ! -f "$WORK" ]; then
-    SEED=/tmp/resgen-resume-seed.sqlite
+    SEED=${WORK%.sqlite}-seed.sqlite
     rm -f "$SEED"
     case "$RESGEN_TUNE_RESUME_FROM" in
         *.xz) xz -dc "$RESGEN_TUNE_RESUME_FROM" > "$SEED" || exit 2 ;;
@@ -45,14 +49,41 @@ fi
 # 1. Tune every workload of Qwen3-4B, 8B and 32B once (shared shapes tuned once): a cover
 #    stage (one checked, timed variant per workload), then the search with the rest of the
 #    budget. A stuck process is killed 30 s past the budget; `timeout` is the last guard.
-# shellcheck disable=SC2086
-timeout -k 10 $((BUDGET + 70)) python3 -m resgen tune --model all --db "$WORK" \
-    --time-budget "$BUDGET" --hard-stop 30 --json "$OUT/tune.json" ${WARM_ARGS:-} \
-    ${RESGEN_TUNE_ARGS:-} \
-    > "$OUT/tune.log" 2>&1
-RC=$?
-# The plan, then the summary (progress lines stay in the log).
-grep -v -E '^tune: [0-9]+/[0-9]+ workloads' "$OUT/tune.log" | tail -n 60
+GPUS=${RESGEN_TUNE_GPUS:-1}
+if [ "$GPUS" -le 1 ]; then
+    # shellcheck disable=SC2086
+    timeout -k 10 $((BUDGET + 70)) python3 -m resgen tune --model all --db "$WORK" \
+        --time-budget "$BUDGET" --hard-stop 30 --json "$OUT/tune.json" ${WARM_ARGS:-} \
+        ${RESGEN_TUNE_ARGS:-} \
+        > "$OUT/tune.log" 2>&1
+    RC=$?
+    # The plan, then the summary (progress lines stay in the log).
+    grep -v -E '^tune: [0-9]+/[0-9]+ workloads' "$OUT/tune.log" | tail -n 60
+else
+    # every shard starts from the (seeded) work database: copied before any shard writes
+    for g in $(seq 1 $((GPUS - 1))); do
+        [ -f "${WORK%.sqlite}-$g.sqlite" ] || [ ! -f "$WORK" ] \
+            || cp "$WORK" "${WORK%.sqlite}-$g.sqlite" || exit 2
+    done
+    PIDS=""
+    for g in $(seq 0 $((GPUS - 1))); do
+        W=$WORK
+        [ "$g" -gt 0 ] && W=${WORK%.sqlite}-$g.sqlite
+        # shellcheck disable=SC2086
+        CUDA_VISIBLE_DEVICES=$g timeout -k 10 $((BUDGET + 70)) python3 -m resgen tune \
+            --model all --db "$W" --shard "$g/$GPUS" --time-budget "$BUDGET" --hard-stop 30 \
+            --json "$OUT/tune-$g.json" ${WARM_ARGS:-} ${RESGEN_TUNE_ARGS:-} \
+            > "$OUT/tune-$g.log" 2>&1 &
+        PIDS="$PIDS $!"
+    done
+    RC=0
+    for pid in $PIDS; do wait "$pid" || RC=$?; done
+    for g in $(seq 0 $((GPUS - 1))); do
+        echo "== shard $g/$GPUS"
+        grep -v -E '^tune: [0-9]+/[0-9]+ workloads' "$OUT/tune-$g.log" | tail -n 25
+        [ "$g" -gt 0 ] && python3 -m resgen db merge "${WORK%.sqlite}-$g.sqlite" --into "$WORK"
+    done
+fi
 echo "resgen tune exit code $RC after $(( $(date +%s) - T0 )) s"
 
 # 2. Export the compressed table first (what matters most), then verify, audit and list the
