@@ -1,0 +1,126 @@
+"""The device-call scripts' orchestration on a CPU, with `python3` (and `nvidia-smi`,
+`compute-sanitizer`) replaced by recorders. Device time is too scarce to find a broken script
+on the H200.
+
+tuned/produce_h200.sh: one `resgen tune` on one GPU; with RESGEN_TUNE_GPUS=2 one
+`--shard g/2` per GPU (CUDA_VISIBLE_DEVICES=g), each into its own copy of the seeded work
+database (copied before any shard starts), then the shard merged into the work database
+before the export.
+
+bench/probe_and_test.sh: the probe on GPU 0 and the GPU tests on GPU 1 of a two-GPU machine
+(both on GPU 0 otherwise), then memcheck."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "CVD=${CUDA_VISIBLE_DEVICES:-none} $*" >> "$FAKE_LOG"
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[$i]}" in
+        --out|--json|--db|--into|--log-file) touch "${args[$((i + 1))]}" ;;
+    esac
+done
+[ -n "${FAKE_FAIL:-}" ] && [[ "$*" == *"$FAKE_FAIL"* ]] && exit 3
+exit 0
+"""
+
+
+def _fake_repo(tmp_path: Path, script: str, gpus: int = 1) -> tuple[Path, dict]:
+    """A repository holding `script` and a fake .devcache, and an environment whose PATH
+    starts with recording python3 / compute-sanitizer and an nvidia-smi listing `gpus`."""
+    if shutil.which("xz") is None or shutil.which("timeout") is None:
+        pytest.skip("needs xz and timeout")
+    repo = tmp_path / "repo"
+    (repo / Path(script).parent).mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / script, repo / script)
+    (repo / ".devcache" / "device").mkdir(parents=True)
+    (repo / ".devcache" / "device" / "env.sh").write_text("# fake\n")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    smi = "".join(f"echo 'GPU {g}: NVIDIA H200 (UUID: GPU-{g})'\n" for g in range(gpus))
+    for name, text in (("python3", FAKE_PYTHON), ("compute-sanitizer", FAKE_PYTHON),
+                       ("nvidia-smi", "#!/usr/bin/env bash\n" + smi)):
+        f = bin_ / name
+        f.write_text(text)
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}",
+           "FAKE_LOG": str(tmp_path / "calls.log"), "OUT": str(tmp_path / "out")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return repo, env
+
+
+def _run(tmp_path: Path, gpus: int) -> tuple[list[str], subprocess.CompletedProcess]:
+    repo, env = _fake_repo(tmp_path, "tuned/produce_h200.sh")
+    subprocess.run(["xz", "-z", "-c"], input=b"seed", stdout=open(repo / "seed.xz", "wb"),
+                   check=True)
+    env.update({"RESGEN_TUNE_WORK": str(tmp_path / "work.sqlite"), "RESGEN_TUNE_BUDGET": "5",
+                "RESGEN_TUNE_RESUME_FROM": "seed.xz", "RESGEN_TUNE_GPUS": str(gpus),
+                "RESGEN_TUNE_ARGS": "--families linear_sm90_mma"})
+    r = subprocess.run(["bash", str(repo / "tuned" / "produce_h200.sh")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    return (tmp_path / "calls.log").read_text().splitlines(), r
+
+
+def test_one_gpu_runs_one_tune(tmp_path):
+    calls, r = _run(tmp_path, 1)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tunes = [c for c in calls if " resgen tune " in c]
+    assert len(tunes) == 1 and "--shard" not in tunes[0] and tunes[0].startswith("CVD=none")
+    assert "--warm-start" in tunes[0] and "--families linear_sm90_mma" in tunes[0]
+    assert any(" resgen db export " in c for c in calls)
+
+
+def test_two_gpus_run_one_shard_each_then_merge(tmp_path):
+    calls, r = _run(tmp_path, 2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    work = str(tmp_path / "work.sqlite")
+    shard1 = str(tmp_path / "work-1.sqlite")
+    tunes = sorted(c for c in calls if " resgen tune " in c)
+    assert len(tunes) == 2
+    assert tunes[0].startswith("CVD=0 ") and "--shard 0/2" in tunes[0] and f"--db {work}" in tunes[0]
+    assert tunes[1].startswith("CVD=1 ") and "--shard 1/2" in tunes[1] \
+        and f"--db {shard1}" in tunes[1]
+    assert Path(shard1).exists()          # the seeded work database, copied for shard 1
+    i_merge = next(i for i, c in enumerate(calls) if f"db merge {shard1} --into {work}" in c)
+    i_export = next(i for i, c in enumerate(calls) if " resgen db export " in c)
+    assert max(i for i, c in enumerate(calls) if " resgen tune " in c) < i_merge < i_export
+    assert (tmp_path / "out" / "tune-0.log").exists() and (tmp_path / "out" / "tune-1.log").exists()
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_probe_and_test_uses_both_gpus_when_there_are_two(tmp_path, gpus):
+    repo, env = _fake_repo(tmp_path, "bench/probe_and_test.sh", gpus)
+    r = subprocess.run(["bash", str(repo / "bench" / "probe_and_test.sh"), "bench/x_probe.py",
+                        "tests/gpu/test_x.py", "run7"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    probe = [c for c in calls if "bench/x_probe.py" in c]
+    tests = [c for c in calls if " -m pytest " in c]
+    memcheck = [c for c in calls if "--tool memcheck" in c]
+    assert len(probe) == len(tests) == len(memcheck) == 1
+    assert probe[0].startswith("CVD=0 ")
+    assert tests[0].startswith(f"CVD={1 if gpus == 2 else 0} ")
+    assert "tests/gpu/test_x.py" in tests[0] and "gpu_tests_run7.xml" in tests[0]
+    assert calls.index(memcheck[0]) == len(calls) - 1        # after both
+    out = tmp_path / "out"
+    assert "probe rc=0" in (out / "x_probe.log").read_text()
+    assert "pytest rc=0" in (out / "gpu_tests_run7.log").read_text()
+    assert "memcheck rc=0" in (out / "memcheck_run7_stdout.txt").read_text()
+    assert f"({gpus} GPU(s))" in r.stdout
+    # a failing step makes the call's exit code non-zero
+    env["FAKE_FAIL"] = "-m pytest"
+    r = subprocess.run(["bash", str(repo / "bench" / "probe_and_test.sh"), "bench/x_probe.py",
+                        "tests/gpu/test_x.py", "run8"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "pytest rc=3" in (out / "gpu_tests_run8.log").read_text()
