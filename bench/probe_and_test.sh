@@ -7,8 +7,8 @@
 #
 #     bash bench/probe_and_test.sh bench/prologue_probe.py tests/gpu/test_linear_sm90_gpu.py run10
 #
-# (device: carry [".devcache"]). Time limits: PROBE_S (default 200), TESTS_S (300),
-# MEMCHECK_S (120) seconds.
+# (device: carry [".devcache"]). Time limits: PROBE_S (default 170), TESTS_S (300),
+# MEMCHECK_S (100) seconds: 570 s one after the other, inside one call's 600.
 set -u
 cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { echo "usage: $0 PROBE.py TEST_FILE [TAG]" >&2; exit 2; }
@@ -25,7 +25,7 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NAME=$(basename "$PROBE" .py)
 
 run_probe() {
-    CUDA_VISIBLE_DEVICES=0 timeout -k 5 -s INT "${PROBE_S:-200}" python3 "$PROBE" \
+    CUDA_VISIBLE_DEVICES=0 timeout -k 5 -s INT "${PROBE_S:-170}" python3 "$PROBE" \
         > "$OUT/$NAME.log" 2>&1
     local rc=$?
     echo "probe rc=$rc" >> "$OUT/$NAME.log"
@@ -53,7 +53,7 @@ else
     run_tests 0
     TRC=$?
 fi
-CUDA_VISIBLE_DEVICES=0 timeout -k 5 "${MEMCHECK_S:-120}" compute-sanitizer --tool memcheck \
+CUDA_VISIBLE_DEVICES=0 timeout -k 5 "${MEMCHECK_S:-100}" compute-sanitizer --tool memcheck \
     --error-exitcode 9 --log-file "$OUT/memcheck_$TAG.log" \
     python3 tests/gpu/sanitize_families.py > "$OUT/memcheck_${TAG}_stdout.txt" 2>&1
 MRC=$?
