@@ -34,13 +34,11 @@ Row = tuple[str, int, list[int], float, float, float]   # geom, batch, kv length
 
 def target_rows(check: dict) -> list[Row]:
     times = attention_times(check)
-    floors = {(c["geom"], int(c["batch"]), int(c["kv_len"])): float(c["floor_us"])
-              for c in check["configs"]}
     groups: dict[tuple[str, int], list[tuple[int, float, float, float]]] = defaultdict(list)
     for (geom, b, kv), t in times.items():
         if kv >= KV_MIN:
             groups[(geom, b)].append((kv, t["sdpa"] / t["resattn"],
-                                      floors[(geom, b, kv)] / t["resattn"],
+                                      t["floor"] / t["resattn"],
                                       t["resattn"] / t["plain"]))
     rows: list[Row] = []
     for (geom, b), pts in sorted(groups.items()):

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from linear_targets import sums  # noqa: E402
 from report_io import load_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "h200"
@@ -40,30 +40,25 @@ BATCHES = (1, 32, 64)
 
 
 def linear_sums(report: dict) -> dict[tuple[str, int], dict[str, float]]:
-    """{(compensation, m): {"resgen": us, "bf16": us}} summed over the report's four shapes
-    (NVFP4, rows with check.ok); only keys every shape has."""
-    acc: dict[tuple[str, int], dict[tuple[int, int], tuple[float, float]]] = defaultdict(dict)
-    shapes = set()
-    for r in report["rows"]:
-        p = r["problem"]
-        shapes.add((p["n"], p["k"]))
-        if p["fmt"] == "nvfp4" and (r.get("check") or {}).get("ok"):
-            acc[(str(p["compensation"]), int(p["m"]))][(p["n"], p["k"])] = (
-                float(r["resgen_us"]), float(r["bf16_us"]))
-    return {k: {"resgen": sum(v[0] for v in d.values()), "bf16": sum(v[1] for v in d.values())}
-            for k, d in acc.items() if set(d) == shapes}
+    """{(compensation, m): {"resgen": us, "bf16": us}}: NVFP4 four-shape sums of the report
+    (linear_targets.sums: rows with check.ok, keys every shape has)."""
+    res, bf = sums(report, "resgen_us"), sums(report, "bf16_us")
+    return {(c, m): {"resgen": v, "bf16": bf[(f, c, m)]}
+            for (f, c, m), v in res.items() if f == "nvfp4" and (f, c, m) in bf}
 
 
 def attention_times(check: dict) -> dict[tuple[str, int, int], dict[str, float]]:
-    """{(geometry, batch, kv_len): {"resattn", "plain", "sdpa"}} in us: the table's variants
-    (the best candidate where the table had none), SDPA's GQA form."""
+    """{(geometry, batch, kv_len): {"resattn", "plain", "sdpa", "floor"}} in us: the table's
+    variants (the best candidate where the table had none), SDPA's GQA form, the NVFP4 HBM
+    floor."""
     out = {}
     for c in check["configs"]:
         t = c.get("table") or {}
         res = (t.get("resattn") or c["resattn"]["best"])["us"]
         plain = (t.get("plain") or c["plain"]["best"])["us"]
         out[(c["geom"], int(c["batch"]), int(c["kv_len"]))] = {
-            "resattn": float(res), "plain": float(plain), "sdpa": float(c["sdpa"]["gqa"]["us"])}
+            "resattn": float(res), "plain": float(plain), "sdpa": float(c["sdpa"]["gqa"]["us"]),
+            "floor": float(c["floor_us"])}
     return out
 
 

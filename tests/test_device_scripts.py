@@ -87,7 +87,8 @@ def test_two_gpus_run_one_shard_each_then_merge(tmp_path):
     shard1 = str(tmp_path / "work-1.sqlite")
     tunes = sorted(c for c in calls if " resgen tune " in c)
     assert len(tunes) == 2
-    assert tunes[0].startswith("CVD=0 ") and "--shard 0/2" in tunes[0] and f"--db {work}" in tunes[0]
+    assert tunes[0].startswith("CVD=0 ") and "--shard 0/2" in tunes[0] \
+        and f"--db {work}" in tunes[0]
     assert tunes[1].startswith("CVD=1 ") and "--shard 1/2" in tunes[1] \
         and f"--db {shard1}" in tunes[1]
     assert Path(shard1).exists()          # the seeded work database, copied for shard 1
