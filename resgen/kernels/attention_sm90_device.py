@@ -486,13 +486,16 @@ def qk_scores(cfg: AttnCfg, kw, ksc, bq) -> tuple[list, list]:
             dec.append([_decode_k_word(w, sc[u >> 1]) for u, w in enumerate(kw[z][rr])])
         for i in range(cfg.na):
             acc = [Float32(0.0)] * 4
+            acc_r = [Float32(0.0)] * 4          # stack: the residue products' own chain
             for kk in range(cfg.ks):
                 u, v = kk >> 1, kk & 1
                 a = [dec[0][u][2 * v], dec[1][u][2 * v], dec[0][u][2 * v + 1],
                      dec[1][u][2 * v + 1]]
                 acc = mma_f16(a, bq[i][kk], acc)
-                if cfg.packing == "stack":      # the residue products, same FP32 accumulator
-                    acc = mma_f16(a, bq[cfg.na + i][kk], acc)
+                if cfg.packing == "stack":
+                    acc_r = mma_f16(a, bq[cfg.na + i][kk], acc_r)
+            if cfg.packing == "stack":          # the fold: base + residue scores, FP32
+                acc = [acc[j] + acc_r[j] for j in range(4)]
             if cfg.packing == "pair":
                 s_lo[i][z] = acc[0] + acc[1]
                 s_hi[i][z] = acc[2] + acc[3]

@@ -258,13 +258,16 @@ def _warp(cache, h, phys_of, seq_len, q0, end, warp, cfg, qs, alphas, qk_scale, 
                 dec.append(per_word)
             for i in range(na):
                 acc = torch.zeros(32, 4)
+                acc_r = torch.zeros(32, 4)              # stack: the residue products' chain
                 for kk in range(ks):
                     u, v = kk >> 1, kk & 1
                     a = [dec[0][u][2 * v], dec[1][u][2 * v], dec[0][u][2 * v + 1],
                          dec[1][u][2 * v + 1]]
                     acc = _mma_f16(a, bq[(i, kk)], acc)
-                    if cfg.packing == "stack":      # residue products, same accumulator
-                        acc = _mma_f16(a, bq[(na + i, kk)], acc)
+                    if cfg.packing == "stack":
+                        acc_r = _mma_f16(a, bq[(na + i, kk)], acc_r)
+                if cfg.packing == "stack":              # FP32 fold, as the kernel
+                    acc = acc + acc_r
                 if cfg.packing == "pair":
                     s_lo[i][z] = acc[:, 0] + acc[:, 1]
                     s_hi[i][z] = acc[:, 2] + acc[:, 3]

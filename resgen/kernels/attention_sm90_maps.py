@@ -27,12 +27,11 @@ Query columns ("packing")
     pair:  column 2j = FP4 base of head j, 2j+1 = its residue (n-tile i holds heads 4i..4i+3);
            the fold of the two products is c0 + c1 (and c2 + c3) inside one lane.
     dense: column j = head j (plain NVFP4-KV only; no residue).
-    stack: the residue stacked along the head dim (ResAttn only): operand tile 0 holds the FP4
-           bases of heads 0..7 (column j = head j, as dense), operand tile 1 their residues;
-           each k-step runs one MMA per operand tile into the SAME accumulator, so the two
-           products of a head meet in the tensor core's FP32 accumulation (one accumulator
-           tile of 8 heads, dense's score layout) instead of in a lane-local fold of two
-           columns; twice dense's QK MMAs, like pair at G = 8, half of pair's score registers.
+    stack: ResAttn on dense's layout: operand tile 0 holds the FP4 bases of heads 0..7
+           (column j = head j), operand tile 1 their residues; each k-step runs one MMA per
+           operand tile into two accumulator tiles of the same layout (two independent MMA
+           chains), added element by element in FP32 before the softmax (the fold). Pair's
+           MMA count at G = 8 with dense's score registers and probability exchange.
 Score registers: after the fold a lane holds scores of R <= 2 heads for keys g and g+8 of each
     16-key tile: pair: register r = n-tile, head 4r + t; dense and stack: register r, head
     2t + r.
