@@ -104,13 +104,16 @@ def _pages(problem: AttentionProblem) -> int:
 
 def preset(problem: AttentionProblem, sms: int = SMS_H200) -> AttentionSm90Variant:
     """The fallback rule (no timing): 4 warps, 32-key chunks where the page allows, dense
-    packing for plain groups > 4, and enough splits for about 3 CTAs per SM (the kernel keeps
+    packing for plain groups > 4 and stack for ResAttn groups > 4 (the H200 probe:
+    bench/results/h200/stack_probe.log), and enough splits for about 3 CTAs per SM (the kernel keeps
     4 resident at ~128 registers), but at least MIN_PAGES_PER_SPLIT pages per split so the
     in-kernel query split and the partial write stay small next to the KV stream; more than
     one split reduces in the last CTA (one launch); prefetch where the registers allow."""
     kc = 32 if problem.page_size % 32 == 0 else 16
     group = problem.q_heads // max(1, problem.kv_heads)
-    packing = Packing.DENSE if (not problem.compensation and group > 4) else Packing.PAIR
+    packing = Packing.PAIR
+    if group > 4:
+        packing = Packing.STACK if problem.compensation else Packing.DENSE
     ctas = problem.batch * problem.kv_heads
     want = math.ceil(3 * sms / max(1, ctas))
     cap = max(1, _pages(problem) // MIN_PAGES_PER_SPLIT)
