@@ -1,5 +1,5 @@
 """The decode-attention targets of the ResAttn issue, computed from one committed H200 run
-(`attention_sm90_check3.json.xz`: every point timed in the same run), so the closing figures
+(`attention_sm90_check4.json.xz`: every point timed in the same run), so the closing figures
 come from one file and one command:
 
     python bench/attention_targets.py     # writes bench/results/h200/attention_targets.md
@@ -25,7 +25,7 @@ from decode_layer_model import attention_times  # noqa: E402
 from report_io import load_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "h200"
-CHECK = RESULTS / "attention_sm90_check3.json.xz"
+CHECK = RESULTS / "attention_sm90_check4.json.xz"
 KV_MIN = 32768
 GOALS = {"speedup": 2.9, "floor": 0.85, "ratio": 1.05}
 

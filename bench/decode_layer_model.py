@@ -10,7 +10,7 @@ batch and KV length, for resgen against the BF16 baseline:
 - resgen compensated: NVFP4 M-Ext projections (full residue) + ResAttn.
 Inputs: the `resgen bench` reports of the shipped table (Qwen3-8B
 `bench_qwen3_8b_table14b.json.xz`, Qwen3-32B `bench_qwen3_32b_table14.json.xz`; whole layers,
-activation quantization included, rows with check.ok) and `attention_sm90_check3.json.xz`
+activation quantization included, rows with check.ok) and `attention_sm90_check4.json.xz`
 (the attention variant the shipped table dispatches, "table"; plain NVFP4-KV: the table's
 plain variant). Batches where both were measured: 1, 32 and 64 (the linear reports have no
 M = 8).
@@ -35,7 +35,7 @@ from report_io import load_json  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "h200"
 LINEAR = {"qwen3-8b": RESULTS / "bench_qwen3_8b_table14b.json.xz",
           "qwen3-32b": RESULTS / "bench_qwen3_32b_table14.json.xz"}
-ATTENTION = RESULTS / "attention_sm90_check3.json.xz"
+ATTENTION = RESULTS / "attention_sm90_check4.json.xz"
 BATCHES = (1, 32, 64)
 
 

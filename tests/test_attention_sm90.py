@@ -62,7 +62,8 @@ def test_pv_slot_orders_are_permutations_matching_the_loaded_keys():
 
 
 @pytest.mark.parametrize("packing,group", [("pair", 4), ("pair", 8), ("pair", 3),
-                                           ("dense", 8), ("dense", 4)])
+                                           ("dense", 8), ("dense", 4), ("stack", 8),
+                                           ("stack", 5)])
 def test_probability_exchange_delivers_the_right_keys(packing, group):
     """Receiver (g, t) needs P[head of PV column g][key at each of its B slots]; the sender
     lanes hold, after the QK fold, scores of keys g', g'+8 for heads score_head(t', r)."""
@@ -87,12 +88,21 @@ def test_probability_exchange_delivers_the_right_keys(packing, group):
 
 
 @pytest.mark.parametrize("group,packing", [(1, "pair"), (4, "pair"), (6, "pair"), (8, "pair"),
-                                           (8, "dense"), (5, "dense")])
+                                           (8, "dense"), (5, "dense"), (8, "stack"),
+                                           (3, "stack")])
 def test_query_columns_hold_every_head_and_residue(group, packing):
     cols = {M.qk_col_head(i, c, packing) for i in range(M.n_qk_tiles(group, packing))
             for c in range(8)}
-    kinds = (0, 1) if packing == "pair" else (0,)
+    kinds = (0, 1) if packing in ("pair", "stack") else (0,)
     assert {(h, k) for h in range(group) for k in kinds} <= cols
+    for h in range(group):                      # qk_col is the inverse the query split uses
+        for k in kinds:
+            col = M.qk_col(h, k, packing)
+            assert M.qk_col_head(col // 8, col % 8, packing) == (h, k)
+    if packing == "stack":                      # operand tiles: bases, then residues, of one
+        na = M.n_acc_tiles(group, packing)      # accumulator tile each
+        assert na == 1 and M.n_qk_tiles(group, packing) == 2
+        assert all(M.qk_col_head(na, c, packing) == (c, 1) for c in range(8))
     heads = {M.score_head(t, r, packing) for t in range(4)
              for r in range(M.n_score_regs(group, packing))}
     assert set(range(group)) <= heads
@@ -195,6 +205,9 @@ EMU_CASES = [
     ([90], 16, 2, 128, 32, EmuConfig(compensation=False)),
     ([60, 5], 12, 2, 256, 64, EmuConfig(num_splits=2)),
     ([129], 2, 2, 128, 32, EmuConfig(num_warps=8)),
+    ([90, 33, 0], 16, 2, 128, 32, EmuConfig(packing="stack", num_splits=2)),
+    ([70], 10, 2, 64, 16, EmuConfig(packing="stack", kc=16)),
+    ([60, 5], 16, 2, 256, 64, EmuConfig(packing="stack")),
 ]
 
 
@@ -284,6 +297,8 @@ def test_why_invalid_reasons():
         (dataclasses.replace(ok, kc=32), _prob(page_size=16), ARCH, "kc=32"),
         (dataclasses.replace(ok, kc=16), _prob(pv="fp8"), ARCH, "kc=32"),
         (dataclasses.replace(ok, packing=Packing.DENSE), p, ARCH, "residue"),
+        (dataclasses.replace(ok, packing=Packing.STACK), _prob(compensation=False), ARCH,
+         "ResAttn only"),
         (dataclasses.replace(ok, splits=4), p, ARCH, "needs reduction"),
         (dataclasses.replace(ok, reduction=Reduction.LASTCTA), p, ARCH, "single split"),
         (AttentionSm90Variant(splits=64, reduction=Reduction.LASTCTA), _prob(kv_len=500), ARCH,
@@ -308,6 +323,8 @@ def test_space_is_deterministic_valid_and_contains_the_preset():
         assert FAMILY.default(p, ARCH) in sp
         dense = [v for v in sp if v.packing == Packing.DENSE]
         assert bool(dense) == (not p.compensation)
+        stack = [v for v in sp if v.packing == Packing.STACK]
+        assert bool(stack) == p.compensation
 
 
 @pytest.mark.parametrize("batch,kv_len,splits", [(1, 8192, 32), (1, 131072, 50), (8, 32768, 7),
@@ -383,6 +400,9 @@ COMPILE_CASES = [
     (AttentionSm90Variant(kc=16, splits=4, reduction=Reduction.WORKSPACE),
      _prob(page_size=16), 8 + 8),
     (AttentionSm90Variant(packing=Packing.DENSE), _prob(q_heads=64, compensation=False), 16 + 16),
+    (AttentionSm90Variant(packing=Packing.STACK), _prob(q_heads=64), 32 + 16),
+    (AttentionSm90Variant(packing=Packing.STACK, prefetch=False, kc=16, num_warps=4),
+     _prob(q_heads=64), 16 + 8),
     (AttentionSm90Variant(splits=2, reduction=Reduction.LASTCTA), _prob(pv="fp8"), 16 + 8),
     (AttentionSm90Variant(num_warps=4, prefetch=False),
      _prob(q_heads=16, kv_heads=2, head_dim=256), 64 + 32),

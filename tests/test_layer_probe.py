@@ -4,6 +4,7 @@ why, failures keep their error, and the JSON is rewritten after each case."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -60,3 +61,24 @@ def test_prologue_probe_pairs_each_source_with_and_without_the_l2_prefetch():
             for p, ex in invalid} == {(4, "full", 12288, True)}
     for p, fam, v, ex in cases:
         assert (v.l2_prefetch > v.stages) == ex["l2_all"]
+
+
+def test_stack_probe_pairs_every_resattn_layout_with_its_stack_twin():
+    import stack_probe
+
+    from resgen.search.family import get_family
+
+    fam = get_family("attention_sm90")
+    cases = list(stack_probe.cases())
+    by_tag: dict[str, list] = {}
+    for tag, v, p in cases:
+        by_tag.setdefault(tag, []).append((v, p))
+    for tag, vs in by_tag.items():
+        if " ResAttn pair" in tag:
+            twins = by_tag[tag.replace("ResAttn pair", "ResAttn stack")]
+            assert [dataclasses.replace(v, packing=twins[0][0].packing) for v, _ in vs] == \
+                [v for v, _ in twins]
+            assert all(p.compensation for _, p in vs + twins)
+    # most layouts are valid (d256's prefetching twins exceed the register estimate)
+    valid = [c for c in cases if fam.why_invalid(c[1], c[2], "sm_90a") is None]
+    assert len(valid) >= 0.9 * len(cases)

@@ -60,6 +60,10 @@ class AttnCfg:
         return M.n_qk_tiles(self.group, self.packing)
 
     @property
+    def na(self) -> int:            # QK n8 accumulator tiles (stack: 2 operand tiles -> 1)
+        return M.n_acc_tiles(self.group, self.packing)
+
+    @property
     def nr(self) -> int:            # score registers per lane
         return M.n_score_regs(self.group, self.packing)
 
@@ -356,7 +360,7 @@ def query_split(cfg: AttnCfg, q_group_addr, warp, lane, qs, alpha_s) -> None:
             res = F4.quantize_block(F4.residues(xs, base), "nvfp4", alpha, lanes)
             cols.append((1, F4.operand_values(res)))
         for kind, vals in cols:
-            col = (2 * jj + kind) if cfg.packing == "pair" else jj
+            col = M.qk_col(jj, kind, cfg.packing)
             row = qs + (col * d + lane * per) * 2
             for e in range(0, per, 2):
                 sts_u32_if(valid, row + e * 2, pack_f16x2(vals[e], vals[e + 1]))
@@ -480,13 +484,18 @@ def qk_scores(cfg: AttnCfg, kw, ksc, bq) -> tuple[list, list]:
         for rr in range(2):
             sc = _k_scales(cfg, ksc[z][rr])
             dec.append([_decode_k_word(w, sc[u >> 1]) for u, w in enumerate(kw[z][rr])])
-        for i in range(cfg.nt):
+        for i in range(cfg.na):
             acc = [Float32(0.0)] * 4
+            acc_r = [Float32(0.0)] * 4          # stack: the residue products' own chain
             for kk in range(cfg.ks):
                 u, v = kk >> 1, kk & 1
                 a = [dec[0][u][2 * v], dec[1][u][2 * v], dec[0][u][2 * v + 1],
                      dec[1][u][2 * v + 1]]
                 acc = mma_f16(a, bq[i][kk], acc)
+                if cfg.packing == "stack":
+                    acc_r = mma_f16(a, bq[cfg.na + i][kk], acc_r)
+            if cfg.packing == "stack":          # the fold: base + residue scores, FP32
+                acc = [acc[j] + acc_r[j] for j in range(4)]
             if cfg.packing == "pair":
                 s_lo[i][z] = acc[0] + acc[1]
                 s_hi[i][z] = acc[2] + acc[3]

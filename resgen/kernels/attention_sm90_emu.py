@@ -40,7 +40,7 @@ class EmuConfig:
     """The variant fields that change the data path (see resgen.search.attention_sm90)."""
 
     compensation: bool = True
-    packing: str = "pair"        # "pair" | "dense"
+    packing: str = "pair"        # "pair" | "dense" | "stack"
     pv: str = "f16"              # "f16" | "fp8"
     num_warps: int = 4
     num_splits: int = 1
@@ -217,6 +217,7 @@ def _warp(cache, h, phys_of, seq_len, q0, end, warp, cfg, qs, alphas, qk_scale, 
     """One warp's online softmax over its chunks -> (m [R], l [R] per lane, O frags)."""
     kc, nw = cfg.kc, cfg.num_warps
     nt = M.n_qk_tiles(group, cfg.packing)
+    na = M.n_acc_tiles(group, cfg.packing)
     nr = M.n_score_regs(group, cfg.packing)
     ks = d // 16
     mts = d // 16
@@ -255,13 +256,18 @@ def _warp(cache, h, phys_of, seq_len, q0, end, warp, cfg, qs, alphas, qk_scale, 
                     scale = _hmul2(_e4m3_to_f16x2(sb, sb), torch.full_like(sb, _F16_128))
                     per_word.append([_hmul2(r_, scale) for r_ in decode_k_word(words[:, u])])
                 dec.append(per_word)
-            for i in range(nt):
+            for i in range(na):
                 acc = torch.zeros(32, 4)
+                acc_r = torch.zeros(32, 4)              # stack: the residue products' chain
                 for kk in range(ks):
                     u, v = kk >> 1, kk & 1
                     a = [dec[0][u][2 * v], dec[1][u][2 * v], dec[0][u][2 * v + 1],
                          dec[1][u][2 * v + 1]]
                     acc = _mma_f16(a, bq[(i, kk)], acc)
+                    if cfg.packing == "stack":
+                        acc_r = _mma_f16(a, bq[(na + i, kk)], acc_r)
+                if cfg.packing == "stack":              # FP32 fold, as the kernel
+                    acc = acc + acc_r
                 if cfg.packing == "pair":
                     s_lo[i][z] = acc[:, 0] + acc[:, 1]
                     s_hi[i][z] = acc[:, 2] + acc[:, 3]

@@ -27,8 +27,14 @@ Query columns ("packing")
     pair:  column 2j = FP4 base of head j, 2j+1 = its residue (n-tile i holds heads 4i..4i+3);
            the fold of the two products is c0 + c1 (and c2 + c3) inside one lane.
     dense: column j = head j (plain NVFP4-KV only; no residue).
+    stack: ResAttn on dense's layout: operand tile 0 holds the FP4 bases of heads 0..7
+           (column j = head j), operand tile 1 their residues; each k-step runs one MMA per
+           operand tile into two accumulator tiles of the same layout (two independent MMA
+           chains), added element by element in FP32 before the softmax (the fold). Pair's
+           MMA count at G = 8 with dense's score registers and probability exchange.
 Score registers: after the fold a lane holds scores of R <= 2 heads for keys g and g+8 of each
-    16-key tile: pair: register r = n-tile, head 4r + t; dense: register r, head 2t + r.
+    16-key tile: pair: register r = n-tile, head 4r + t; dense and stack: register r, head
+    2t + r.
 PV (operands swapped again: head dims on M, query heads on N)
     A = V^T (16 head dims x 16 keys), B = P^T (16 keys x 8 columns), C = O^T.
     PV column c holds head pv_col_head(c) = score-register head of (t = c >> 1, r = c & 1), so a
@@ -44,8 +50,8 @@ from __future__ import annotations
 __all__ = [
     "lane_g", "lane_t", "k_slot_dim", "k_lane_dims", "k_lane_keys", "v_lane_keys",
     "v_row_dim", "pv_slot_key", "pv_slot_key_fp8", "score_head", "pv_col_head",
-    "p_source_lanes", "qk_col_head", "n_qk_tiles", "n_score_regs", "split_range",
-    "chunk_range", "warp_chunks", "smem_bytes", "SMEM_LIMIT",
+    "p_source_lanes", "qk_col_head", "qk_col", "n_qk_tiles", "n_acc_tiles", "n_score_regs",
+    "split_range", "chunk_range", "warp_chunks", "smem_bytes", "SMEM_LIMIT",
 ]
 
 SMEM_LIMIT = 48 * 1024       # static shared memory per CTA without an opt-in attribute
@@ -86,17 +92,36 @@ def k_lane_keys(g, z):
 
 
 def n_qk_tiles(group: int, packing: str) -> int:
-    """n8 query tiles of the QK product for a GQA group of `group` heads."""
+    """n8 query operand tiles of the QK product for a GQA group of `group` (<= 8) heads."""
     if packing == "pair":
         return (2 * group + 7) // 8
+    if packing == "stack":
+        return 2 * ((group + 7) // 8)
     return (group + 7) // 8
 
 
+def n_acc_tiles(group: int, packing: str) -> int:
+    """n8 accumulator tiles of the QK product (stack: both operand tiles feed one)."""
+    nt = n_qk_tiles(group, packing)
+    return nt // 2 if packing == "stack" else nt
+
+
 def qk_col_head(i: int, c: int, packing: str) -> tuple[int, int]:
-    """(head, kind) of query column c of QK n-tile i; kind 0 = base, 1 = residue."""
+    """(head, kind) of query column c of QK operand tile i; kind 0 = base, 1 = residue."""
     if packing == "pair":
         return 4 * i + (c >> 1), c & 1
+    if packing == "stack":
+        return c, i
     return 8 * i + c, 0
+
+
+def qk_col(head, kind, packing: str):
+    """Query operand column (8 i + c) of (head, kind): qk_col_head's inverse."""
+    if packing == "pair":
+        return 2 * head + kind
+    if packing == "stack":
+        return head + 8 * kind
+    return head
 
 
 def n_score_regs(group: int, packing: str) -> int:

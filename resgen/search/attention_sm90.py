@@ -10,7 +10,9 @@ Variant axes (AttentionSm90Variant) and what they change:
                 ... of the CTA's split; the CTA combines its warps through shared memory
     kc          keys per chunk (16 or 32 = one or two m16 key tiles per loop iteration)
     packing     query columns of the QK tile: "pair" (base j, residue j adjacent: fold in a
-                lane) or "dense" (one column per head; plain only: halves the QK MMAs at G = 8)
+                lane), "dense" (one column per head; plain only: halves the QK MMAs at G = 8)
+                or "stack" (ResAttn only: dense base and residue operand tiles, both MMAs
+                into one FP32 accumulator tile; pair's MMAs with dense's score registers)
     splits      KV splits per (batch, KV head) (a run-time argument: one compile serves all)
     prefetch    register double buffer: the next chunk's K/V bytes load while this one is
                 computed, the block-table entry one chunk further ahead, and the first chunk's
@@ -48,6 +50,7 @@ MAX_SPLITS = 128
 class Packing(Choice):
     PAIR = "pair"
     DENSE = "dense"
+    STACK = "stack"
 
 
 class Reduction(Choice):
@@ -101,13 +104,16 @@ def _pages(problem: AttentionProblem) -> int:
 
 def preset(problem: AttentionProblem, sms: int = SMS_H200) -> AttentionSm90Variant:
     """The fallback rule (no timing): 4 warps, 32-key chunks where the page allows, dense
-    packing for plain groups > 4, and enough splits for about 3 CTAs per SM (the kernel keeps
+    packing for plain groups > 4 and stack for ResAttn groups > 4 (the H200 probe:
+    bench/results/h200/stack_probe.log), and enough splits for about 3 CTAs per SM (the kernel keeps
     4 resident at ~128 registers), but at least MIN_PAGES_PER_SPLIT pages per split so the
     in-kernel query split and the partial write stay small next to the KV stream; more than
     one split reduces in the last CTA (one launch); prefetch where the registers allow."""
     kc = 32 if problem.page_size % 32 == 0 else 16
     group = problem.q_heads // max(1, problem.kv_heads)
-    packing = Packing.DENSE if (not problem.compensation and group > 4) else Packing.PAIR
+    packing = Packing.PAIR
+    if group > 4:
+        packing = Packing.STACK if problem.compensation else Packing.DENSE
     ctas = problem.batch * problem.kv_heads
     want = math.ceil(3 * sms / max(1, ctas))
     cap = max(1, _pages(problem) // MIN_PAGES_PER_SPLIT)
@@ -162,6 +168,8 @@ class AttentionSm90Family:
             return "pv=fp8 needs kc=32 (one m16n8k32 PV step per chunk)"
         if v.packing == Packing.DENSE and p.compensation:
             return "dense packing has no residue column (plain NVFP4-KV only)"
+        if v.packing == Packing.STACK and not p.compensation:
+            return "stack packing stacks the query residue (ResAttn only; plain: dense)"
         if (v.splits > 1) != (v.reduction != Reduction.NONE):
             return ("splits > 1 needs reduction workspace/lastcta" if v.splits > 1
                     else f"reduction={v.reduction.value} with a single split")
@@ -185,7 +193,7 @@ class AttentionSm90Family:
         allowed (at least MIN_PAGES_PER_SPLIT pages per split, at most MAX_SPLITS)."""
         if self.problem_invalid(problem):
             return []
-        packs = [Packing.PAIR] + ([Packing.DENSE] if not problem.compensation else [])
+        packs = [Packing.PAIR, Packing.DENSE if not problem.compensation else Packing.STACK]
         cap = max(1, _pages(problem) // MIN_PAGES_PER_SPLIT)
         s0 = preset(problem).splits
         top = min(cap, MAX_SPLITS)

@@ -19,6 +19,8 @@ import time
 import torch
 
 from resgen.search import build
+from resgen.search.attention_sm90 import Packing as AttnPacking
+from resgen.search.attention_sm90 import Reduction as AttnReduction
 from resgen.search.family import get_family
 from resgen.search.linear_sm90 import Act, Pipeline
 from resgen.search.quant_sm90 import QuantProblem
@@ -65,6 +67,12 @@ def main() -> int:
     af = get_family("attention_sm90")
     ap = AttentionProblem(batch=2, q_heads=8, kv_heads=2, head_dim=128, kv_len=300)
     cases.append((af, af.default(ap, ARCH), ap))
+    # stack packing (two operand tiles into one accumulator), G = 8, last-CTA reduction
+    ap8 = AttentionProblem(batch=2, q_heads=16, kv_heads=2, head_dim=128, kv_len=300)
+    stack = dataclasses.replace(af.default(ap8, ARCH), packing=AttnPacking.STACK, splits=2,
+                                reduction=AttnReduction.LASTCTA)
+    assert af.why_invalid(stack, ap8, ARCH) is None
+    cases.append((af, stack, ap8))
     failed = 0
     for fam, v, p in cases:
         t0 = time.time()

@@ -215,6 +215,15 @@ VARIANTS = [
     (AttentionSm90Variant(packing=Packing.DENSE, splits=2, reduction=Reduction.WORKSPACE),
      _p(q_heads=64, compensation=False)),
     (AttentionSm90Variant(splits=2, reduction=Reduction.LASTCTA), _p(pv="fp8")),
+    (AttentionSm90Variant(packing=Packing.STACK), _p(q_heads=64)),
+    (AttentionSm90Variant(packing=Packing.STACK, prefetch=False, splits=3,
+                          reduction=Reduction.WORKSPACE), _p(q_heads=64)),
+    (AttentionSm90Variant(packing=Packing.STACK, num_warps=8, kc=16, splits=2,
+                          reduction=Reduction.LASTCTA), _p(q_heads=40, kv_heads=8)),
+    (AttentionSm90Variant(packing=Packing.STACK, splits=2, reduction=Reduction.LASTCTA),
+     _p(q_heads=64, pv="fp8")),
+    (AttentionSm90Variant(packing=Packing.STACK, prefetch=False),
+     _p(q_heads=16, kv_heads=2, head_dim=256)),
     (AttentionSm90Variant(splits=3, reduction=Reduction.LASTCTA, prefetch=False),
      _p(q_heads=16, kv_heads=2, head_dim=256)),
     (AttentionSm90Variant(num_warps=2, prefetch=False),
@@ -279,14 +288,15 @@ def test_cuda_graph_replay_matches_eager():
     assert torch.equal(out.view(torch.int16), first.view(torch.int16))
 
 
-def test_kernel_matches_emulator_closely():
+@pytest.mark.parametrize("packing", [Packing.PAIR, Packing.STACK])
+def test_kernel_matches_emulator_closely(packing):
     from resgen.kernels.attention_sm90_emu import EmuConfig, emulate_decode_attention
 
-    v = AttentionSm90Variant(splits=2, reduction=Reduction.LASTCTA)
+    v = AttentionSm90Variant(splits=2, reduction=Reduction.LASTCTA, packing=packing)
     op, (q, cache, bt, sl), out = _run_check(v, _p(q_heads=16, kv_heads=2), [90, 40], seed=5)
     cpu = PagedKVCache(*(getattr(cache, f.name).cpu() for f in dataclasses.fields(cache)))
     emu = emulate_decode_attention(q.float().cpu(), cpu, bt.cpu(), sl.cpu(),
-                                   EmuConfig(num_splits=2))
+                                   EmuConfig(num_splits=2, packing=packing.value))
     rel = float((out.float().cpu() - emu).norm() / emu.norm())
     assert rel < 3e-3, rel
 
