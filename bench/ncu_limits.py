@@ -1,8 +1,9 @@
 """What limits the kernels the shipped table dispatches, measured with Nsight Compute: the
-Qwen3-8B decode projections at M = 1 (NVFP4; plain, M-Ext, and the M-Ext variant run without
-the residue, so that the residue's cost is one kernel measured twice) and decode attention over
-a KV length of 32K for the Qwen3-8B (32/8/128) and Qwen3-32B (64/8/128) geometries at batch 1
-and 32 (ResAttn, plain NVFP4-KV, and the ResAttn variant without the query residue).
+Qwen3-8B decode projections at M = 1 (NVFP4; plain, M-Ext, and each one's variant run in the
+other mode where valid, so that the residue's cost is one kernel measured twice; `--linear-m`
+picks other M) and decode attention over a KV length of 32K for the Qwen3-8B (32/8/128) and
+Qwen3-32B (64/8/128) geometries at batch 1 and 32 (ResAttn, plain NVFP4-KV, and the ResAttn
+variant without the query residue).
 
 On the GPU machine (profiles the second call of each case; the first warms caches and TLBs):
 
@@ -11,6 +12,7 @@ On the GPU machine (profiles the second call of each case; the first warms cache
         --section WarpStateStats --section SchedulerStats --section Occupancy \\
         --section LaunchStats --csv --page raw --log-file $OUT/ncu_limits.csv \\
         python3 bench/ncu_limits.py > $OUT/ncu_limits.order.txt
+    (`python3 bench/ncu_limits.py --linear-m 16 --no-attention`: the linear cases at M = 16)
 
 Every case is checked against the reference first (fresh inputs, poisoned output) and skipped
 if wrong. Its profiled call sits in its own cudaProfilerStart / Stop window that begins with a
@@ -75,7 +77,8 @@ class Case:
     problem: Any
 
 
-def cases(device: Any = None) -> Iterator[Case]:
+def cases(device: Any = None, linear_ms: tuple[int, ...] = (1,),
+          attention: bool = True) -> Iterator[Case]:
     """The dispatched variants (shipped table; `device`: a resgen.runtime.Device to match its
     rows against, the current GPU by default), and each compensated variant without its
     residue where the family accepts that."""
@@ -93,11 +96,14 @@ def cases(device: Any = None) -> Iterator[Case]:
         yield Case(f"{tag} compensated", fc, vc, comp)
         if vc.key() != vp.key() and fc.why_invalid(vc, plain, arch) is None:
             yield Case(f"{tag} compensated variant, no residue", fc, vc, plain)
+        if vc.key() != vp.key() and fp.why_invalid(vp, comp, arch) is None:
+            yield Case(f"{tag} plain variant, with residue", fp, vp, comp)
 
-    for name, (n, k) in LINEAR_SHAPES.items():
-        yield from pair("linear", LinearProblem("nvfp4", "none", 1, n, k),
-                        LinearProblem("nvfp4", "full", 1, n, k), f"linear {name} M=1")
-    for geo, (qh, kvh, d) in ATTENTION_GEOMETRIES.items():
+    for m in linear_ms:
+        for name, (n, k) in LINEAR_SHAPES.items():
+            yield from pair("linear", LinearProblem("nvfp4", "none", m, n, k),
+                            LinearProblem("nvfp4", "full", m, n, k), f"linear {name} M={m}")
+    for geo, (qh, kvh, d) in ATTENTION_GEOMETRIES.items() if attention else ():
         for b in ATTENTION_BATCHES:
             def ap(comp: bool) -> AttentionProblem:
                 return AttentionProblem(batch=b, q_heads=qh, kv_heads=kvh, head_dim=d,
@@ -107,14 +113,14 @@ def cases(device: Any = None) -> Iterator[Case]:
                             f"attention {geo} b={b} kv=32K")
 
 
-def run() -> int:
+def run(linear_ms: tuple[int, ...] = (1,), attention: bool = True) -> int:
     """Check, warm and profile every case (the GPU part; ncu attaches from outside)."""
     import torch
 
     from resgen.search.build import compile_variant
 
     failures = 0
-    for c in cases():
+    for c in cases(linear_ms=linear_ms, attention=attention):
         out = compile_variant(c.family, c.variant, c.problem, "sm_90a")
         if not out.ok:
             print(f"SKIP\t{c.label}\t{c.variant.name()}\tcompile failed", flush=True)
@@ -236,9 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summarize", nargs=2, metavar=("CSV", "ORDER"),
                     help="CPU: the table (stdout) from a run's CSV and order file")
     ap.add_argument("--json", type=Path, help="with --summarize: also write the records here")
+    ap.add_argument("--linear-m", default="1",
+                    help="comma-separated M of the linear cases (GPU run; default 1)")
+    ap.add_argument("--no-attention", action="store_true",
+                    help="GPU run: the linear cases only")
     args = ap.parse_args(argv)
     if not args.summarize:
-        return run()
+        return run(tuple(int(x) for x in args.linear_m.split(",")), not args.no_attention)
     csv_path, order_path = (Path(p) for p in args.summarize)
     records = summarize(read_text(csv_path), read_text(order_path))
     if args.json:
