@@ -26,6 +26,21 @@ ARCH = "sm_90a"
 Case = tuple[LinearProblem, Any, Any, dict]
 
 
+def check_and_time(fam: Any, v: Any, p: Any, cache: dict) -> dict:
+    """One variant: {"invalid": why} or {ok, rel_err, us, detail} (checked first, then timed
+    as the whole layer) or {error, trace}; `cache` memoizes compiles across calls."""
+    why = fam.why_invalid(v, p, ARCH)
+    if why:
+        return {"invalid": why}
+    try:
+        t = time_layer(fam, v, p, ARCH, cache, DEFAULT_POLICY)
+        return {"ok": t["check"]["ok"], "rel_err": t["check"]["rel_err"],
+                "us": t.get("resgen_us"), "detail": t["check"].get("detail")}
+    except Exception as e:                       # compile or launch failure
+        return {"error": f"{type(e).__name__}: {e}"[:600],
+                "trace": traceback.format_exc()[-1500:]}
+
+
 def probe(name: str, cases: Iterable[Case],
           tag: Callable[[dict], str] = lambda rec: "") -> int:
     """Run every case in order; rows of $OUT/<name>.json: n, k, comp, variant, the extra
@@ -35,18 +50,8 @@ def probe(name: str, cases: Iterable[Case],
     rows: list[dict] = []
     cache: dict = {}
     for p, fam, v, extra in cases:
-        rec = {"n": p.n, "k": p.k, "comp": p.compensation, "variant": v.name(), **extra}
-        why = fam.why_invalid(v, p, ARCH)
-        if why:
-            rec["invalid"] = why
-        else:
-            try:
-                t = time_layer(fam, v, p, ARCH, cache, DEFAULT_POLICY)
-                rec.update(ok=t["check"]["ok"], rel_err=t["check"]["rel_err"],
-                           us=t.get("resgen_us"), detail=t["check"].get("detail"))
-            except Exception as e:               # compile or launch failure
-                rec["error"] = f"{type(e).__name__}: {e}"[:600]
-                rec["trace"] = traceback.format_exc()[-1500:]
+        rec = {"n": p.n, "k": p.k, "comp": p.compensation, "variant": v.name(), **extra,
+               **check_and_time(fam, v, p, cache)}
         rows.append(rec)
         us = rec.get("us")
         print(f"{p.compensation:4s} {p.n}x{p.k} {tag(rec)}{v.name()[:72]:72s} "

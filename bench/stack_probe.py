@@ -21,13 +21,11 @@ import dataclasses
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-ARCH = "sm_90a"
 GEOMS = {"qwen3-32b": (64, 8, 128), "qwen3-8b": (32, 8, 128), "d256": (16, 2, 256)}
 POINTS = [("qwen3-32b", 1, 32768), ("qwen3-32b", 8, 32768), ("qwen3-32b", 32, 32768),
           ("qwen3-32b", 64, 131072), ("qwen3-8b", 1, 32768),
@@ -62,7 +60,7 @@ def cases() -> Iterator[tuple[str, object, object]]:
 def main() -> int:
     import torch
 
-    from resgen.cli import time_layer
+    from layer_probe import check_and_time
     from resgen.search.family import get_family
     from resgen.search.timing import DEFAULT_POLICY
 
@@ -72,20 +70,10 @@ def main() -> int:
     rows: list[dict] = []
     compiled: dict = {}
     for tag, v, p in cases():
-        rec = {"tag": tag, "variant": v.name(), "problem": json.loads(p.key())}
-        why = fam.why_invalid(v, p, ARCH)
-        if why:
-            rec["invalid"] = why
-        else:
-            try:
-                r = time_layer(fam, v, p, ARCH, compiled, DEFAULT_POLICY)
-                rec.update(ok=r["check"]["ok"], rel_err=r["check"]["rel_err"],
-                           us=r.get("resgen_us"), detail=r["check"].get("detail"))
-                rec["registers"] = getattr(compiled.get(
-                    (fam.NAME, v.key(), fam.compile_key(v, p).key())), "registers", None)
-            except Exception as e:                      # noqa: BLE001  (reported, not fatal)
-                rec.update(error=f"{type(e).__name__}: {e}"[:400],
-                           trace=traceback.format_exc()[-1500:])
+        rec = {"tag": tag, "variant": v.name(), "problem": json.loads(p.key()),
+               **check_and_time(fam, v, p, compiled)}
+        rec["registers"] = getattr(compiled.get(
+            (fam.NAME, v.key(), fam.compile_key(v, p).key())), "registers", None)
         rows.append(rec)
         us = f"{rec['us']:9.2f} us" if rec.get("us") else \
             (rec.get("invalid") or rec.get("error") or rec.get("detail") or "")[:60]
