@@ -1,0 +1,314 @@
+"""One decoder layer's decode step measured end to end: the projections, the attention and the
+torch glue between them chained in ONE CUDA graph, resgen against BF16 (the step that
+bench/decode_layer_model.py can only approximate by summing kernels measured alone).
+
+Per layer (Qwen3 geometry, batch B tokens, every sequence KV_LEN long):
+
+    a = rmsnorm(h); q, k, v = split(QKV(a))
+    h = h + O(attention(q, layer's KV cache))
+    a = rmsnorm(h); g, u = split(GATE_UP(a))
+    h = h + DOWN(silu(g) * u)
+
+Stacks: "bf16" (F.linear on BF16 weights = cuBLAS, SDPA over a BF16 KV cache [B, Hkv, L, D]),
+"plain" (resgen.ops.Linear W4A4 NVFP4 + DecodeAttention plain NVFP4-KV) and "compensated"
+(M-Ext + ResAttn), each from the shipped dispatch table. Left out of every stack alike: RoPE,
+Qwen3's per-head q/k norms, the new token's KV append, the LM head. LAYERS distinct layers
+(own weights and caches, together larger than the 60 MB L2) are chained; the time per layer
+is the graph replay over LAYERS. The resgen stacks are first checked against the same step
+computed with resgen.reference (FP32 linear on the same quantized weights, FP32 attention on
+the same cache, BF16 between ops as in the stack): relative error of the last hidden state.
+Static NVFP4 input scales come from one BF16 pass (amax / 2688 per projection, as a
+calibration would).
+
+    source .devcache/device/env.sh && timeout -k 5 -s INT 300 python3 bench/decode_step.py
+        # -> $OUT/decode_step.json, table last   (--model, --batch, --kv-len, --layers)
+
+Status: CPU-tested (tests/test_decode_step.py: the chain through resgen.ops with the kernels'
+simulations against the reference step); not yet run on the H200, so no figure of it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from resgen import reference as R  # noqa: E402
+from resgen.calibrate import QLinearWeight, prepare_weight  # noqa: E402
+from resgen.models import ModelSpec, get_model  # noqa: E402
+
+E2M1_E4M3_MAX = 6.0 * 448.0
+PROJ = ("qkv", "o", "gate_up", "down")
+STACKS = ("bf16", "plain", "compensated")
+CHECK_TOL = 2e-2            # BF16 rounding between ops, propagated through 4 layers
+
+
+def rmsnorm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x: bf16 [B, H] -> bf16 (unit weight)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+
+
+@dataclass
+class LayerWeights:
+    """One layer's BF16 weights [out, in]: qkv, o, gate_up, down."""
+
+    w: dict[str, torch.Tensor]
+
+    @staticmethod
+    def random(spec: ModelSpec, gen: torch.Generator, device: Any) -> "LayerWeights":
+        d, hq, hkv = spec.head_dim, spec.heads, spec.kv_heads
+        shapes = {"qkv": ((hq + 2 * hkv) * d, spec.hidden), "o": (spec.hidden, hq * d),
+                  "gate_up": (2 * spec.intermediate, spec.hidden),
+                  "down": (spec.hidden, spec.intermediate)}
+        return LayerWeights({name: (torch.randn(n, k, generator=gen, device=device)
+                                    / k ** 0.5).to(torch.bfloat16)
+                             for name, (n, k) in shapes.items()})
+
+
+def step_layer(spec: ModelSpec, h: torch.Tensor, proj: Callable[[str, torch.Tensor], Any],
+               attend: Callable[[torch.Tensor], torch.Tensor],
+               seen: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """One layer's step with the stack's projections `proj(name, x)` and attention
+    `attend(q [B, Hq, D]) -> [B, Hq, D]` (bf16 throughout). `seen`: records each projection's
+    input (for the static input scales)."""
+    b = h.shape[0]
+    d, hq, hkv = spec.head_dim, spec.heads, spec.kv_heads
+
+    def p(name: str, x: torch.Tensor) -> torch.Tensor:
+        if seen is not None:
+            seen[name] = x
+        return proj(name, x)
+
+    qkv = p("qkv", rmsnorm(h))
+    q = qkv[:, : hq * d].reshape(b, hq, d)
+    h = h + p("o", attend(q).reshape(b, hq * d))
+    gu = p("gate_up", rmsnorm(h))
+    g, u = gu[:, : spec.intermediate], gu[:, spec.intermediate:]
+    return h + p("down", (F.silu(g.float()) * u.float()).to(torch.bfloat16))
+
+
+class Bf16Stack:
+    """F.linear (cuBLAS) and SDPA over BF16 KV caches [B, Hkv, L, D], one per layer."""
+
+    def __init__(self, spec: ModelSpec, weights: list[LayerWeights], batch: int, kv_len: int,
+                 gen: torch.Generator, device: Any) -> None:
+        self.spec, self.weights = spec, weights
+        shape = (batch, spec.kv_heads, kv_len, spec.head_dim)
+        self.kv = [(torch.randn(shape, generator=gen, device=device).to(torch.bfloat16),
+                    torch.randn(shape, generator=gen, device=device).to(torch.bfloat16))
+                   for _ in weights]
+
+    def layer(self, i: int, h: torch.Tensor, seen: dict | None = None) -> torch.Tensor:
+        k, v = self.kv[i]
+
+        def attend(q: torch.Tensor) -> torch.Tensor:
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
+            return o.squeeze(2)
+        return step_layer(self.spec, h, lambda n, x: F.linear(x, self.weights[i].w[n]),
+                          attend, seen)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        for i in range(len(self.weights)):
+            h = self.layer(i, h)
+        return h
+
+
+class ResgenStack:
+    """resgen.ops.Linear per projection (static NVFP4 input scales) and
+    resgen.ops.DecodeAttention over one paged NVFP4 cache per layer.
+
+    linear_kwargs / attention_kwargs: passed to the ops (the CPU test stands simulations in)."""
+
+    def __init__(self, spec: ModelSpec, weights: list[LayerWeights],
+                 input_scales: list[dict[str, float]], compensated: bool, batch: int,
+                 kv_len: int, page_size: int, gen: torch.Generator, device: Any,
+                 linear_kwargs: dict | None = None,
+                 attention_kwargs: dict | None = None) -> None:
+        from resgen.ops import DecodeAttention, Linear
+        from resgen.search.attention_sm90 import random_cache
+
+        self.spec, self.batch, self.kv_len = spec, batch, kv_len
+        comp = "full" if compensated else "none"
+        self.qweights: list[dict[str, QLinearWeight]] = []
+        self.linears: list[dict[str, Any]] = []
+        for lw, sc in zip(weights, input_scales):
+            qws = {n: prepare_weight(lw.w[n].float(), "nvfp4", input_scale=sc[n])
+                   for n in PROJ}
+            self.qweights.append(qws)
+            self.linears.append({n: Linear(qws[n], comp, device=device,
+                                           **(linear_kwargs or {})) for n in PROJ})
+        self.compensated = compensated
+        self.attn = DecodeAttention(spec.heads, spec.kv_heads, spec.head_dim, page_size,
+                                    compensation=compensated, **(attention_kwargs or {}))
+        self.caches = [random_cache(batch, spec.kv_heads, spec.head_dim, kv_len, page_size,
+                                    device, gen) for _ in weights]
+
+    def warmup(self) -> None:
+        """Build every plan (compile, buffers) so the step can be captured."""
+        for lin in self.linears:
+            for op in lin.values():
+                op.warmup([self.batch])
+        self.attn.warmup([(self.batch, self.kv_len)])
+
+    def layer(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        cache, bt, sl = self.caches[i]
+        return step_layer(self.spec, h, lambda n, x: self.linears[i][n](x),
+                          lambda q: self.attn(q, cache, bt, sl, max_kv_len=self.kv_len))
+
+    def reference_layer(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """The same step from resgen.reference in FP32, rounded to BF16 between ops."""
+        cache, bt, sl = self.caches[i]
+        comp = "full" if self.compensated else "none"
+
+        def proj(n: str, x: torch.Tensor) -> torch.Tensor:
+            return R.linear(x.float(), self.qweights[i][n], comp).to(torch.bfloat16)
+
+        def attend(q: torch.Tensor) -> torch.Tensor:
+            return R.decode_attention(q.float(), cache, bt, sl, compensation=self.compensated,
+                                      pv="fp32").to(torch.bfloat16)
+        return step_layer(self.spec, h, proj, attend)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        for i in range(len(self.caches)):
+            h = self.layer(i, h)
+        return h
+
+    def check(self, h: torch.Tensor) -> dict[str, Any]:
+        """Relative error of the stack's output against the reference step, and NaN count."""
+        out, ref = h, h
+        for i in range(len(self.caches)):
+            out, ref = self.layer(i, out), self.reference_layer(i, ref)
+        o, r = out.float(), ref.float()
+        bad = int((~torch.isfinite(o)).sum())
+        rel = float((o - r).norm() / r.norm())
+        return {"rel_err": rel, "nonfinite": bad, "ok": bad == 0 and rel <= CHECK_TOL}
+
+
+def input_scales(spec: ModelSpec, bf16: Bf16Stack, h: torch.Tensor) -> list[dict[str, float]]:
+    """Per layer and projection: amax of its input in one BF16 pass / 2688 (static NVFP4)."""
+    out = []
+    for i in range(len(bf16.weights)):
+        seen: dict[str, torch.Tensor] = {}
+        h = bf16.layer(i, h, seen)
+        out.append({n: max(float(seen[n].float().abs().max()), 1e-6) / E2M1_E4M3_MAX
+                    for n in PROJ})
+    return out
+
+
+def time_graph(fn: Callable[[], Any], reps: int = 7, target_ms: float = 5.0) -> dict[str, Any]:
+    """fn captured into a CUDA graph; median per replay over `reps` timed batches of replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()                                        # warm (allocator, lazy init) off-graph
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    n = max(3, min(200, int(target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n)
+    return {"us": statistics.median(times), "replays": n, "samples_us": times}
+
+
+def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
+              page_size: int = 32) -> dict[str, Any]:
+    """The three stacks at one (batch, KV length): check, then time."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(batch * 7919 + kv_len)
+    weights = [LayerWeights.random(spec, gen, dev) for _ in range(layers)]
+    h0 = torch.randn(batch, spec.hidden, generator=gen, device=dev).to(torch.bfloat16)
+    rec: dict[str, Any] = {"model": spec.name, "batch": batch, "kv_len": kv_len,
+                           "layers": layers}
+    bf16 = Bf16Stack(spec, weights, batch, kv_len, gen, dev)
+    scales = input_scales(spec, bf16, h0)
+    rec["bf16"] = time_graph(lambda: bf16(h0))
+    del bf16
+    torch.cuda.empty_cache()
+    for name in ("plain", "compensated"):
+        st = ResgenStack(spec, weights, scales, name == "compensated", batch, kv_len,
+                         page_size, gen, dev)
+        st.warmup()
+        chk = st.check(h0)
+        rec[name] = {"check": chk}
+        if chk["ok"]:
+            rec[name].update(time_graph(lambda: st(h0)))
+        rec[name]["variants"] = {n: st.linears[0][n].plan(batch).variant.name() for n in PROJ}
+        rec[name]["attention"] = st.attn.plan(batch, kv_len).variant.name()
+        del st
+        torch.cuda.empty_cache()
+    return rec
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("model", "B", "KV", "bf16 us/layer", "plain", "x bf16", "compensated", "x bf16",
+            "comp/plain", "check rel err")
+    lines = [" ".join(f"{h:>13s}" for h in head)]
+    for r in rows:
+        per = {s: (r[s].get("us") or float("nan")) / r["layers"] for s in STACKS}
+        errs = "/".join(f"{r[s]['check']['rel_err']:.1e}" for s in ("plain", "compensated"))
+        lines.append(" ".join(f"{x:>13s}" for x in (
+            r["model"], str(r["batch"]), f"{r['kv_len'] // 1024}K", f"{per['bf16']:.1f}",
+            f"{per['plain']:.1f}", f"{per['bf16'] / per['plain']:.2f}",
+            f"{per['compensated']:.1f}", f"{per['bf16'] / per['compensated']:.2f}",
+            f"{per['compensated'] / per['plain']:.3f}", errs)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-8b,qwen3-32b")
+    ap.add_argument("--batch", default="1,32")
+    ap.add_argument("--kv-len", default="32768")
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_step needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(os.environ.get("OUT", "bench/results/h200"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for m in args.model.split(","):
+        for b in (int(x) for x in args.batch.split(",")):
+            for n in (int(x) for x in args.kv_len.split(",")):
+                try:
+                    rows.append(run_point(get_model(m), b, n, args.layers))
+                except Exception as e:                  # reported, the next point still runs
+                    rows.append({"model": m, "batch": b, "kv_len": n,
+                                 "error": f"{type(e).__name__}: {e}"[:500]})
+                    print(f"{m} B={b} KV={n}: {rows[-1]['error']}", flush=True)
+                (out / "decode_step.json").write_text(json.dumps(
+                    {"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    print(table([r for r in rows if "error" not in r]))
+    return 0 if all("error" not in r and r["plain"]["check"]["ok"]
+                    and r["compensated"]["check"]["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""bench/decode_step.py on the CPU: a small Qwen3-like model's layers chained through the real
+resgen.ops path (the linear kernels' CPU simulations and the attention reference standing in
+for the GPU kernels), checked against the reference step, plus the BF16 stack and the table.
+The GPU run itself (CUDA graphs, timings) is the script's main."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import decode_step as S  # noqa: E402
+from fakefam import isolated_cache  # noqa: E402,F401
+from resgen.models import ModelSpec  # noqa: E402
+from resgen.search import linear_sm90 as LS  # noqa: E402
+from resgen.search import linear_sm90_wgmma as LW  # noqa: E402
+from test_ops import _Compiles, _empty_dispatcher, _quantizers, _RefAttention  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("isolated_cache")
+SPEC = ModelSpec("tiny", hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64,
+                 layers=2)
+
+
+def _stacks(compensated: bool, batch: int = 3, kv_len: int = 40):
+    gen = torch.Generator().manual_seed(1)
+    weights = [S.LayerWeights.random(SPEC, gen, "cpu") for _ in range(2)]
+    h0 = (torch.randn(batch, SPEC.hidden, generator=gen) * 2).to(torch.bfloat16)
+    bf16 = S.Bf16Stack(SPEC, weights, batch, kv_len, gen, "cpu")
+    scales = S.input_scales(SPEC, bf16, h0)
+    v = LW.LinearSm90WgmmaVariant(1, 2, 16, 3, LW.Raster.CH, LS.Packing.NIB)
+    lin = dict(variant=v, compile_fn=_Compiles(), quantizer_fn=_quantizers([]))
+    att = dict(dispatcher=_empty_dispatcher(), compile_fn=lambda f, vv, p, a: object(),
+               op_fn=_RefAttention([]))
+    st = S.ResgenStack(SPEC, weights, scales, compensated, batch, kv_len, 16, gen, "cpu",
+                       linear_kwargs=lin, attention_kwargs=att)
+    # the BF16 stack attends over the same (dequantized, BF16-exact) KV as the FP4 stack
+    for i, (cache, bt, sl) in enumerate(st.caches):
+        kv = [cache.gather(bt[b], int(sl[b])) for b in range(batch)]
+        bf16.kv[i] = tuple(torch.stack([x[j] for x in kv]).to(torch.bfloat16) for j in (0, 1))
+    return bf16, st, h0, scales
+
+
+@pytest.mark.parametrize("compensated", [False, True])
+def test_resgen_step_matches_the_reference_step(compensated):
+    bf16, st, h0, scales = _stacks(compensated)
+    assert len(scales) == 2 and all(s[n] > 0 for s in scales for n in S.PROJ)
+    st.warmup()
+    chk = st.check(h0)
+    assert chk["nonfinite"] == 0 and chk["ok"], chk
+    out = st(h0)
+    assert out.shape == h0.shape and out.dtype == torch.bfloat16
+    # FP4 weights and activations against BF16: different, but the same computation
+    ref = bf16(h0).float()
+    rel = float((out.float() - ref).norm() / ref.norm())
+    assert 1e-3 < rel < 0.3, rel
+
+
+def test_compensation_brings_the_step_closer_to_bf16():
+    bf16, plain, h0, _ = _stacks(False)
+    _, comp, _, _ = _stacks(True)
+    ref = bf16(h0).float()
+    e = {name: float((st(h0).float() - ref).norm() / ref.norm())
+         for name, st in (("plain", plain), ("comp", comp))}
+    assert e["comp"] < e["plain"], e
+
+
+def test_table_reports_per_layer_ratios():
+    row = {"model": "qwen3-8b", "batch": 32, "kv_len": 32768, "layers": 4,
+           "bf16": {"us": 4000.0}, "plain": {"us": 2000.0, "check": {"rel_err": 1e-3}},
+           "compensated": {"us": 2200.0, "check": {"rel_err": 2e-3}}}
+    line = S.table([row]).splitlines()[1].split()
+    assert line[:3] == ["qwen3-8b", "32", "32K"]
+    assert line[3:10] == ["1000.0", "500.0", "2.00", "550.0", "1.82", "1.100",
+                          "1.0e-03/2.0e-03"]
