@@ -30,6 +30,7 @@ simulations against the reference step); not yet run on the H200, so no figure o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -86,7 +87,7 @@ def step_layer(spec: ModelSpec, h: torch.Tensor, proj: Callable[[str, torch.Tens
     `attend(q [B, Hq, D]) -> [B, Hq, D]` (bf16 throughout). `seen`: records each projection's
     input (for the static input scales)."""
     b = h.shape[0]
-    d, hq, hkv = spec.head_dim, spec.heads, spec.kv_heads
+    d, hq = spec.head_dim, spec.heads
 
     def p(name: str, x: torch.Tensor) -> torch.Tensor:
         if seen is not None:
@@ -248,8 +249,8 @@ def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
                            "layers": layers}
     bf16 = Bf16Stack(spec, weights, batch, kv_len, gen, dev)
     scales = input_scales(spec, bf16, h0)
-    rec["bf16"] = time_graph(lambda: bf16(h0))
-    del bf16
+    rec["bf16"] = time_graph(functools.partial(bf16, h0))
+    bf16 = None                                     # free its KV caches before the others
     torch.cuda.empty_cache()
     for name in ("plain", "compensated"):
         st = ResgenStack(spec, weights, scales, name == "compensated", batch, kv_len,
@@ -258,10 +259,10 @@ def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
         chk = st.check(h0)
         rec[name] = {"check": chk}
         if chk["ok"]:
-            rec[name].update(time_graph(lambda: st(h0)))
+            rec[name].update(time_graph(functools.partial(st, h0)))
         rec[name]["variants"] = {n: st.linears[0][n].plan(batch).variant.name() for n in PROJ}
         rec[name]["attention"] = st.attn.plan(batch, kv_len).variant.name()
-        del st
+        st = None
         torch.cuda.empty_cache()
     return rec
 

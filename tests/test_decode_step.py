@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import decode_step as S  # noqa: E402
-from fakefam import isolated_cache  # noqa: E402,F401
+from fakefam import isolated_cache  # noqa: E402,F401  (the fixture below)
 from resgen.models import ModelSpec  # noqa: E402
 from resgen.search import linear_sm90 as LS  # noqa: E402
 from resgen.search import linear_sm90_wgmma as LW  # noqa: E402
