@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from resgen.search import build
+from resgen.search.cover import covering_subset
 from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant, Packing, Pipeline,
                                        Reduction, geometry_of)
 from resgen.search.variant import LinearProblem
@@ -57,18 +58,6 @@ def _check_variant(v: LinearSm90Variant, base: LinearProblem, ms=(1, 3), determi
                 f"{v.name()} m={m}: reruns differ"
 
 
-def _cover(space):
-    """A small subset of `space` in which every (field, value) of the space appears."""
-    need = {(f.name, getattr(v, f.name)) for v in space for f in dataclasses.fields(v)}
-    chosen = []
-    while need:
-        best = max(space, key=lambda v: len(need & {(f.name, getattr(v, f.name))
-                                                    for f in dataclasses.fields(v)}))
-        chosen.append(best)
-        need -= {(f.name, getattr(best, f.name)) for f in dataclasses.fields(best)}
-    return chosen
-
-
 COVER_PROBLEMS = [LinearProblem(fmt, comp, 16, 256, 1024)
                   for fmt in ("nvfp4", "mxfp4") for comp in ("none", "full", "0.125", "1.0")]
 
@@ -77,7 +66,7 @@ COVER_PROBLEMS = [LinearProblem(fmt, comp, 16, 256, 1024)
 def test_covering_variants(p):
     """m = 16 is the compiled row count (fused tiles); 1 and 7 run the same kernels with
     fewer rows, 40 with more token tiles than compiled for."""
-    for v in _cover(list(FAMILY.space(p, ARCH))):
+    for v in covering_subset(list(FAMILY.space(p, ARCH))):
         _check_variant(v, p, ms=(1, 7, 16, 40))
 
 

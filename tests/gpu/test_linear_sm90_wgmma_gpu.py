@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from resgen.search.cover import covering_subset
 from resgen.search.linear_sm90 import Packing
 from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Raster,
                                              compile_once)
@@ -45,18 +46,6 @@ def _check_variant(v: LinearSm90WgmmaVariant, base: LinearProblem, ms=(1, 37)):
             f"{v.name()} m={m}: reruns differ"
 
 
-def _cover(space):
-    """A small subset of `space` in which every (field, value) of the space appears."""
-    need = {(f.name, getattr(v, f.name)) for v in space for f in dataclasses.fields(v)}
-    chosen = []
-    while need:
-        best = max(space, key=lambda v: len(need & {(f.name, getattr(v, f.name))
-                                                    for f in dataclasses.fields(v)}))
-        chosen.append(best)
-        need -= {(f.name, getattr(best, f.name)) for f in dataclasses.fields(best)}
-    return chosen
-
-
 SMALL_FULL = LinearProblem("nvfp4", "full", 40, 256, 256)
 
 
@@ -72,7 +61,7 @@ COVER_PROBLEMS = [LinearProblem(fmt, comp, 64, 512, 1024)
 
 @pytest.mark.parametrize("p", COVER_PROBLEMS, ids=lambda p: f"{p.fmt}-{p.compensation}")
 def test_covering_variants(p):
-    for v in _cover(list(FAMILY.space(p, ARCH))):
+    for v in covering_subset(list(FAMILY.space(p, ARCH))):
         _check_variant(v, p, ms=(3, 64, 200))
 
 
