@@ -241,7 +241,7 @@ def time_graph(fn: Callable[[], Any], reps: int = 7, target_ms: float = 5.0) -> 
 def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
               page_size: int = 32) -> dict[str, Any]:
     """The three stacks at one (batch, KV length): check, then time."""
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())   # indexed, as tensors report it
     gen = torch.Generator(device=dev).manual_seed(batch * 7919 + kv_len)
     weights = [LayerWeights.random(spec, gen, dev) for _ in range(layers)]
     h0 = torch.randn(batch, spec.hidden, generator=gen, device=dev).to(torch.bfloat16)
