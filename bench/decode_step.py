@@ -95,7 +95,7 @@ def step_layer(spec: ModelSpec, h: torch.Tensor, proj: Callable[[str, torch.Tens
         return proj(name, x)
 
     qkv = p("qkv", rmsnorm(h))
-    q = qkv[:, : hq * d].reshape(b, hq, d)
+    q = qkv[:, : hq * d].reshape(b, hq, d).contiguous()     # the attention kernel's layout
     h = h + p("o", attend(q).reshape(b, hq * d))
     gu = p("gate_up", rmsnorm(h))
     g, u = gu[:, : spec.intermediate], gu[:, spec.intermediate:]

@@ -35,8 +35,17 @@ def _stacks(compensated: bool, batch: int = 3, kv_len: int = 40):
     scales = S.input_scales(SPEC, bf16, h0)
     v = LW.LinearSm90WgmmaVariant(1, 2, 16, 3, LW.Raster.CH, LS.Packing.NIB)
     lin = dict(variant=v, compile_fn=_Compiles(), quantizer_fn=_quantizers([]))
+    ref_op = _RefAttention([])
+
+    def op_fn(compiled, vv, p):             # the kernel's launcher refuses strided inputs
+        op = ref_op(compiled, vv, p)
+
+        def checked(q, *args, **kw):
+            assert q.is_contiguous(), "the attention kernel needs a contiguous [B, Hq, D] q"
+            return op(q, *args, **kw)
+        return checked
     att = dict(dispatcher=_empty_dispatcher(), compile_fn=lambda f, vv, p, a: object(),
-               op_fn=_RefAttention([]))
+               op_fn=op_fn)
     st = S.ResgenStack(SPEC, weights, scales, compensated, batch, kv_len, 16, gen, "cpu",
                        linear_kwargs=lin, attention_kwargs=att)
     # the BF16 stack attends over the same (dequantized, BF16-exact) KV as the FP4 stack
