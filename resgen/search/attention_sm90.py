@@ -11,8 +11,8 @@ Variant axes (AttentionSm90Variant) and what they change:
     kc          keys per chunk (16 or 32 = one or two m16 key tiles per loop iteration)
     packing     query columns of the QK tile: "pair" (base j, residue j adjacent: fold in a
                 lane), "dense" (one column per head; plain only: halves the QK MMAs at G = 8)
-                or "stack" (ResAttn only: dense base and residue operand tiles, both MMAs
-                into one FP32 accumulator tile; pair's MMAs with dense's score registers)
+                or "stack" (ResAttn only: dense base and residue operand tiles, two MMA
+                chains folded in FP32; pair's MMAs with dense's score registers)
     splits      KV splits per (batch, KV head) (a run-time argument: one compile serves all)
     prefetch    register double buffer: the next chunk's K/V bytes load while this one is
                 computed, the block-table entry one chunk further ahead, and the first chunk's
