@@ -5,14 +5,16 @@ bench/decode_layer_model.py can only approximate by summing kernels measured alo
 Per layer (Qwen3 geometry, batch B tokens, every sequence KV_LEN long):
 
     a = rmsnorm(h); q, k, v = split(QKV(a))
+    append k, v to the layer's KV cache (at position KV_LEN - 1, so replays keep the length)
     h = h + O(attention(q, layer's KV cache))
     a = rmsnorm(h); g, u = split(GATE_UP(a))
     h = h + DOWN(silu(g) * u)
 
 Stacks: "bf16" (F.linear on BF16 weights = cuBLAS, SDPA over a BF16 KV cache [B, Hkv, L, D]),
-"plain" (resgen.ops.Linear W4A4 NVFP4 + DecodeAttention plain NVFP4-KV) and "compensated"
-(M-Ext + ResAttn), each from the shipped dispatch table. Left out of every stack alike: RoPE,
-Qwen3's per-head q/k norms, the new token's KV append, the LM head. LAYERS distinct layers
+"plain" (resgen.ops.Linear W4A4 NVFP4 + the NVFP4 append kernel + DecodeAttention plain
+NVFP4-KV) and "compensated" (M-Ext + ResAttn), each from the shipped dispatch table; the BF16
+stack appends with a copy into its cache. Left out of every stack alike: RoPE, Qwen3's per-head
+q/k norms, the LM head. LAYERS distinct layers
 (own weights and caches, together larger than the 60 MB L2) are chained; the time per layer
 is the graph replay over LAYERS. The resgen stacks are first checked against the same step
 computed with resgen.reference (FP32 linear on the same quantized weights, FP32 attention on
@@ -81,13 +83,14 @@ class LayerWeights:
 
 
 def step_layer(spec: ModelSpec, h: torch.Tensor, proj: Callable[[str, torch.Tensor], Any],
+               store_kv: Callable[[torch.Tensor, torch.Tensor], None],
                attend: Callable[[torch.Tensor], torch.Tensor],
                seen: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """One layer's step with the stack's projections `proj(name, x)` and attention
-    `attend(q [B, Hq, D]) -> [B, Hq, D]` (bf16 throughout). `seen`: records each projection's
-    input (for the static input scales)."""
+    """One layer's step with the stack's projections `proj(name, x)`, KV append
+    `store_kv(k, v)` (each [B, Hkv, D]) and attention `attend(q [B, Hq, D]) -> [B, Hq, D]`
+    (bf16 throughout). `seen`: records each projection's input (for the static input scales)."""
     b = h.shape[0]
-    d, hq = spec.head_dim, spec.heads
+    d, hq, hkv = spec.head_dim, spec.heads, spec.kv_heads
 
     def p(name: str, x: torch.Tensor) -> torch.Tensor:
         if seen is not None:
@@ -96,6 +99,8 @@ def step_layer(spec: ModelSpec, h: torch.Tensor, proj: Callable[[str, torch.Tens
 
     qkv = p("qkv", rmsnorm(h))
     q = qkv[:, : hq * d].reshape(b, hq, d).contiguous()     # the attention kernel's layout
+    kv = qkv[:, hq * d:].reshape(b, 2, hkv, d)
+    store_kv(kv[:, 0].contiguous(), kv[:, 1].contiguous())
     h = h + p("o", attend(q).reshape(b, hq * d))
     gu = p("gate_up", rmsnorm(h))
     g, u = gu[:, : spec.intermediate], gu[:, spec.intermediate:]
@@ -116,11 +121,15 @@ class Bf16Stack:
     def layer(self, i: int, h: torch.Tensor, seen: dict | None = None) -> torch.Tensor:
         k, v = self.kv[i]
 
+        def store(kn: torch.Tensor, vn: torch.Tensor) -> None:
+            k[:, :, -1].copy_(kn)
+            v[:, :, -1].copy_(vn)
+
         def attend(q: torch.Tensor) -> torch.Tensor:
             o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
             return o.squeeze(2)
         return step_layer(self.spec, h, lambda n, x: F.linear(x, self.weights[i].w[n]),
-                          attend, seen)
+                          store, attend, seen)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         for i in range(len(self.weights)):
@@ -132,13 +141,15 @@ class ResgenStack:
     """resgen.ops.Linear per projection (static NVFP4 input scales) and
     resgen.ops.DecodeAttention over one paged NVFP4 cache per layer.
 
-    linear_kwargs / attention_kwargs: passed to the ops (the CPU test stands simulations in)."""
+    linear_kwargs / attention_kwargs: passed to the ops; append_fn: (cache, k, v, block_tables,
+    positions) -> None, default the compiled NVFP4 append kernel (the CPU test stands
+    simulations and the reference append in)."""
 
     def __init__(self, spec: ModelSpec, weights: list[LayerWeights],
                  input_scales: list[dict[str, float]], compensated: bool, batch: int,
                  kv_len: int, page_size: int, gen: torch.Generator, device: Any,
-                 linear_kwargs: dict | None = None,
-                 attention_kwargs: dict | None = None) -> None:
+                 linear_kwargs: dict | None = None, attention_kwargs: dict | None = None,
+                 append_fn: Callable[..., None] | None = None) -> None:
         from resgen.ops import DecodeAttention, Linear
         from resgen.search.attention_sm90 import random_cache
 
@@ -157,6 +168,16 @@ class ResgenStack:
                                     compensation=compensated, **(attention_kwargs or {}))
         self.caches = [random_cache(batch, spec.kv_heads, spec.head_dim, kv_len, page_size,
                                     device, gen) for _ in weights]
+        # the new token of every sequence goes to its last position (the length stays)
+        self.positions = torch.stack([torch.arange(batch, device=device),
+                                      torch.full((batch,), kv_len - 1, device=device)],
+                                     1).to(torch.int32)
+        if append_fn is None:
+            from resgen.kernels.attention_sm90 import KVAppendSm90, compile_append
+
+            res, _ = compile_append(spec.head_dim, spec.kv_heads, page_size)
+            append_fn = KVAppendSm90(res.fn, spec.head_dim, spec.kv_heads, page_size)
+        self.append = append_fn
 
     def warmup(self) -> None:
         """Build every plan (compile, buffers) so the step can be captured."""
@@ -168,6 +189,7 @@ class ResgenStack:
     def layer(self, i: int, h: torch.Tensor) -> torch.Tensor:
         cache, bt, sl = self.caches[i]
         return step_layer(self.spec, h, lambda n, x: self.linears[i][n](x),
+                          lambda k, v: self.append(cache, k, v, bt, self.positions),
                           lambda q: self.attn(q, cache, bt, sl, max_kv_len=self.kv_len))
 
     def reference_layer(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -178,10 +200,13 @@ class ResgenStack:
         def proj(n: str, x: torch.Tensor) -> torch.Tensor:
             return R.linear(x.float(), self.qweights[i][n], comp).to(torch.bfloat16)
 
+        def store(k: torch.Tensor, v: torch.Tensor) -> None:
+            cache.append(k.float(), v.float(), bt, self.positions.long())
+
         def attend(q: torch.Tensor) -> torch.Tensor:
             return R.decode_attention(q.float(), cache, bt, sl, compensation=self.compensated,
                                       pv="fp32").to(torch.bfloat16)
-        return step_layer(self.spec, h, proj, attend)
+        return step_layer(self.spec, h, proj, store, attend)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         for i in range(len(self.caches)):

@@ -46,8 +46,17 @@ def _stacks(compensated: bool, batch: int = 3, kv_len: int = 40):
         return checked
     att = dict(dispatcher=_empty_dispatcher(), compile_fn=lambda f, vv, p, a: object(),
                op_fn=op_fn)
+    appended = []
+
+    def append_fn(cache, k, v, bt, pos):    # the reference append with the kernel's contract
+        assert k.dtype == v.dtype == torch.bfloat16 and k.is_contiguous() and v.is_contiguous()
+        assert pos.dtype == torch.int32 and pos.tolist() == [[b, kv_len - 1] for b in
+                                                             range(batch)]
+        appended.append(k.shape)
+        cache.append(k.float(), v.float(), bt, pos.long())
     st = S.ResgenStack(SPEC, weights, scales, compensated, batch, kv_len, 16, gen, "cpu",
-                       linear_kwargs=lin, attention_kwargs=att)
+                       linear_kwargs=lin, attention_kwargs=att, append_fn=append_fn)
+    st.appended = appended
     # the BF16 stack attends over the same (dequantized, BF16-exact) KV as the FP4 stack
     for i, (cache, bt, sl) in enumerate(st.caches):
         kv = [cache.gather(bt[b], int(sl[b])) for b in range(batch)]
@@ -62,6 +71,7 @@ def test_resgen_step_matches_the_reference_step(compensated):
     st.warmup()
     chk = st.check(h0)
     assert chk["nonfinite"] == 0 and chk["ok"], chk
+    assert st.appended == [(3, SPEC.kv_heads, SPEC.head_dim)] * 2     # once per layer
     out = st(h0)
     assert out.shape == h0.shape and out.dtype == torch.bfloat16
     # FP4 weights and activations against BF16: different, but the same computation
