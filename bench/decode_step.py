@@ -14,9 +14,10 @@ Stacks: "bf16" (F.linear on BF16 weights = cuBLAS, SDPA over a BF16 KV cache [B,
 "plain" (resgen.ops.Linear W4A4 NVFP4 + the NVFP4 append kernel + DecodeAttention plain
 NVFP4-KV) and "compensated" (M-Ext + ResAttn), each from the shipped dispatch table; the BF16
 stack appends with a copy into its cache. Left out of every stack alike: RoPE, Qwen3's per-head
-q/k norms, the LM head. LAYERS distinct layers
-(own weights and caches, together larger than the 60 MB L2) are chained; the time per layer
-is the graph replay over LAYERS. The resgen stacks are first checked against the same step
+q/k norms, the LM head. LAYERS distinct layers (own weights and caches, together larger
+than the 60 MB L2) are chained and timed under the tuner's measurement policy
+(resgen.search.timing.measure: a CUDA graph of many chains, median of repetitions); the time
+per layer is that over LAYERS. The resgen stacks are first checked against the same step
 computed with resgen.reference (FP32 linear on the same quantized weights, FP32 attention on
 the same cache, BF16 between ops as in the stack): relative error of the last hidden state.
 Static NVFP4 input scales come from one BF16 pass (amax / 2688 per projection, as a
@@ -32,13 +33,10 @@ simulations against the reference step); not yet run on the H200, so no figure o
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,11 +47,12 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from resgen import formats  # noqa: E402
 from resgen import reference as R  # noqa: E402
 from resgen.calibrate import QLinearWeight, prepare_weight  # noqa: E402
 from resgen.models import ModelSpec, get_model  # noqa: E402
+from resgen.search.linear_sm90 import compare  # noqa: E402
 
-E2M1_E4M3_MAX = 6.0 * 448.0
 PROJ = ("qkv", "o", "gate_up", "down")
 STACKS = ("bf16", "plain", "compensated")
 CHECK_TOL = 2e-2            # BF16 rounding between ops, propagated through 4 layers
@@ -65,7 +64,7 @@ def rmsnorm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
 
 
-@dataclass
+@dataclasses.dataclass
 class LayerWeights:
     """One layer's BF16 weights [out, in]: qkv, o, gate_up, down."""
 
@@ -214,14 +213,12 @@ class ResgenStack:
         return h
 
     def check(self, h: torch.Tensor) -> dict[str, Any]:
-        """Relative error of the stack's output against the reference step, and NaN count."""
+        """The stack's output against the reference step: ok, rel_err, tolerance, detail
+        (resgen.search.linear_sm90.compare: no NaN / Inf, ||out - ref|| / ||ref|| <= tol)."""
         out, ref = h, h
         for i in range(len(self.caches)):
             out, ref = self.layer(i, out), self.reference_layer(i, ref)
-        o, r = out.float(), ref.float()
-        bad = int((~torch.isfinite(o)).sum())
-        rel = float((o - r).norm() / r.norm())
-        return {"rel_err": rel, "nonfinite": bad, "ok": bad == 0 and rel <= CHECK_TOL}
+        return dataclasses.asdict(compare(out, ref.float(), CHECK_TOL))
 
 
 def input_scales(spec: ModelSpec, bf16: Bf16Stack, h: torch.Tensor) -> list[dict[str, float]]:
@@ -230,37 +227,34 @@ def input_scales(spec: ModelSpec, bf16: Bf16Stack, h: torch.Tensor) -> list[dict
     for i in range(len(bf16.weights)):
         seen: dict[str, torch.Tensor] = {}
         h = bf16.layer(i, h, seen)
-        out.append({n: max(float(seen[n].float().abs().max()), 1e-6) / E2M1_E4M3_MAX
+        out.append({n: max(float(seen[n].float().abs().max()), 1e-6)
+                    / (formats.E2M1_MAX * formats.E4M3_MAX)
                     for n in PROJ})
     return out
 
 
-def time_graph(fn: Callable[[], Any], reps: int = 7, target_ms: float = 5.0) -> dict[str, Any]:
-    """fn captured into a CUDA graph; median per replay over `reps` timed batches of replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()                                        # warm (allocator, lazy init) off-graph
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    n = max(3, min(200, int(target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    return {"us": statistics.median(times), "replays": n, "samples_us": times}
+class _Chain:
+    """A resgen.search.timing runner over one input: the stack applied to h (no input sets to
+    rotate: the LAYERS distinct layers already stream more bytes than the L2 holds)."""
+
+    def __init__(self, stack: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor):
+        self.stack, self.h = stack, h
+
+    def rotate(self, i: int) -> None:
+        pass
+
+    def __call__(self) -> torch.Tensor:
+        return self.stack(self.h)
+
+
+def time_stack(stack: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> dict:
+    """The chain under the tuner's measurement policy (CUDA graph of many calls, median of
+    repetitions): microseconds per call of all LAYERS layers."""
+    from resgen.search.timing import DEFAULT_POLICY, measure
+
+    t = measure(_Chain(stack, h), DEFAULT_POLICY, n_sets=1)
+    return {"us": t.median_us, "q": t.quantiles_us, "launches": t.launches, "mode": t.mode,
+            "note": t.note}
 
 
 def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
@@ -274,7 +268,7 @@ def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
                            "layers": layers}
     bf16 = Bf16Stack(spec, weights, batch, kv_len, gen, dev)
     scales = input_scales(spec, bf16, h0)
-    rec["bf16"] = time_graph(functools.partial(bf16, h0))
+    rec["bf16"] = time_stack(bf16, h0)
     bf16 = None                                     # free its KV caches before the others
     torch.cuda.empty_cache()
     for name in ("plain", "compensated"):
@@ -284,7 +278,7 @@ def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
         chk = st.check(h0)
         rec[name] = {"check": chk}
         if chk["ok"]:
-            rec[name].update(time_graph(functools.partial(st, h0)))
+            rec[name].update(time_stack(st, h0))
         rec[name]["variants"] = {n: st.linears[0][n].plan(batch).variant.name() for n in PROJ}
         rec[name]["attention"] = st.attn.plan(batch, kv_len).variant.name()
         st = None

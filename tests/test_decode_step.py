@@ -70,7 +70,7 @@ def test_resgen_step_matches_the_reference_step(compensated):
     assert len(scales) == 2 and all(s[n] > 0 for s in scales for n in S.PROJ)
     st.warmup()
     chk = st.check(h0)
-    assert chk["nonfinite"] == 0 and chk["ok"], chk
+    assert chk["ok"] and chk["rel_err"] <= S.CHECK_TOL, chk       # ok: no NaN / Inf either
     assert st.appended == [(3, SPEC.kv_heads, SPEC.head_dim)] * 2     # once per layer
     out = st(h0)
     assert out.shape == h0.shape and out.dtype == torch.bfloat16
