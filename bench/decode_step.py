@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:                  # reported, the next point still runs
                     rows.append({"model": m, "batch": b, "kv_len": n,
                                  "error": f"{type(e).__name__}: {e}"[:500]})
-                    print(f"{m} B={b} KV={n}: {rows[-1]['error']}", flush=True)
+                print(f"{m} B={b} KV={n}: " + (rows[-1].get("error") or ", ".join(
+                    f"{s} {rows[-1][s].get('us', float('nan')) / args.layers:.1f} us/layer"
+                    for s in STACKS)), flush=True)
                 (out / "decode_step.json").write_text(json.dumps(
                     {"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     print(table([r for r in rows if "error" not in r]))
