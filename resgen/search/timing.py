@@ -251,12 +251,18 @@ def measure(runner: Any, policy: MeasurementPolicy = DEFAULT_POLICY, n_sets: int
 
     mode, note, run = "eager", "", eager_loop(launches)
     if policy.graph:
-        try:
-            graph = _capture(runner, n_sets, launches)
-            mode, run = "graph", graph.replay
-        except Exception as e:     # recorded in the timing; eager timing is still valid
-            note = f"graph capture failed, timed eagerly: {type(e).__name__}: {e}"[:500]
-            torch.cuda.synchronize()
+        # A capture that fails is tried once more (everything the first attempt loaded
+        # lazily is loaded then); a second failure times eagerly. Both are recorded.
+        for attempt in range(2):
+            try:
+                graph = _capture(runner, n_sets, launches)
+                mode, run = "graph", graph.replay
+                break
+            except Exception as e:     # recorded in the timing; eager timing is still valid
+                what = "timed eagerly" if attempt else "retried"
+                note += f"graph capture failed, {what}: {type(e).__name__}: {e}"[:240] + " "
+                torch.cuda.synchronize()
+        note = note.strip()
     for _ in range(policy.warmup_replays):
         run()
     torch.cuda.synchronize()
