@@ -24,11 +24,12 @@ chained references is recorded too. The torch glue alone (GlueStack) is timed as
 kernels' share can be read off. Static NVFP4 input scales come from one BF16 pass
 (amax / 2688 per projection, as a calibration would).
 
-    source .devcache/device/env.sh && timeout -k 5 -s INT 300 python3 bench/decode_step.py
-        # -> $OUT/decode_step.json, table last   (--model, --batch, --kv-len, --layers)
+    source .devcache/device/env.sh && timeout -k 5 -s INT 540 python3 bench/decode_step.py \\
+        --batch 1,8,32 --kv-len 4096,32768   # -> $OUT/decode_step.json, table last
 
 Status: CPU-tested (tests/test_decode_step.py: the chain through resgen.ops with the kernels'
-simulations against the reference step); not yet run on the H200, so no figure of it exists.
+simulations, the per-kernel check and that it names a wrong kernel); run on the H200:
+bench/results/h200/decode_step.json (.log), indexed in bench/results/h200/README.md.
 """
 
 from __future__ import annotations
@@ -337,9 +338,62 @@ def time_stack(stack: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -
             "q": t.quantiles_us, "launches": t.launches, "mode": t.mode, "note": t.note}
 
 
+def kernel_summary(spans: list[tuple[str, float, float]], chains: int,
+                   top: int = 12) -> dict[str, Any]:
+    """Kernel spans (name, start us, end us) of `chains` replays of one chain -> per chain:
+    wall (first start to last end), busy (union of the spans: time some kernel runs), gaps
+    (wall - busy: the GPU idle between dependent kernels), kernels (count) and the `top`
+    names by time, each {"name", "us", "count"} per chain."""
+    if not spans:
+        return {"wall_us": 0.0, "busy_us": 0.0, "gap_us": 0.0, "kernels": 0.0, "top": []}
+    spans = sorted(spans, key=lambda t: t[1])
+    busy, cur_s, cur_e = 0.0, spans[0][1], spans[0][2]
+    for _, a, b in spans[1:]:
+        if a > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    busy += cur_e - cur_s
+    wall = max(e for _, _, e in spans) - spans[0][1]
+    per: dict[str, list[float]] = {}
+    for name, a, b in spans:
+        acc = per.setdefault(name, [0.0, 0])
+        acc[0] += b - a
+        acc[1] += 1
+    names = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"wall_us": wall / chains, "busy_us": busy / chains, "gap_us": (wall - busy) / chains,
+            "kernels": len(spans) / chains,
+            "top": [{"name": n[:120], "us": t / chains, "count": c / chains}
+                    for n, (t, c) in names]}
+
+
+def profile_stack(stack: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor,
+                  chains: int = 10) -> dict[str, Any]:
+    """One chain captured in a CUDA graph, replayed `chains` times back to back under
+    torch.profiler (CUPTI kernel records): kernel_summary of what ran. Warm L2 from the
+    previous replay is possible only for what the LAYERS layers do not evict."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from resgen.search.timing import _capture
+
+    graph = _capture(_Chain(stack, h), 1, 1)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(chains):
+            graph.replay()
+        torch.cuda.synchronize()
+    spans = [(e.name, float(e.time_range.start), float(e.time_range.end))
+             for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+             and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    return kernel_summary(spans, chains)
+
+
 def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
-              page_size: int = 32) -> dict[str, Any]:
-    """The three stacks at one (batch, KV length): check, then time."""
+              page_size: int = 32, profile: bool = False) -> dict[str, Any]:
+    """The three stacks (and the glue) at one (batch, KV length): check, then time; with
+    `profile`, also each one's kernels in the chain (profile_stack)."""
     dev = torch.device("cuda", torch.cuda.current_device())   # indexed, as tensors report it
     gen = torch.Generator(device=dev).manual_seed(batch * 7919 + kv_len)
     weights = [LayerWeights.random(spec, gen, dev) for _ in range(layers)]
@@ -349,7 +403,11 @@ def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
     bf16 = Bf16Stack(spec, weights, batch, kv_len, gen, dev)
     scales = input_scales(spec, bf16, h0)
     rec["bf16"] = time_stack(bf16, h0)
-    rec["glue"] = time_stack(GlueStack(spec, layers, batch, dev), h0)
+    glue = GlueStack(spec, layers, batch, dev)
+    rec["glue"] = time_stack(glue, h0)
+    if profile:
+        rec["bf16"]["profile"] = profile_stack(bf16, h0)
+        rec["glue"]["profile"] = profile_stack(glue, h0)
     bf16 = None                                     # free its KV caches before the others
     torch.cuda.empty_cache()
     for name in ("plain", "compensated"):
@@ -360,6 +418,8 @@ def run_point(spec: ModelSpec, batch: int, kv_len: int, layers: int,
         rec[name] = {"check": chk}
         if chk["ok"]:
             rec[name].update(time_stack(st, h0))
+            if profile:
+                rec[name]["profile"] = profile_stack(st, h0)
         rec[name]["variants"] = {n: st.linears[0][n].plan(batch).variant.name() for n in PROJ}
         rec[name]["attention"] = st.attn.plan(batch, kv_len).variant.name()
         st = None
@@ -388,12 +448,36 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def profile_table(rows: list[dict[str, Any]]) -> str:
+    """Per layer, from the profiled replays: wall, busy (some kernel running), gap (idle
+    between dependent kernels) and kernel count of each stack; then each stack's top kernels."""
+    head = ("model", "B", "KV", "stack", "wall us", "busy us", "gap us", "kernels")
+    lines = [" ".join(f"{h:>12s}" for h in head)]
+    tops = []
+    for r in rows:
+        for st in ("glue",) + STACKS:
+            pr = r.get(st, {}).get("profile")
+            if not pr:
+                continue
+            n = r["layers"]
+            lines.append(" ".join(f"{x:>12s}" for x in (
+                r["model"], str(r["batch"]), f"{r['kv_len'] // 1024}K", st,
+                f"{pr['wall_us'] / n:.1f}", f"{pr['busy_us'] / n:.1f}",
+                f"{pr['gap_us'] / n:.1f}", f"{pr['kernels'] / n:.1f}")))
+            tops.append(f"{r['model']} B={r['batch']} KV={r['kv_len']} {st}: " + "; ".join(
+                f"{k['us'] / n:.1f} us x{k['count'] / n:g} {k['name'][:60]}"
+                for k in pr["top"][:6]))
+    return "\n".join(tops + lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b,qwen3-32b")
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--kv-len", default="32768")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--profile", action="store_true",
+                    help="also record each stack's kernels in the chain (torch.profiler)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_step needs a CUDA GPU", file=sys.stderr)
@@ -405,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in (int(x) for x in args.batch.split(",")):
             for n in (int(x) for x in args.kv_len.split(",")):
                 try:
-                    rows.append(run_point(get_model(m), b, n, args.layers))
+                    rows.append(run_point(get_model(m), b, n, args.layers,
+                                          profile=args.profile))
                 except Exception as e:                  # reported, the next point still runs
                     rows.append({"model": m, "batch": b, "kv_len": n,
                                  "error": f"{type(e).__name__}: {e}"[:500]})
@@ -414,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                     for s in STACKS + ("glue",))), flush=True)
                 (out / "decode_step.json").write_text(json.dumps(
                     {"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    if args.profile:
+        print(profile_table([r for r in rows if "error" not in r]))
     print(table([r for r in rows if "error" not in r]))
     return 0 if all("error" not in r and r["plain"]["check"]["ok"]
                     and r["compensated"]["check"]["ok"] for r in rows) else 1

@@ -130,3 +130,28 @@ def test_table_reports_per_layer_ratios():
     assert line[:3] == ["qwen3-8b", "32", "32K"]
     assert line[3:] == ["1000.0", "500.0", "2.00", "550.0", "1.82", "1.100", "100.0", "2.00",
                         "1e-03/2e-03", "1e-01/2e-02"]
+
+
+def test_kernel_summary_splits_wall_into_busy_and_gaps():
+    # two chains of: a [0, 10], b [12, 20] overlapping c [18, 25]; then a [30, 40], b [42, 50]
+    spans = [("a", 0, 10), ("b", 12, 20), ("c", 18, 25), ("a", 30, 40), ("b", 42, 50)]
+    r = S.kernel_summary(spans, chains=2)
+    assert r["wall_us"] == 25.0                     # 50 us over 2 chains
+    assert r["busy_us"] == (10 + 13 + 10 + 8) / 2   # the c overlap counted once
+    assert r["gap_us"] == r["wall_us"] - r["busy_us"]
+    assert r["kernels"] == 2.5
+    assert [k["name"] for k in r["top"]] == ["a", "b", "c"]
+    assert r["top"][0] == {"name": "a", "us": 10.0, "count": 1.0}
+    assert S.kernel_summary([], 3)["wall_us"] == 0.0
+
+
+def test_profile_table_lists_each_profiled_stack():
+    pr = {"wall_us": 400.0, "busy_us": 300.0, "gap_us": 100.0, "kernels": 80.0,
+          "top": [{"name": "gemm", "us": 120.0, "count": 4.0}]}
+    row = {"model": "qwen3-8b", "batch": 1, "kv_len": 4096, "layers": 4,
+           "bf16": {"us": 1.0, "profile": pr}, "glue": {"us": 1.0},
+           "plain": {"us": 1.0}, "compensated": {"us": 1.0, "profile": pr}}
+    out = S.profile_table([row]).splitlines()
+    assert out[0].startswith("qwen3-8b B=1 KV=4096 bf16: 30.0 us x1 gemm")
+    assert out[-1].split() == ["qwen3-8b", "1", "4K", "compensated", "100.0", "75.0", "25.0",
+                               "20.0"]
