@@ -12,7 +12,8 @@ On the GPU machine (profiles the second call of each case; the first warms cache
         --section WarpStateStats --section SchedulerStats --section Occupancy \\
         --section LaunchStats --csv --page raw --log-file $OUT/ncu_limits.csv \\
         python3 bench/ncu_limits.py > $OUT/ncu_limits.order.txt
-    (`python3 bench/ncu_limits.py --linear-m 16 --no-attention`: the linear cases at M = 16)
+    (`python3 bench/ncu_limits.py --linear-m 16 --no-attention`: the linear cases at M = 16;
+    `--linear-m 1024 --no-attention --kext 0.125,1.0`: prefill with K-Ext next to M-Ext)
 
 Every case is checked against the reference first (fresh inputs, poisoned output) and skipped
 if wrong. Its profiled call sits in its own cudaProfilerStart / Stop window that begins with a
@@ -60,6 +61,7 @@ METRICS = (("us", "gpu__time_duration.sum", 1e-3),
            ("issue busy %", "smsp__issue_active.avg.pct_of_peak_sustained_active", 1.0),
            ("eligible warps", "smsp__warps_eligible.avg.per_cycle_active", 1.0),
            ("occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active", 1.0),
+           ("tensor %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", 1.0),
            ("instructions M", "smsp__inst_executed.sum", 1e-6),
            ("registers", "launch__registers_per_thread", 1.0),
            ("CTAs", "launch__grid_size", 1.0))
@@ -78,10 +80,11 @@ class Case:
 
 
 def cases(device: Any = None, linear_ms: tuple[int, ...] = (1,),
-          attention: bool = True) -> Iterator[Case]:
+          attention: bool = True, kext: tuple[str, ...] = ()) -> Iterator[Case]:
     """The dispatched variants (shipped table; `device`: a resgen.runtime.Device to match its
     rows against, the current GPU by default), and each compensated variant without its
-    residue where the family accepts that."""
+    residue where the family accepts that; `kext`: K-Ext ratios ("0.125", ..., "1.0") whose
+    dispatched linear variants are profiled too."""
     from resgen import runtime
     from resgen.search.family import get_family
     from resgen.search.variant import AttentionProblem, LinearProblem
@@ -103,6 +106,11 @@ def cases(device: Any = None, linear_ms: tuple[int, ...] = (1,),
         for name, (n, k) in LINEAR_SHAPES.items():
             yield from pair("linear", LinearProblem("nvfp4", "none", m, n, k),
                             LinearProblem("nvfp4", "full", m, n, k), f"linear {name} M={m}")
+            for r in kext:
+                pk = LinearProblem("nvfp4", r, m, n, k)
+                vk = disp.lookup("linear", pk)
+                yield Case(f"linear {name} M={m} K-Ext {r}", get_family(type(vk).FAMILY), vk,
+                           pk)
     for geo, (qh, kvh, d) in ATTENTION_GEOMETRIES.items() if attention else ():
         for b in ATTENTION_BATCHES:
             def ap(comp: bool) -> AttentionProblem:
@@ -113,14 +121,15 @@ def cases(device: Any = None, linear_ms: tuple[int, ...] = (1,),
                             f"attention {geo} b={b} kv=32K")
 
 
-def run(linear_ms: tuple[int, ...] = (1,), attention: bool = True) -> int:
+def run(linear_ms: tuple[int, ...] = (1,), attention: bool = True,
+        kext: tuple[str, ...] = ()) -> int:
     """Check, warm and profile every case (the GPU part; ncu attaches from outside)."""
     import torch
 
     from resgen.search.build import compile_variant
 
     failures = 0
-    for c in cases(linear_ms=linear_ms, attention=attention):
+    for c in cases(linear_ms=linear_ms, attention=attention, kext=kext):
         out = compile_variant(c.family, c.variant, c.problem, "sm_90a")
         if not out.ok:
             print(f"SKIP\t{c.label}\t{c.variant.name()}\tcompile failed", flush=True)
@@ -246,9 +255,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated M of the linear cases (GPU run; default 1)")
     ap.add_argument("--no-attention", action="store_true",
                     help="GPU run: the linear cases only")
+    ap.add_argument("--kext", default="",
+                    help="GPU run: comma-separated K-Ext ratios to profile as well (e.g. "
+                    "0.125,1.0)")
     args = ap.parse_args(argv)
     if not args.summarize:
-        return run(tuple(int(x) for x in args.linear_m.split(",")), not args.no_attention)
+        return run(tuple(int(x) for x in args.linear_m.split(",")), not args.no_attention,
+                   tuple(x for x in args.kext.split(",") if x))
     csv_path, order_path = (Path(p) for p in args.summarize)
     records = summarize(read_text(csv_path), read_text(order_path))
     if args.json:

@@ -94,3 +94,18 @@ def test_cases_are_the_shipped_tables_dispatched_variants():
         assert f"linear {name} M=1 compensated" in labels
     assert sum(lab.startswith("attention") and lab.endswith(" plain") for lab in labels) == \
         len(N.ATTENTION_GEOMETRIES) * len(N.ATTENTION_BATCHES)
+
+
+def test_kext_cases_are_the_dispatched_prefill_variants():
+    from resgen import runtime
+
+    dev = runtime.Device("NVIDIA H200", "sm_90a")
+    cs = list(N.cases(dev, linear_ms=(1024,), attention=False, kext=("0.125", "1.0")))
+    disp = runtime.Dispatcher(paths=[N.DB], device=dev)
+    kx = [c for c in cs if "K-Ext" in c.label]
+    assert len(kx) == 2 * len(N.LINEAR_SHAPES)
+    for c in kx:
+        assert c.problem.compensation in ("0.125", "1.0") and c.problem.m == 1024
+        assert disp.lookup("linear", c.problem).key() == c.variant.key()
+        assert c.family.why_invalid(c.variant, c.problem, "sm_90a") is None
+    assert "linear down M=1024 K-Ext 1.0" in [c.label for c in cs]
