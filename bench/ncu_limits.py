@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     records = summarize(read_text(csv_path), read_text(order_path))
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"# Nsight Compute: what limits the dispatched decode kernels\n\n"
+    print(f"# Nsight Compute: what limits the dispatched kernels\n\n"
           f"From `{csv_path.name}` and `{order_path.name}` (`bench/ncu_limits.py`; one "
           f"profiled call per case, boost clocks, ncu's cache flush between passes).\n")
     print(markdown(records))

@@ -82,3 +82,16 @@ def test_stack_probe_pairs_every_resattn_layout_with_its_stack_twin():
     # most layouts are valid (d256's prefetching twins exceed the register estimate)
     valid = [c for c in cases if fam.why_invalid(c[1], c[2], "sm_90a") is None]
     assert len(valid) >= 0.9 * len(cases)
+
+
+def test_deep_ring_probe_cases_are_valid_and_reach_past_the_space():
+    """Every case is a valid variant, and each shape probes rings deeper than the tuned space
+    holds (bulk 2 / 4 slots, cp.async 3 / 4)."""
+    import deep_ring_probe as D
+
+    for (n, k), vs in D.CASES.items():
+        for comp in ("none", "full"):
+            p = LinearProblem("nvfp4", comp, 1, n, k)
+            assert all(FAMILY.why_invalid(v, p, layer_probe.ARCH) is None for v in vs)
+            space = set(FAMILY.space(p, layer_probe.ARCH))
+            assert any(v.stages >= 6 and v not in space for v in vs)
