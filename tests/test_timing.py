@@ -144,3 +144,26 @@ def test_callable_runner_rotates_over_its_sets():
     assert r() == "b"
     r.rotate(2)
     assert r() == "c"
+
+
+def test_capture_is_retried_once_and_failures_are_recorded():
+    from resgen.search.timing import capture_with_retry
+
+    syncs = []
+    tries = iter([RuntimeError("capture invalidated"), "graph"])
+
+    def flaky():
+        r = next(tries)
+        if isinstance(r, Exception):
+            raise r
+        return r
+    g, note = capture_with_retry(flaky, lambda: syncs.append(1))
+    assert g == "graph" and syncs == [1]
+    assert note == "graph capture failed, retried: RuntimeError: capture invalidated"
+
+    def broken():
+        raise ValueError("no")
+    g, note = capture_with_retry(broken, lambda: syncs.append(2))
+    assert g is None and syncs == [1, 2, 2]
+    assert note.count("graph capture failed") == 2 and note.endswith("timed eagerly: ValueError: no")
+    assert capture_with_retry(lambda: "g", lambda: None) == ("g", "")

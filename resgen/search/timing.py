@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .variant import sha256_json
 
 __all__ = ["MeasurementPolicy", "DEFAULT_POLICY", "TUNE_POLICY", "POLICIES", "policy_named",
-           "Timing", "summarize", "quantile", "measure", "CallableRunner"]
+           "Timing", "summarize", "quantile", "measure", "CallableRunner", "capture_with_retry"]
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,24 @@ def _capture(runner: Any, n_sets: int, launches: int):
     return graph
 
 
+def capture_with_retry(capture: Callable[[], Any], sync: Callable[[], None],
+                       attempts: int = 2) -> tuple[Any, str]:
+    """(graph, note): `capture()` tried up to `attempts` times; a failure is recorded in the
+    note and followed by `sync()`. None when every attempt failed (the caller times eagerly,
+    which stays valid). Why retry: on the H200 the first capture of a chained decode step
+    failed once ("operation failed due to a previous error during capture") and the second
+    succeeded (README, "Known issue")."""
+    notes = []
+    for attempt in range(attempts):
+        try:
+            return capture(), " ".join(notes)
+        except Exception as e:     # recorded in the timing
+            what = "timed eagerly" if attempt == attempts - 1 else "retried"
+            notes.append(f"graph capture failed, {what}: {type(e).__name__}: {e}"[:240])
+            sync()
+    return None, " ".join(notes)
+
+
 def _time_calls(fn, reps: int) -> list[float]:
     """Milliseconds of `reps` calls of fn, each between its own pair of CUDA events."""
     import torch
@@ -251,18 +269,10 @@ def measure(runner: Any, policy: MeasurementPolicy = DEFAULT_POLICY, n_sets: int
 
     mode, note, run = "eager", "", eager_loop(launches)
     if policy.graph:
-        # A capture that fails is tried once more (everything the first attempt loaded
-        # lazily is loaded then); a second failure times eagerly. Both are recorded.
-        for attempt in range(2):
-            try:
-                graph = _capture(runner, n_sets, launches)
-                mode, run = "graph", graph.replay
-                break
-            except Exception as e:     # recorded in the timing; eager timing is still valid
-                what = "timed eagerly" if attempt else "retried"
-                note += f"graph capture failed, {what}: {type(e).__name__}: {e}"[:240] + " "
-                torch.cuda.synchronize()
-        note = note.strip()
+        graph, note = capture_with_retry(lambda: _capture(runner, n_sets, launches),
+                                         torch.cuda.synchronize)
+        if graph is not None:
+            mode, run = "graph", graph.replay
     for _ in range(policy.warmup_replays):
         run()
     torch.cuda.synchronize()
