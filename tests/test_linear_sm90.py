@@ -945,3 +945,23 @@ def test_prior_puts_the_h200_winning_patterns_first():
     assert v.act == Act.XOP and v.n_tiles == 2 and v.split_k == 1
     v = first(LinearProblem("nvfp4", "none", 1, 6144, 4096, static_scale=False))
     assert v.act == Act.XOP                  # fused needs a static NVFP4 scale
+
+
+def test_compare_is_the_shared_check_at_the_linear_tolerance():
+    """linear_sm90.compare and attention_sm90.compare are resgen.search.family.compare: NaN /
+    Inf (an unwritten poisoned element) fails whatever the tolerance, the error is relative,
+    and the linear one defaults to the BF16-rounding tolerance."""
+    from resgen.search import attention_sm90, family, linear_sm90
+
+    assert attention_sm90.compare is family.compare
+    ref = torch.ones(4, 8)
+    out = ref.clone()
+    out[0, 0] = 1 + 2 ** -10                                          # exact in float32
+    res = linear_sm90.compare(out, ref)
+    assert res.ok and res.tolerance == linear_sm90.TOLERANCE
+    assert res.rel_err == pytest.approx(2 ** -10 / 32 ** 0.5, rel=1e-12)
+    assert not family.compare(out, ref, 1e-5).ok
+    out[1, 1] = float("nan")
+    bad = family.compare(out, ref, 1.0)
+    assert not bad.ok and "1 of 32 outputs NaN/Inf" in bad.detail
+    assert family.compare(torch.zeros(3), torch.zeros(3), 0.0).ok      # zero reference

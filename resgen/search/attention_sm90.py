@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from .family import CheckResult, register
+from .family import CheckResult, compare, register
 from .variant import AttentionProblem, Choice, IntRange, VariantBase
 
 __all__ = ["Packing", "Reduction", "AttentionSm90Variant", "AttentionSm90Family", "FAMILY",
@@ -282,19 +282,6 @@ def random_cache(batch: int, kv_heads: int, head_dim: int, kv_len: int, page_siz
     tables = order.reshape(batch, ppseq).contiguous()
     lens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
     return cache, tables, lens
-
-
-def compare(out: torch.Tensor, ref: torch.Tensor, tol: float) -> CheckResult:
-    """||out - ref|| / ||ref|| <= tol and no NaN/Inf (outputs are poisoned before a check)."""
-    o = out.float()
-    bad = int((~torch.isfinite(o)).sum())
-    if bad:
-        return CheckResult(False, math.inf, tol, f"{bad} of {o.numel()} outputs NaN/Inf "
-                                                 "(unwritten or overflow)")
-    den = float(ref.double().norm())
-    rel = float((o.double() - ref.double()).norm()) / den if den else float(o.abs().max())
-    ok = rel <= tol
-    return CheckResult(ok, rel, tol, "" if ok else f"rel err {rel:.3e} > {tol}")
 
 
 class AttentionSm90Runner:

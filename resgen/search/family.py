@@ -37,8 +37,8 @@ from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkabl
 
 from .variant import ProblemBase, VariantBase
 
-__all__ = ["KernelFamily", "Runner", "CheckResult", "register", "get_family", "families",
-           "families_for"]
+__all__ = ["KernelFamily", "Runner", "CheckResult", "compare", "register", "get_family",
+           "families", "families_for"]
 
 
 @dataclass
@@ -49,6 +49,23 @@ class CheckResult:
     rel_err: float          # ||out - ref|| / ||ref||
     tolerance: float
     detail: str = ""        # why it failed (NaN, unwritten outputs, error too large, ...)
+
+
+def compare(out: Any, ref: Any, tol: float) -> CheckResult:
+    """A kernel's output against its reference: ||out - ref|| / ||ref|| <= tol, and no NaN /
+    Inf anywhere (outputs are poisoned before a check, so an element left unwritten fails).
+    out, ref: torch tensors of one shape (any float dtype; compared in float64)."""
+    import math
+
+    o = out.float()
+    bad = int((~o.isfinite()).sum())
+    if bad:
+        return CheckResult(False, math.inf, tol, f"{bad} of {o.numel()} outputs NaN/Inf "
+                                                 "(unwritten or overflow)")
+    den = float(ref.double().norm())
+    rel = float((o.double() - ref.double()).norm()) / den if den else float(o.abs().max())
+    ok = rel <= tol
+    return CheckResult(ok, rel, tol, "" if ok else f"rel err {rel:.3e} > {tol}")
 
 
 @runtime_checkable
