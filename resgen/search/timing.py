@@ -24,6 +24,7 @@ same loop is timed eagerly and the timing says mode="eager" (CPU launch gaps inc
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -183,11 +184,22 @@ def _capture(runner: Any, n_sets: int, launches: int):
         runner()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    # No Python garbage collection during the capture: a collected object whose finalizer
+    # releases a CUDA resource (a compiled kernel's module, say) makes a call that global
+    # capture mode forbids, and the capture fails. Collect now instead (torch.cuda.graph no
+    # longer does by default).
+    gc.collect()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(launches):
-            runner.rotate(j % n_sets)
-            runner()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            for j in range(launches):
+                runner.rotate(j % n_sets)
+                runner()
+    finally:
+        if was_enabled:
+            gc.enable()
     torch.cuda.synchronize()
     return graph
 
