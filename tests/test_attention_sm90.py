@@ -446,6 +446,8 @@ def test_append_kernel_compiles_with_exact_division():
         assert res.spill_bytes == 0
         assert "div.rn.f32" in res.ptx and "div.approx" not in res.ptx
         assert "cvt.rn.satfinite.e4m3x2.f32" in res.ptx
+    # compiled once per process and kept: a collected kernel can break a CUDA graph capture
+    assert compile_append(128, 8, 32)[0] is compile_append(128, 8, 32)[0]
 
 
 def test_random_timing_cache_is_valid_and_attends_without_nan():

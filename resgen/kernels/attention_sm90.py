@@ -16,6 +16,7 @@ nothing here synchronizes or allocates once the workspace exists).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,8 +132,13 @@ def compile_attention(shape: AttnShape, arch: str = "sm_90a", variant_name: str 
     return codegen.compile_entry(mod.entry, attention_args(), arch), source
 
 
+@functools.lru_cache(maxsize=None)
 def compile_append(head_dim: int, kv_heads: int, page_size: int, num_warps: int = 4,
                    arch: str = "sm_90a"):
+    """(CompileResult, rendered source) of the KV append kernel for this geometry, compiled
+    once per process and kept (like resgen.ops' kernels): a compiled kernel that dies is
+    unloaded by its finalizer, and when Python's collector runs that finalizer during a CUDA
+    graph capture, the capture fails (measured on the H200: README, "CUDA graphs")."""
     mod, source = _render_load(APPEND_TEMPLATE,
                                append_template_params(head_dim, kv_heads, page_size, num_warps),
                                "kv_append_sm90")
