@@ -4,8 +4,9 @@ capture (global mode), the capture fails ("operation failed due to a previous er
 capture"). Four captures of the same two torch ops, each with garbage made just before it:
 
 1. no garbage, gc.collect() inside the capture (the control);
-2. a freshly compiled KV append kernel (compile_append's uncached body) left in a reference
-   cycle, gc.collect() inside the capture: expected to FAIL (the mechanism);
+2. a freshly compiled KV append kernel (compile_append's uncached body), launched once and
+   left in a reference cycle, gc.collect() inside the capture: expected to FAIL (the
+   mechanism; a kernel never launched has no module loaded and fails nothing);
 3. a dead bench/decode_step.py compensated stack in a reference cycle, gc.collect() inside
    the capture: resgen.ops and compile_append keep their kernels, so nothing of resgen dies;
 4. the case-2 garbage, captured through resgen.search.timing's _capture (collects first and
@@ -50,11 +51,19 @@ def capture_with_collection(ops: Callable[[], None]) -> str:
 
 
 def dead_append_kernel() -> None:
-    """A freshly compiled append kernel wrapped in a launcher that refers to itself."""
+    """A freshly compiled append kernel, launched once (its module is loaded at the first
+    launch), wrapped in a launcher that refers to itself."""
     from resgen.kernels.attention_sm90 import KVAppendSm90, compile_append
+    from resgen.kvcache import PagedKVCache
 
     res, _ = compile_append.__wrapped__(128, 8, 32)
     app = KVAppendSm90(res.fn, 128, 8, 32)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cache = PagedKVCache.empty(1, 8, 128, 32, device=dev)
+    k = torch.randn(1, 8, 128, device=dev).to(torch.bfloat16)
+    app(cache, k, k, torch.zeros(1, 1, dtype=torch.int32, device=dev),
+        torch.zeros(1, 2, dtype=torch.int32, device=dev))
+    torch.cuda.synchronize()
     app.cycle = app
 
 
