@@ -208,9 +208,10 @@ def capture_with_retry(capture: Callable[[], Any], sync: Callable[[], None],
                        attempts: int = 2) -> tuple[Any, str]:
     """(graph, note): `capture()` tried up to `attempts` times; a failure is recorded in the
     note and followed by `sync()`. None when every attempt failed (the caller times eagerly,
-    which stays valid). Why retry: on the H200 the first capture of a chained decode step
-    failed once ("operation failed due to a previous error during capture") and the second
-    succeeded (README, "Known issue")."""
+    which stays valid). Why: a capture fails when something outside it breaks global capture
+    mode (on the H200: a dead kernel's finalizer run by Python's collector, which _capture
+    now prevents; README, "CUDA graphs"); the retry keeps a timing run going if anything
+    else does."""
     notes = []
     for attempt in range(attempts):
         try:
