@@ -9,7 +9,7 @@ capture"). Four captures of the same two torch ops, each with garbage made just 
    mechanism; a kernel never launched has no module loaded and fails nothing);
 3. a dead bench/decode_step.py compensated stack in a reference cycle, gc.collect() inside
    the capture: resgen.ops and compile_append keep their kernels, so nothing of resgen dies;
-4. the case-2 garbage, captured through resgen.search.timing's _capture (collects first and
+4. the case-2 garbage, captured through resgen.search.timing.capture_graph (collects first and
    keeps the collector off during the capture).
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
@@ -85,7 +85,7 @@ def dead_stack() -> None:
 
 
 def main() -> int:
-    from resgen.search.timing import _capture
+    from resgen.search.timing import capture_graph
 
     x = torch.randn(1 << 20, device="cuda")
 
@@ -109,10 +109,10 @@ def main() -> int:
     results["dead decode stack, collected inside"] = capture_with_collection(ops)
     dead_append_kernel()
     try:
-        _capture(Runner(), 1, 1)
-        results["dead append kernel, timing._capture"] = "ok"
+        capture_graph(Runner(), 1, 1)
+        results["dead append kernel, timing.capture_graph"] = "ok"
     except Exception as e:                     # the outcome is the measurement
-        results["dead append kernel, timing._capture"] = "FAILED: " + str(e).splitlines()[0]
+        results["dead append kernel, timing.capture_graph"] = "FAILED: " + str(e).splitlines()[0]
     for k, v in results.items():
         print(f"{k:40s} {v}")
     out = Path(os.environ.get("OUT", "bench/results/h200"))

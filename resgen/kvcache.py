@@ -83,16 +83,21 @@ class PagedKVCache:
         """
         if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"k and v must be [T, {self.num_kv_heads}, {self.head_dim}]")
-        seq, pos = positions[:, 0].long(), positions[:, 1].long()
-        page = block_tables.long()[seq, pos // self.page_size]
-        if bool((page < 0).any()) or bool((page >= self.num_pages).any()):
-            raise ValueError("block table points outside the cache")
-        slot = pos % self.page_size
+        page, slot = self.append_slots(block_tables, positions)
         for src, codes, sf, gs in ((k, self.k_codes, self.k_sf, self.k_scale),
                                    (v, self.v_codes, self.v_sf, self.v_scale)):
             q = formats.quantize(src, "nvfp4", global_scale=gs)
             codes[page, :, slot] = q.codes
             sf[page, :, slot] = q.scales
+
+    def append_slots(self, block_tables: torch.Tensor, positions: torch.Tensor):
+        """(page, slot) index tensors [T] of new tokens: positions int [T, 2] rows of (sequence,
+        token position), block_tables int [B, max_pages]. Raises if a page is outside."""
+        seq, pos = positions[:, 0].long(), positions[:, 1].long()
+        page = block_tables.long()[seq, pos // self.page_size]
+        if bool((page < 0).any()) or bool((page >= self.num_pages).any()):
+            raise ValueError("block table points outside the cache")
+        return page, pos % self.page_size
 
     def gather_unit(self, block_table: torch.Tensor, n: int):
         """Dequantized K and V of one sequence WITHOUT global scales (exact in float64).

@@ -94,8 +94,8 @@ def test_check_names_the_kernel_that_is_wrong():
 
     def bad_append(cache, k, v, bt, pos):    # a flipped code byte in the new K token
         good_append(cache, k, v, bt, pos)
-        page = bt.long()[pos[:, 0].long(), pos[:, 1].long() // cache.page_size]
-        cache.k_codes[page[0], 0, int(pos[0, 1]) % cache.page_size, 0] ^= 0x11
+        page, slot = cache.append_slots(bt, pos)
+        cache.k_codes[page[0], 0, slot[0], 0] ^= 0x11
     st.append = bad_append
     chk = st.check(h0)
     assert not chk["ok"]

@@ -32,7 +32,8 @@ from typing import Any, Callable, Mapping, Sequence
 from .variant import sha256_json
 
 __all__ = ["MeasurementPolicy", "DEFAULT_POLICY", "TUNE_POLICY", "POLICIES", "policy_named",
-           "Timing", "summarize", "quantile", "measure", "CallableRunner", "capture_with_retry"]
+           "Timing", "summarize", "quantile", "measure", "CallableRunner", "capture_graph",
+           "capture_with_retry"]
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,10 @@ def summarize(samples_us: Sequence[float], policy: MeasurementPolicy = DEFAULT_P
                   n_sets=n_sets, mode=mode, policy=policy.as_dict(), note=note)
 
 
-def _capture(runner: Any, n_sets: int, launches: int):
+def capture_graph(runner: Any, n_sets: int, launches: int):
+    """A CUDA graph of `launches` runner calls (rotating over `n_sets` input sets), after one
+    warm-up call on a side stream; Python's collector is run first and kept off during the
+    capture (see below)."""
     import torch
 
     # Warm up on a side stream before capture (as torch.cuda.graphs recommends) so lazy
@@ -209,7 +213,7 @@ def capture_with_retry(capture: Callable[[], Any], sync: Callable[[], None],
     """(graph, note): `capture()` tried up to `attempts` times; a failure is recorded in the
     note and followed by `sync()`. None when every attempt failed (the caller times eagerly,
     which stays valid). Why: a capture fails when something outside it breaks global capture
-    mode (on the H200: a dead kernel's finalizer run by Python's collector, which _capture
+    mode (on the H200: a dead kernel's finalizer run by Python's collector, which capture_graph
     now prevents; README, "CUDA graphs"); the retry keeps a timing run going if anything
     else does."""
     notes = []
@@ -282,7 +286,7 @@ def measure(runner: Any, policy: MeasurementPolicy = DEFAULT_POLICY, n_sets: int
 
     mode, note, run = "eager", "", eager_loop(launches)
     if policy.graph:
-        graph, note = capture_with_retry(lambda: _capture(runner, n_sets, launches),
+        graph, note = capture_with_retry(lambda: capture_graph(runner, n_sets, launches),
                                          torch.cuda.synchronize)
         if graph is not None:
             mode, run = "graph", graph.replay
