@@ -250,7 +250,8 @@ def worker_main(idx: int, q_in, q_out, lock_path: str, deadline: float) -> None:
                     if quant is not None:
                         r.attach_quantizer(quant)
                         chk = r.check_quantized()
-                    else:
+                    else:           # the GEMM alone on a torch operand (fused: the layer)
+                        r = r.gemm_only()
                         chk = r.check()
                     rec["rel_err"] = chk.rel_err if math.isfinite(chk.rel_err) else None
                     if not chk.ok:
