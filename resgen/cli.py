@@ -164,8 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("sources", type=Path, nargs="+")
     m.add_argument("--into", type=Path, required=True)
     m.add_argument("--fresh-only", action="store_true",
-                   help="copy only results whose variant parses and whose fingerprint matches "
-                        "this checkout's templates, kernel modules and versions (drop stale ones)")
+                   help="also drop results whose fingerprint does not match this checkout's "
+                        "templates, kernel modules and versions (stale ones)")
+    m.add_argument("--all-rows", action="store_true",
+                   help="copy every result whose checksum holds, parseable or not (forensics; "
+                        "by default only rows the runtime could accept are merged: registered "
+                        "family, keys that parse, numbers in range, valid for the workload)")
+    m.add_argument("--import", dest="imports", action="append", default=[])
     e = dsub.add_parser("export", help="to JSON, or a compact read-only-friendly SQLite copy "
                         "(xz-compressed when --out ends in .xz, as tuned/ ships it)")
     e.add_argument("path", type=Path)
@@ -522,63 +527,167 @@ def _summary_text(summaries: list, compile_only: bool, elapsed: float, db_path: 
 
 
 # -- show -------------------------------------------------------------------------------------------
-def _workload_label(key: str) -> str:
-    d = json.loads(key)
+def _printable(text: Any, limit: int = 80) -> str:
+    """Untrusted text (a GPU name from a shared table) as one printable line: control and
+    other non-printable characters escaped, cut to `limit` characters."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+    return out if len(out) <= limit else out[:limit - 3] + "..."
+
+
+def _workload_label(problem: Any) -> str:
+    d = problem.as_dict()
     d.pop("op", None)
     return " ".join(f"{k}={v}" for k, v in sorted(d.items()))
 
 
+def _parsed(row: Any) -> tuple[Any, Any, Any] | None:
+    """(family, problem, variant) of a stored row, parsed through the family's types and
+    matched against the stored digests; None if any of it fails (nothing else is shown)."""
+    from .search.family import get_family
+
+    try:
+        fam = get_family(row["family"])
+        p = fam.PROBLEM.from_key(row["workload_key"])
+        v = fam.VARIANT.from_key(row["variant_key"])
+    except Exception:
+        return None
+    if p.digest() != row["workload_digest"] or v.digest() != row["variant_digest"]:
+        return None
+    return fam, p, v
+
+
+def _intact(row: Any) -> bool:
+    from .db import row_checksum
+
+    try:
+        return row_checksum(row, row["environment_digest"], row["workload_digest"],
+                            row["variant_digest"]) == row["checksum"]
+    except (TypeError, ValueError):
+        return False
+
+
 def cmd_show(args: argparse.Namespace) -> int:
+    """With --db: that file's winners per workload. Without: what the runtime would serve
+    (resgen.runtime's databases in its order, the shipped table included), per GPU."""
+    _import_all(args.imports)
+    if args.db is None:
+        return _show_served(args)
     from .db import DatabaseError, TuningDB
     from .search.build import variant_fingerprint
-    from .search.family import get_family
-    from .search.record import Status, pick_winner
-    from .settings import settings
+    from .search.record import Status, pick_winner, stored_timing
 
-    _import_all(args.imports)
-    path = args.db or settings().user_db
     try:
-        db = TuningDB(path, readonly=True)
+        with TuningDB(args.db, readonly=True) as db:
+            rows = db.rows(op=args.op)
     except DatabaseError as e:
         print(f"resgen show: {e}", file=sys.stderr)
         return 2
-    with db:
-        rows = db.rows(op=args.op)
     groups: dict[tuple, list] = defaultdict(list)
+    unparsed = 0
     for r in rows:
-        groups[(r["op"], r["workload_key"], r["gpu_name"], r["arch"])].append(r)
+        got = _parsed(r) if _intact(r) else None
+        if got is None:
+            unparsed += 1
+            continue
+        groups[(got[1].key(), r["gpu_name"], r["arch"])].append((r, got))
     out = []
-    for (op, wkey, gpu, arch), rs in groups.items():
-        counts = Counter(r["status"] for r in rs)
-        timed = [r for r in rs if r["status"] == Status.OK]
-        win = pick_winner(timed, _tie(timed)) if timed else None
-        fresh = ""
-        if win is not None:
+    for (_, gpu, arch), rs in groups.items():
+        counts = Counter(str(r["status"]) if r["status"] in Status.ALL else "?" for r, _ in rs)
+        timed = []
+        for r, got in rs:
+            if r["status"] != Status.OK:
+                continue
             try:
-                fam = get_family(win["family"])
-                v = fam.VARIANT.from_key(win["variant_key"])
-                p = fam.PROBLEM.from_key(wkey)
-                fresh = "yes" if variant_fingerprint(fam, v, p, arch) == win["fingerprint"] \
-                    else "STALE"
+                t = stored_timing(r)
+            except ValueError:
+                counts["bad_numbers"] += 1
+                continue
+            timed.append({"median_us": t.median_us, "space_index": t.space_index,
+                          "tie": t.tie_rel, "row": r, "got": got})
+        win = pick_winner(timed, min((t["tie"] for t in timed), default=0.01))
+        _, problem, _ = rs[0][1]
+        name, us, fresh = "-", "-", ""
+        if win is not None:
+            fam, p, v = win["got"]
+            name, us = v.name(), f"{win['median_us']:.2f}"
+            try:
+                fresh = "yes" if variant_fingerprint(fam, v, p, arch) == \
+                    win["row"]["fingerprint"] else "STALE"
             except Exception:
                 fresh = "?"
-        out.append([op, _workload_label(wkey), gpu, win["variant_name"] if win else "-",
-                    f"{win['median_us']:.2f}" if win else "-", fresh,
+        out.append([problem.OP, _workload_label(problem), _printable(gpu, 40), name, us, fresh,
                     " ".join(f"{k}:{n}" for k, n in sorted(counts.items()))])
     if not out:
-        print(f"{path}: no results")
+        print(f"{args.db}: no results" + (f" ({unparsed} rows that do not parse or fail their "
+                                          "checksum, not shown)" if unparsed else ""))
         return 0
     print(_table(["op", "workload", "gpu", "winner", "us", "current", "results"], out))
+    if unparsed:
+        print(f"({unparsed} rows that do not parse or fail their checksum are not shown; "
+              f"`resgen db verify {args.db}` lists them)")
     return 0
 
 
-def _tie(rows: list) -> float:
-    for r in rows:
+def _show_devices() -> list[Any]:
+    """The GPUs to show the runtime's answers for: this machine's, else every GPU with timed
+    results in a database the runtime would consult (the shipped tables included)."""
+    from .db import TuningDB
+    from .runtime import Device
+    from .settings import settings
+
+    dev = Device.current()
+    if dev is not None:
+        return [dev]
+    s = settings()
+    paths = [p for p in (s.db_path, s.user_db) if p is not None]
+    tuned = Path(s.tuned_dir)
+    if tuned.is_dir():
+        paths += sorted(tuned.glob("*.sqlite")) + sorted(tuned.glob("*.sqlite.xz"))
+    found: list[Any] = []
+    for p in paths:
         try:
-            return float(json.loads(r["policy"])["tie_rel"])
+            with TuningDB(p, readonly=True) as db:
+                envs = db.environments()
         except Exception:
             continue
-    return 0.01
+        for e in envs:
+            if e.get("compile_only") or not isinstance(e.get("gpu_name"), str) or \
+                    not isinstance(e.get("arch"), str):
+                continue
+            d = Device(e["gpu_name"], e["arch"])
+            if d not in found:
+                found.append(d)
+    return found
+
+
+def _show_served(args: argparse.Namespace) -> int:
+    from .runtime import Dispatcher, default_db_paths
+
+    from .runtime import Device
+
+    here = Device.current()
+    devices = _show_devices()
+    if not devices:
+        print("resgen show: no tuned results for any GPU in the runtime's databases "
+              f"({', '.join(str(p) for p in default_db_paths(None))}, and no shipped table); "
+              "`resgen show --db PATH` shows one file", file=sys.stderr)
+        return 0
+    for dev in devices:
+        disp = Dispatcher(device=dev)
+        out = []
+        for op, p in disp.tuned(args.op):
+            v, src, med = disp.served(op, p)
+            out.append([op, _workload_label(p), v.name(), "-" if med is None else f"{med:.2f}",
+                        _printable(src, 120)])
+        where = ", ".join(str(x) for x in disp.paths)
+        print(f"What the runtime serves on {_printable(dev.gpu_name, 40)} ({dev.arch}) from "
+              f"{where}" + ("" if dev == here else " (not this machine's GPU: what it would "
+                                                    "serve there)"))
+        if out:
+            print(_table(["op", "workload", "served", "us", "from"], out))
+        else:
+            print("  nothing tuned")
+    return 0
 
 
 # -- bench ------------------------------------------------------------------------------------------
@@ -778,52 +887,62 @@ def _bench_triton(bl: Any, x: Any, p: Any, policy: Any) -> dict[str, Any]:
 # -- db ---------------------------------------------------------------------------------------------
 def _parse_key(kind: str, key: str) -> str | None:
     """Validated parse of a stored key through its family's types; error text or None."""
-    from .search.family import get_family
+    from .search.family import families, get_family
 
     try:
         d = json.loads(key)
+    except (TypeError, ValueError, RecursionError):
+        return "key is not JSON"
+    if not isinstance(d, dict):
+        return f"key is a JSON {type(d).__name__}, not an object"
+    try:
         if kind == "variant":
             get_family(d.get("family")).VARIANT.from_dict(d)
-        else:
-            from .search.family import families
-
-            classes = {f.PROBLEM for f in families().values() if f.PROBLEM.OP == d.get("op")}
-            if not classes:
-                return f"no registered family for op {d.get('op')!r}"
-            errs = []
-            for cls in classes:
-                try:
-                    cls.from_dict(d)
-                    return None
-                except ValueError as e:
-                    errs.append(str(e))
-            return "; ".join(errs)
-    except ValueError as e:
+            return None
+        classes = {f.PROBLEM for f in families().values() if f.PROBLEM.OP == d.get("op")}
+        if not classes:
+            return f"no registered family for op {_printable(repr(d.get('op')), 60)}"
+        errs = []
+        for cls in classes:
+            try:
+                cls.from_dict(d)
+                return None
+            except (TypeError, ValueError) as e:
+                errs.append(str(e))
+        return "; ".join(errs)
+    except (TypeError, ValueError) as e:
         return str(e)
-    return None
 
 
-def _fresh_filter() -> Callable[[Any], bool]:
-    """A predicate on database rows: tuned with what this checkout would compile (its family is
-    registered, its variant and workload parse, and the fingerprint recorded for it is the one
-    the current templates, kernel modules, compile options and versions give: the rule the
-    runtime and the tuner use to tell stale results). Fingerprints are computed once per
-    compile class."""
+def _servable_filter(fresh_only: bool) -> Callable[[Any], bool]:
+    """A predicate on database rows for `db merge`: what the runtime could accept. The row's
+    family is registered, its workload and variant parse through the family's types and match
+    their stored digests, its status is known, a timed row's numbers pass the range checks
+    (resgen.search.record.stored_timing), and the variant is valid for its workload on the
+    row's arch (why_invalid). fresh_only: also the fingerprint recorded for it is the one the
+    current templates, kernel modules, compile options and versions give (the rule the
+    runtime and the tuner use to tell stale results; computed once per compile class)."""
     from .search.build import memo_fingerprint
-    from .search.family import get_family
+    from .search.record import Status, stored_timing
 
     cache: dict[tuple, str] = {}
 
-    def fresh(row) -> bool:
+    def keep(row: Any) -> bool:
+        got = _parsed(row)
+        if got is None or row["status"] not in Status.ALL:
+            return False
+        fam, p, v = got
         try:
-            fam = get_family(row["family"])
-            v = fam.VARIANT.from_key(row["variant_key"])
-            p = fam.PROBLEM.from_key(row["workload_key"])
-            return memo_fingerprint(cache, fam, v, p, row["arch"]) == row["fingerprint"]
-        except Exception:        # unparseable, unknown family or arch: not fresh
+            if row["status"] == Status.OK:
+                stored_timing(row)
+            if fam.why_invalid(v, p, row["arch"]) is not None:
+                return False
+            return not fresh_only or \
+                memo_fingerprint(cache, fam, v, p, row["arch"]) == row["fingerprint"]
+        except Exception:        # bad numbers, unknown arch, a family that raises: not kept
             return False
 
-    return fresh
+    return keep
 
 
 def cmd_db(args: argparse.Namespace) -> int:
@@ -842,7 +961,8 @@ def cmd_db(args: argparse.Namespace) -> int:
                 print(f"  warning: {w}")
             return 0 if rep.ok else 1
         if args.dbcmd == "merge":
-            keep = _fresh_filter() if args.fresh_only else None
+            _import_all(args.imports)
+            keep = None if args.all_rows else _servable_filter(args.fresh_only)
             with TuningDB(args.into) as dst:
                 for src in args.sources:
                     with TuningDB(src, readonly=True) as s:
