@@ -32,7 +32,8 @@ from resgen.models import get_model  # noqa: E402
 from resgen.search.family import families_for  # noqa: E402
 from resgen.search.record import current_environment  # noqa: E402
 from resgen.search.timing import DEFAULT_POLICY, MeasurementPolicy, measure  # noqa: E402
-from resgen.search.tuner import Job, TuneConfig, run_jobs  # noqa: E402
+from resgen.search.orchestrate import Job, run_jobs  # noqa: E402
+from resgen.search.tuner import TuneConfig  # noqa: E402
 from resgen.search.variant import AttentionProblem, LinearProblem  # noqa: E402
 from resgen.cli import _gpu_lock_path  # noqa: E402
 

@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -120,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds past the budget before stuck tuner processes are killed")
     t.add_argument("--compile-only", action="store_true",
                    help="render and compile only (automatic without a GPU)")
+    t.add_argument("--full-preflight", action="store_true",
+                   help="compile-only runs: every workload, up to --max-variants variants "
+                        "each (default: a covering subset of the workloads and of their "
+                        "variants, every format, mode, bucket, shape and axis value at least "
+                        "once: a few minutes on a 2-core CPU)")
     t.add_argument("--arch", default=None, help="compile target (default: the GPU's, or "
                    "RESGEN_ARCH / sm_90a without one)")
     t.add_argument("--jobs", type=_pos_int, default=None,
@@ -187,12 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- helpers --------------------------------------------------------------------------------------
 def _has_gpu() -> bool:
-    try:
-        import torch
+    from .search.device import has_gpu
 
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
+    return has_gpu()
 
 
 def _import_all(mods: Sequence[str]) -> None:
@@ -203,26 +206,37 @@ def _import_all(mods: Sequence[str]) -> None:
 
 
 class _Progress:
-    """tqdm when installed (it is not on the GPU image), else a line every few seconds."""
+    """A tqdm bar on a terminal; into a log (stderr not a terminal) one line per 10 % of the
+    work or per minute instead of thousands of carriage-return updates."""
 
-    def __init__(self, total: int, desc: str) -> None:
-        self.total, self.n, self.desc, self._last = total, 0, desc, 0.0
-        try:
+    def __init__(self, total: int, desc: str, stream: Any = None) -> None:
+        self.total, self.n, self.desc = total, 0, desc
+        self.stream = stream or sys.stderr
+        self._last_t, self._last_step = time.monotonic(), 0
+        self.bar = None
+        if getattr(self.stream, "isatty", lambda: False)():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit="workload", file=sys.stderr)
-        except Exception:
-            self.bar = None
+            self.bar = tqdm(total=total, desc=desc, unit="workload", file=self.stream)
 
     def update(self, postfix: str) -> None:
         self.n += 1
         if self.bar is not None:
             self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.update(1)
-        elif time.monotonic() - self._last > 5 or self.n == self.total:
-            self._last = time.monotonic()
-            print(f"{self.desc}: {self.n}/{self.total} workloads  {postfix}", file=sys.stderr,
+            return
+        step = (10 * self.n) // max(self.total, 1)            # tenths done
+        if step > self._last_step or self.n == self.total or \
+                time.monotonic() - self._last_t > 60:
+            self._last_step, self._last_t = step, time.monotonic()
+            print(f"{self.desc}: {self.n}/{self.total} workloads  {postfix}", file=self.stream,
                   flush=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -235,120 +249,67 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return table(headers, rows)
 
 
-def _gpu_lock_path() -> str:
-    """One lock file per physical GPU (its UUID), so tuners on different GPUs of one host
-    (CUDA_VISIBLE_DEVICES) never wait for each other, and tuners sharing one GPU take turns."""
-    from .settings import settings
-
-    try:
-        import torch
-
-        tag = str(torch.cuda.get_device_properties(0).uuid)
-    except Exception:
-        tag = "0"
-    tag = "".join(c for c in tag if c.isalnum() or c == "-")[:64] or "0"
-    return str(settings().cache_dir / f"gpu-{tag}.lock")
-
-
-def _problems_for(fam: Any, models: list, args: argparse.Namespace) -> list:
-    """The workloads of a family for the models (see the module docstring of models.py)."""
-    import dataclasses
-
-    from .models import attention_problems, linear_problems
-    from .search.variant import AttentionProblem, LinearProblem
-
-    hook = getattr(fam, "model_problems", None)
-    if hook is not None:
-        return list(hook(models, tp=args.tp, formats=args.formats,
-                         compensations=args.compensations, m_buckets=args.m_buckets))
-    lin = linear_problems(models, args.tp, args.formats, args.compensations, args.m_buckets)
-    if fam.PROBLEM is LinearProblem:
-        return lin
-    if fam.PROBLEM is AttentionProblem:
-        return attention_problems(models, args.tp, args.attn_batches, args.kv_lens,
-                                  pv=args.attn_pv)
-    # Another problem type (e.g. the quantizer's): its `for_linear(LinearProblem)` classmethod
-    # when it has one, else the linear workloads' fields of the same name.
-    names = {f.name for f in dataclasses.fields(fam.PROBLEM)}
-    for_linear = getattr(fam.PROBLEM, "for_linear", None)
-    out, seen = [], set()
-    for lp in lin:
-        try:
-            p = for_linear(lp) if for_linear is not None else \
-                fam.PROBLEM(**{n: getattr(lp, n) for n in names if hasattr(lp, n)})
-        except (TypeError, ValueError):
-            continue
-        if p not in seen:
-            seen.add(p)
-            out.append(p)
-    return out
-
-
 # -- tune -------------------------------------------------------------------------------------------
-def _models(names: Sequence[str]) -> list:
-    from .models import MODELS, get_model
-
-    out = []
-    for n in names:
-        for spec in (MODELS.values() if n.strip().lower() == "all" else [get_model(n)]):
-            if spec not in out:
-                out.append(spec)
-    return out
+class _Usage(Exception):
+    """A user error: printed as one line, exit code 2."""
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
-    from .db import DatabaseError, TuningDB
+def _compiler_missing(fams: Sequence[Any]) -> str | None:
+    """The install hint when a built-in family (they all compile with CuTe DSL) is selected
+    and the kernel compiler is not importable; None when it is (or only out-of-tree families
+    run, which bring their own compilers)."""
+    import importlib.util
+
+    if not any(type(f).__module__.startswith("resgen.") for f in fams):
+        return None
+    try:
+        found = importlib.util.find_spec("cutlass") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return ("the CuTe DSL kernel compiler (nvidia-cutlass-dsl 4.8.1, module 'cutlass') is not "
+            "installed: run scripts/install.sh, or pip install 'resgen[kernels]'")
+
+
+def _tune_families(args: argparse.Namespace, arch: str) -> list[Any]:
     from .search.family import families
-    from .search.record import compile_only_environment, current_environment
-    from .search.timing import policy_named
-    from .search.tuneplan import measured_costs, plan_run
-    from .search.tuner import PHASES, Job, TuneConfig, run_jobs, stages_of
-    from .settings import settings
 
-    started = time.monotonic()            # the budget counts from here: setup included
-    started_utc = _utc_now()
-    _import_all(args.imports)
-    models = _models(args.model)
-    gpu = _has_gpu()
-    compile_only = args.compile_only or not gpu
-    if not gpu and not args.compile_only and not args.plan:
-        print("No CUDA GPU found: running the COMPILE-ONLY pre-flight instead: per workload "
-              f"up to --max-variants={args.max_variants} valid variants (the default plus an "
-              "even spread over the space) are rendered and compiled; nothing is run or "
-              "timed; results are stored with status 'compiled' under a compile-only "
-              "environment.", file=sys.stderr)
-    if compile_only:
-        arch = args.arch or settings().arch
-        env = compile_only_environment(arch)
-        # --plan on a machine without a GPU plans the GPU run (unless --compile-only).
-        compile_only = args.compile_only or not args.plan
-    else:
-        env = current_environment()
-        arch = args.arch or env.arch
-        if arch != env.arch:
-            print(f"--arch {arch} differs from this GPU's {env.arch}: use --compile-only",
-                  file=sys.stderr)
-            return 2
-    fams = [f for f in families().values() if arch in f.ARCHS]
+    known = families()
     if args.families:
-        unknown = set(args.families) - {f.NAME for f in families().values()}
+        unknown = set(args.families) - set(known)
         if unknown:
-            print(f"unknown families {sorted(unknown)}", file=sys.stderr)
-            return 2
-        fams = [f for f in fams if f.NAME in args.families]
-    if args.ops:
-        fams = [f for f in fams if f.PROBLEM.OP in args.ops]
+            raise _Usage(f"unknown families {sorted(unknown)} (registered: {sorted(known)})")
+    fams = [f for f in known.values() if arch in f.ARCHS
+            and (not args.families or f.NAME in args.families)
+            and (not args.ops or f.PROBLEM.OP in args.ops)]
     if not fams:
-        print(f"no kernel family for ops {args.ops or 'any'} on {arch} (registered: "
-              f"{sorted(families())})", file=sys.stderr)
-        return 2
-    jobs: list[Job] = []
+        raise _Usage(f"no kernel family for ops {args.ops or 'any'} on {arch} (registered: "
+                     f"{sorted(known)})")
+    return sorted(fams, key=lambda f: f.NAME)
+
+
+def _tune_workloads(args: argparse.Namespace, fams: Sequence[Any], models: Sequence[Any],
+                    preflight: str | None) -> tuple[dict, dict, list]:
+    """(problems per family, workloads per model per family, jobs) of a run; raises
+    ValueError for a bad format, compensation, bucket or tp (the problem constructors
+    validate)."""
+    from .models import tuning_workloads
+    from .search.orchestrate import Job
+    from .search.tuneplan import preflight_workloads
+
+    kw = dict(tp=args.tp, formats=args.formats, compensations=args.compensations,
+              m_buckets=args.m_buckets, attn_batches=args.attn_batches, kv_lens=args.kv_lens,
+              attn_pv=args.attn_pv)
     problems: dict[str, list] = {}
     per_model: dict[str, dict[str, int]] = {}
-    for fam in sorted(fams, key=lambda f: f.NAME):
-        probs = _problems_for(fam, models, args)       # deduplicated across the models
+    jobs: list = []
+    for fam in fams:
+        probs = tuning_workloads(fam, models, **kw)      # deduplicated across the models
+        if preflight is not None:
+            probs = preflight_workloads(probs, preflight)
         problems[fam.NAME] = probs
-        per_model[fam.NAME] = ({m.name: len(_problems_for(fam, [m], args)) for m in models}
+        per_model[fam.NAME] = ({m.name: len(tuning_workloads(fam, [m], **kw)) for m in models}
                                if len(models) > 1 else {models[0].name: len(probs)})
         jobs += [Job(fam.NAME, p.key()) for p in probs]
     if args.shard is not None:
@@ -360,41 +321,128 @@ def cmd_tune(args: argparse.Namespace) -> int:
         kept = {(j.family, j.problem_key) for j in jobs}
         problems = {f: [p for p in ps if (f, p.key()) in kept] for f, ps in problems.items()}
         per_model = {f: {f"shard-{i}/{n}": len(problems[f])} for f in per_model}
-    if not jobs:
-        print("no workloads to tune", file=sys.stderr)
-        return 2
-    if args.warm_start is not None:
-        # a typo must not silently tune without the hint: the table must open and be ours
+    return problems, per_model, jobs
+
+
+def _check_output_db(path: Path) -> None:
+    """An existing output database must be ours (refused before anything is created)."""
+    from .db import DatabaseError, TuningDB
+
+    if path.is_dir():
+        raise _Usage(f"--db {path}: a directory, not a database file")
+    if path.exists():
         try:
-            with TuningDB(args.warm_start, readonly=True) as db:
-                rep = db.verify()
+            TuningDB(path, readonly=True).close()
         except DatabaseError as e:
-            print(f"--warm-start {args.warm_start}: {e}", file=sys.stderr)
-            return 2
-        if not rep.ok:
-            print(f"--warm-start {args.warm_start} fails verification: "
-                  f"{'; '.join(rep.errors[:3])}", file=sys.stderr)
-            return 2
-    db_path = args.db or settings().user_db
-    budget = args.time_budget if args.time_budget is not None else (
-        None if compile_only else 480.0)
-    cores = os.cpu_count() or 1
-    # Compile-only: one process per core. On a GPU: every core but two compiles (CuTe DSL
-    # compiles take 0.5-3 s on one core; GPU work takes milliseconds per variant), and the
-    # processes take turns on the GPU.
-    workers = args.jobs or (cores if compile_only else max(1, min(14, cores - 2)))
-    if args.plan and not gpu and not args.jobs and not compile_only:
-        workers = 14                              # planning for the 16-core H200 machine
-    lock = None if compile_only else _gpu_lock_path()
-    policy = policy_named(args.policy)
-    config = TuneConfig(arch=arch, policy=policy, max_variants=args.max_variants,
-                        time_budget_s=budget, resume=args.resume, compile_only=compile_only,
-                        seed=args.seed, gpu_lock=lock, timer=args.timer, search=args.search,
-                        coverage=args.coverage, hard_stop_grace_s=args.hard_stop,
-                        resume_since=None if args.resume else started_utc,
-                        warm_start=str(args.warm_start) if args.warm_start else None)
+            raise _Usage(f"--db {e}") from None
+
+
+def _check_warm_start(path: Path | None) -> None:
+    from .db import DatabaseError, TuningDB
+
+    if path is None:
+        return
+    # a typo must not silently tune without the hint: the table must open and be ours
+    try:
+        with TuningDB(path, readonly=True) as db:
+            rep = db.verify()
+    except DatabaseError as e:
+        raise _Usage(f"--warm-start {path}: {e}") from None
+    if not rep.ok:
+        raise _Usage(f"--warm-start {path} fails verification: {'; '.join(rep.errors[:3])}")
+
+
+def _preflight_note(arch: str, preflight: str, max_variants: int) -> str:
+    what = ("a covering subset of the workloads and of each one's variants: every format, "
+            "mode, bucket, shape and axis value compiled at least once; --full-preflight "
+            "compiles every workload" if preflight == "cover" else
+            f"every workload, up to --max-variants={max_variants} variants each")
+    return (f"No CUDA GPU found: running the COMPILE-ONLY pre-flight for {arch} instead "
+            f"({what}); nothing is run or timed; results are stored with status 'compiled' "
+            "under a compile-only environment.")
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    try:
+        return _tune(args)
+    except _Usage as e:
+        print(f"resgen tune: {e}", file=sys.stderr)
+        return 2
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from .db import DatabaseError, TuningDB, warm_start_rows
+    from .models import get_models
+    from .search import device
+    from .search.orchestrate import TuneInterrupted, run_jobs
+    from .search.record import compile_only_environment, current_environment
+    from .search.timing import policy_named
+    from .search.tuneplan import measured_costs, plan_run
+    from .search.tuner import TuneConfig, stages_of
+    from .settings import settings
+
+    started = time.monotonic()            # the budget counts from here: setup included
+    started_utc = _utc_now()
+    # -- parse: everything is validated before anything is created -----------------------
+    budget = args.time_budget
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise _Usage(f"--time-budget {budget}: need a positive number of seconds")
+    if not (math.isfinite(args.hard_stop) and args.hard_stop >= 0):
+        raise _Usage(f"--hard-stop {args.hard_stop}: need a non-negative number of seconds")
+    try:
+        _import_all(args.imports)
+    except ImportError as e:
+        raise _Usage(f"--import: {e}") from None
+    try:
+        models = get_models(args.model)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    gpu = _has_gpu()
+    compile_only = args.compile_only or not gpu
+    if compile_only:
+        arch = args.arch or settings().arch
+        env = compile_only_environment(arch)
+        # --plan on a machine without a GPU plans the GPU run (unless --compile-only).
+        compile_only = args.compile_only or not args.plan
+    else:
+        env = current_environment()
+        arch = args.arch or env.arch
+        if arch != env.arch:
+            raise _Usage(f"--arch {arch} differs from this GPU's {env.arch}: use --compile-only")
+    fams = _tune_families(args, arch)
+    preflight = ("full" if args.full_preflight else "cover") if compile_only else None
+    try:
+        problems, per_model, jobs = _tune_workloads(args, fams, models, preflight)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    if not jobs:
+        raise _Usage("no workloads to tune")
+    _check_warm_start(args.warm_start)
+    db_path = Path(args.db or settings().user_db)
+    _check_output_db(db_path)
+    if not args.plan:
+        missing = _compiler_missing(fams)
+        if missing:
+            raise _Usage(missing)
+    if budget is None and not compile_only:
+        budget = 480.0
+    try:
+        config = TuneConfig(
+            arch=arch, policy=policy_named(args.policy), max_variants=args.max_variants,
+            time_budget_s=budget, resume=args.resume, compile_only=compile_only,
+            seed=args.seed, timer=args.timer, search=args.search, coverage=args.coverage,
+            gpu_lock=None if compile_only else device.gpu_lock_path(settings().cache_dir),
+            hard_stop_grace_s=args.hard_stop,
+            resume_since=None if args.resume else started_utc,
+            warm_start=str(args.warm_start) if args.warm_start else None,
+            warm_start_reader=warm_start_rows if args.warm_start else None,
+            preflight=preflight or "full")
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    workers = args.jobs or config.default_workers(
+        plan_gpu_host=args.plan and not gpu and not compile_only)
     measured = None
-    if Path(db_path).exists():
+    if db_path.exists():
         try:
             with TuningDB(db_path, readonly=True) as db:
                 measured = measured_costs(db.rows(gpu_name=env.gpu_name, compile_only=False))
@@ -405,66 +453,119 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.plan:
         print(plan.text())
         return 0
+    # -- call ------------------------------------------------------------------------------
+    if not gpu and not args.compile_only:
+        print(_preflight_note(arch, config.preflight, args.max_variants), file=sys.stderr)
     print(plan.text(), file=sys.stderr)
-    TuningDB(db_path).close()                     # create (or reject) before starting workers
+    try:
+        TuningDB(db_path).close()                 # create before starting workers
+    except DatabaseError as e:
+        raise _Usage(f"--db {e}") from None
     left = None if budget is None else max(1.0, budget - (time.monotonic() - started))
     config.time_budget_s = left
     stages = stages_of(config)
     label = "compile-only pre-flight" if compile_only else f"tuning on {env.gpu_name}"
     print(f"resgen tune: {label}, arch {arch}, {len(jobs)} workloads, stages "
           f"{'+'.join(stages)}, {workers} process(es), budget {budget or 'none'} s, policy "
-          f"{policy.label}, database {db_path}", file=sys.stderr)
-    bar = _Progress(len(jobs) * len(stages), "compile-only" if compile_only else "tune")
-    totals: Counter[str] = Counter()
-    crashes: list[str] = []
-    disabled: list[str] = []
+          f"{config.policy.label}, database {db_path}", file=sys.stderr)
+    progress = _TuneProgress(len(jobs) * len(stages), compile_only)
+    modules = list(args.imports) + sorted({type(f).__module__ for f in fams})
+    interrupted = False
+    try:
+        # On a GPU the tuning always runs in worker processes: one whose CUDA context a
+        # broken variant poisons is replaced, and the run goes on.
+        summaries = run_jobs(jobs, functools.partial(TuningDB, db_path), env, config,
+                             workers=workers, isolate=not compile_only, modules=modules,
+                             on_event=progress.on_event)
+    except TuneInterrupted as e:
+        summaries, interrupted = e.summaries, True
+    progress.close()
+    # -- print -------------------------------------------------------------------------------
+    elapsed = time.monotonic() - started
+    print(_summary_text(summaries, compile_only, elapsed, db_path), flush=True)
+    progress.report()
+    if args.json:
+        _write_tune_json(args.json, summaries, progress, config, plan, env, models, db_path,
+                         elapsed, workers, budget, compile_only, interrupted)
+    if interrupted:
+        stored = _stored_since(db_path, started_utc)
+        print(f"\ninterrupted: {stored} results of this run are stored in {db_path}; run the "
+              "same command again to resume (stored variants are skipped, the one in flight "
+              "is tried again)", file=sys.stderr)
+        return 130
+    ok = progress.totals["timed"] + progress.totals["compiled"] + progress.totals["resumed"]
+    return 1 if progress.crashes or ok == 0 else 0
 
-    def on_event(kind: str, obj: Any) -> None:
+
+def _stored_since(path: Path, since: str) -> int | str:
+    from .db import TuningDB
+
+    try:
+        with TuningDB(path, readonly=True) as db:
+            return db.count(since=since)
+    except Exception:
+        return "?"
+
+
+class _TuneProgress:
+    """The run's events: a progress bar and the counts, crashes and disabled families the
+    summary prints."""
+
+    def __init__(self, total: int, compile_only: bool) -> None:
+        self.bar = _Progress(total, "compile-only" if compile_only else "tune")
+        self.totals: Counter[str] = Counter()
+        self.crashes: list[str] = []
+        self.disabled: list[str] = []
+
+    def on_event(self, kind: str, obj: Any) -> None:
+        t = self.totals
         if kind == "done":
             for k in ("compiled", "compile_failed", "check_failed", "run_failed", "timed",
                       "resumed"):
-                totals[k] += getattr(obj, k)
-            totals["errors"] += obj.error is not None
-            bar.update(f"{obj.stage}: compiled {totals['compiled']} timed {totals['timed']} "
-                       f"failed {totals['compile_failed'] + totals['check_failed'] + totals['run_failed']}")
+                t[k] += getattr(obj, k)
+            t["errors"] += obj.error is not None
+            failed = t["compile_failed"] + t["check_failed"] + t["run_failed"]
+            self.bar.update(f"{obj.stage}: compiled {t['compiled']} timed {t['timed']} "
+                            f"failed {failed}")
         elif kind == "crash":
-            crashes.append(str(obj))
+            self.crashes.append(str(obj))
         elif kind == "lost":
-            totals["lost"] += 1
-            print(f"\nreplacing a tuner process: {obj}", file=sys.stderr)
+            t["lost"] += 1
+            self.bar.write(f"replacing a tuner process: {obj}")
         elif kind == "disabled":
-            disabled.append(str(obj))
-            print(f"\n{obj}", file=sys.stderr)
+            self.disabled.append(str(obj))
+            self.bar.write(str(obj))
 
-    modules = list(args.imports) + sorted({type(f).__module__ for f in fams})
-    # On a GPU the tuning always runs in worker processes: one whose CUDA context a broken
-    # variant poisons is replaced, and the run goes on.
-    summaries = run_jobs(jobs, functools.partial(TuningDB, db_path), env, config,
-                         workers=workers, isolate=not compile_only, modules=modules,
-                         on_event=on_event)
-    bar.close()
-    elapsed = time.monotonic() - started
-    print(_summary_text(summaries, compile_only, elapsed, db_path), flush=True)
-    if totals["lost"]:
-        print(f"{totals['lost']} tuner process(es) were replaced after a variant broke the "
-              "CUDA context (those variants are stored as run_failed)")
-    for c in crashes:
-        print(f"tuner process crashed: {c}", file=sys.stderr)
-    for d in disabled:
-        print(d)
-    if args.json:
-        phase_totals = {k: sum(s.phase_s.get(k, 0.0) for s in summaries) for k in PHASES}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "mode": "compile-only" if compile_only else "tune", "arch": arch,
-            "environment": env.as_dict(), "database": str(db_path), "seconds": elapsed,
-            "workers": workers, "time_budget_s": budget, "policy": policy.as_dict(),
-            "stages": list(stages), "crashes": crashes, "disabled": disabled,
-            "plan": plan.as_dict(),
-            "phase_s": phase_totals, "models": [m.name for m in models],
-            "workloads": [s.__dict__ for s in summaries]}, indent=1, default=str))
-    ok = totals["timed"] + totals["compiled"] + totals["resumed"]
-    return 1 if crashes or ok == 0 else 0
+    def close(self) -> None:
+        self.bar.close()
+
+    def report(self) -> None:
+        if self.totals["lost"]:
+            print(f"{self.totals['lost']} tuner process(es) were replaced after a variant broke "
+                  "the CUDA context (those variants are stored as run_failed)")
+        for c in self.crashes:
+            print(f"tuner process crashed: {c}", file=sys.stderr)
+        for d in self.disabled:
+            print(d)
+
+
+def _write_tune_json(path: Path, summaries: list, progress: _TuneProgress, config: Any,
+                     plan: Any, env: Any, models: list, db_path: Path, elapsed: float,
+                     workers: int, budget: float | None, compile_only: bool,
+                     interrupted: bool) -> None:
+    from .search.tuner import PHASES, stages_of
+
+    phase_totals = {k: sum(s.phase_s.get(k, 0.0) for s in summaries) for k in PHASES}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "mode": "compile-only" if compile_only else "tune", "arch": config.arch,
+        "preflight": config.preflight if compile_only else None,
+        "environment": env.as_dict(), "database": str(db_path), "seconds": elapsed,
+        "workers": workers, "time_budget_s": budget, "policy": config.policy.as_dict(),
+        "stages": list(stages_of(config)), "crashes": progress.crashes,
+        "disabled": progress.disabled, "interrupted": interrupted, "plan": plan.as_dict(),
+        "phase_s": phase_totals, "models": [m.name for m in models],
+        "workloads": [s.__dict__ for s in summaries]}, indent=1, default=str))
 
 
 def _utc_now() -> str:

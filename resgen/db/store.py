@@ -50,7 +50,8 @@ from ..search.variant import ProblemBase, VariantBase, canonical_json, sha256_js
 from .errors import (CorruptDatabaseError, DatabaseError, ForeignDatabaseError,
                      MissingDatabaseError, NewerSchemaError)
 
-__all__ = ["SCHEMA_VERSION", "APP", "TuningDB", "VerifyReport", "row_checksum", "unpack_xz"]
+__all__ = ["SCHEMA_VERSION", "APP", "TuningDB", "VerifyReport", "row_checksum", "unpack_xz",
+           "warm_start_rows"]
 
 SCHEMA_VERSION = 2
 _OLDEST_READABLE = 1       # version 1 lacks results.phase_s (added by version 2)
@@ -448,6 +449,13 @@ class TuningDB:
     def __len__(self) -> int:
         return int(self.conn.execute("SELECT count(*) FROM results").fetchone()[0])
 
+    def count(self, since: str | None = None) -> int:
+        """Results stored (created at or after `since`, a UTC ISO time, when given)."""
+        if since is None:
+            return len(self)
+        return int(self.conn.execute("SELECT count(*) FROM results WHERE created >= ?",
+                                     (since,)).fetchone()[0])
+
     # -- reading ---------------------------------------------------------------------------
     def rows(self, *, op: str | None = None, status: str | None = None,
              gpu_name: str | None = None, arch: str | None = None,
@@ -657,6 +665,13 @@ def _short(x: Any, n: int = 60) -> str:
     """repr of untrusted text, cut to n characters (escapes control characters)."""
     r = repr(x)
     return r if len(r) <= n else r[:n - 3] + "..."
+
+
+def warm_start_rows(path: str, gpu_name: str | None) -> list[dict[str, Any]]:
+    """The timed rows of `path` on GPU `gpu_name` (any fingerprint): what a warm start reads
+    (resgen.search.warmstart; TuneConfig.warm_start_reader)."""
+    with TuningDB(path, readonly=True) as db:
+        return db.rows(status=Status.OK, gpu_name=gpu_name, compile_only=False)
 
 
 def _f(x: float | None) -> float | None:

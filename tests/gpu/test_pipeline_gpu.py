@@ -22,7 +22,8 @@ def _tune(tmp_path, family_op, problems, workers=1, max_variants=3):
     from resgen.db import TuningDB
     from resgen.search.family import families_for
     from resgen.search.record import current_environment
-    from resgen.search.tuner import Job, TuneConfig, run_jobs
+    from resgen.search.orchestrate import Job, run_jobs
+    from resgen.search.tuner import TuneConfig
 
     env = current_environment()
     fams = families_for(family_op, env.arch)
