@@ -793,16 +793,11 @@ def _show_served(args: argparse.Namespace) -> int:
 
 # -- bench ------------------------------------------------------------------------------------------
 def _load_baselines() -> Any:
-    import importlib.util
+    """cuBLAS BF16 / FP8, Triton MXFP4 and the HBM floor (resgen.baselines: package code, so
+    `resgen bench` works from an installed copy)."""
+    from . import baselines
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "baselines.py"
-    if not path.exists():
-        raise RuntimeError(f"{path} not found: `resgen bench` runs from a source checkout")
-    spec = importlib.util.spec_from_file_location("resgen_bench_baselines", path)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
+    return baselines
 
 
 def time_layer(fam: Any, v: Any, p: Any, arch: str, compiled: dict, policy: Any
