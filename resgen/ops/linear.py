@@ -92,10 +92,8 @@ class Linear:
             # a K-Ext weight serves plain / M-Ext through its base part
             qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
                                     qweight.input_scale, qweight.meta)
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if torch.cuda.is_available() else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = common.require_cuda_device(
+            device, arch, what="resgen.ops.Linear", simulated=bool(compile_fn or quantizer_fn))
         self.qweight = _to_device(qweight, self.device)
         # K-Ext channel masks (uint8 [K / 8]) on the device, for the quantizer / fused kernels
         self.masks = (qweight.selection.masks.to(self.device)
