@@ -607,7 +607,12 @@ def _summary_text(summaries: list, compile_only: bool, elapsed: float, db_path: 
     text = [f"\n{head}: {len(summaries)} workloads in {elapsed:.1f} s -> {db_path}",
             _table(cols, rows)]
     shown = [k for k in PHASES if any(p[k] for p in phases.values())]
-    if shown:
+    if shown and compile_only:
+        prow = [[fam, f"{p['compile']:.1f}"] for fam, p in sorted(phases.items())]
+        prow.append(["TOTAL", f"{sum(p['compile'] for p in phases.values()):.1f}"])
+        text += ["compile seconds (summed over processes):",
+                 _table(["family", "compile"], prow)]
+    elif shown:
         gpu = [k for k in ("prep", "check", "time") if k in shown]
         prow = []
         for fam, p in sorted(phases.items()):
