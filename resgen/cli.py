@@ -199,10 +199,14 @@ def _has_gpu() -> bool:
 
 
 def _import_all(mods: Sequence[str]) -> None:
+    """--import: modules that register out-of-tree families (a bad name is a usage error)."""
     import importlib
 
     for mod in mods:
-        importlib.import_module(mod)
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            raise _Usage(f"--import {mod}: {e}") from None
 
 
 class _Progress:
@@ -389,10 +393,7 @@ def _tune(args: argparse.Namespace) -> int:
         raise _Usage(f"--time-budget {budget}: need a positive number of seconds")
     if not (math.isfinite(args.hard_stop) and args.hard_stop >= 0):
         raise _Usage(f"--hard-stop {args.hard_stop}: need a non-negative number of seconds")
-    try:
-        _import_all(args.imports)
-    except ImportError as e:
-        raise _Usage(f"--import: {e}") from None
+    _import_all(args.imports)
     try:
         models = get_models(args.model)
     except ValueError as e:
@@ -834,13 +835,20 @@ def time_layer(fam: Any, v: Any, p: Any, arch: str, compiled: dict, policy: Any
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .models import get_models, linear_problems
+
+    try:
+        models = get_models(args.model)
+        problems = linear_problems(models, args.tp, args.formats, args.compensations, args.m)
+    except ValueError as e:
+        print(f"resgen bench: {e}", file=sys.stderr)
+        return 2
     if not _has_gpu():
         print("resgen bench needs a CUDA GPU (none found)", file=sys.stderr)
         return 2
     import torch
 
     from . import runtime
-    from .models import get_model, linear_problems
     from .search.family import get_family
     from .search.record import current_environment
     from .search.timing import DEFAULT_POLICY
@@ -850,11 +858,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     env = current_environment()
     disp = runtime.Dispatcher(paths=[args.db] if args.db else None)
     policy = DEFAULT_POLICY
-    models = [get_model(m) for m in args.model]
     rows, table = [], []
     base_cache: dict[tuple, dict] = {}
     compiled: dict[tuple, Any] = {}                 # one compile per compile key (M buckets)
-    for p in linear_problems(models, args.tp, args.formats, args.compensations, args.m):
+    for p in problems:
         rec: dict[str, Any] = {"problem": json.loads(p.key())}
         try:
             v = disp.lookup("linear", p)
@@ -1081,20 +1088,36 @@ def cmd_db(args: argparse.Namespace) -> int:
                     args.out.write_text(json.dumps(db.export_json(), indent=1))
             print(f"{args.path} -> {args.out} ({fmt})")
             return 0
-    except (DatabaseError, FileExistsError) as e:
+    except (DatabaseError, OSError) as e:       # FileExistsError, PermissionError, ...
         print(f"resgen db {args.dbcmd}: {e}", file=sys.stderr)
         return 2
     return 2
 
 
 # -- entry --------------------------------------------------------------------------------------------
+_QUALITY_HINT = "scripts/install.sh .venv --quality (or pip install 'resgen[quality]')"
+
+
 def _quality(name: str, argv: list[str]) -> int:
+    """`resgen report` / `resgen plan` (resgen.quality.cli); a missing quality extra or
+    input is one line and exit code 2."""
     try:
         from .quality import cli as qcli
     except ImportError as e:
-        print(f"resgen {name}: the quality package is not available ({e})", file=sys.stderr)
+        print(f"resgen {name}: the quality package is not available ({e}); install it: "
+              f"{_QUALITY_HINT}", file=sys.stderr)
         return 2
-    return int(getattr(qcli, f"{name}_main")(argv) or 0)
+    try:
+        return int(getattr(qcli, f"{name}_main")(argv) or 0)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "resgen":
+            raise
+        print(f"resgen {name} needs the quality extra (module {e.name!r} is missing): "
+              f"{_QUALITY_HINT}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        print(f"resgen {name}: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1109,6 +1132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {"tune": cmd_tune, "show": cmd_show, "bench": cmd_bench, "db": cmd_db}
     try:
         return handler[args.cmd](args)
+    except _Usage as e:
+        print(f"resgen {args.cmd}: {e}", file=sys.stderr)
+        return 2
     except BrokenPipeError:             # `resgen show | head`: the reader left, not an error
         sys.stdout = open(os.devnull, "w")
         return 0
