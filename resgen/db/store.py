@@ -160,6 +160,17 @@ class TuningDB:
             if not self.path.exists():
                 raise MissingDatabaseError(f"{self.path}: no such tuning database")
             self.path = unpack_xz(self.path)
+        try:
+            self._open(create)
+        except DatabaseError as e:
+            if self.source == self.path:
+                raise
+            # name the file the caller gave, not the unpacked cache copy
+            raise type(e)(str(e).replace(str(self.path), f"{self.source} (unpacked)")) \
+                from None
+
+    def _open(self, create: bool) -> None:
+        readonly = self.readonly
         exists = self.path.exists()
         if not exists and (readonly or not create):
             raise MissingDatabaseError(f"{self.path}: no such tuning database")
