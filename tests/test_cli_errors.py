@@ -151,3 +151,21 @@ def test_unknown_model_in_a_process_is_one_line(tmp_path):
                        timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "unknown model" in r.stderr
+
+
+def test_show_without_db_shows_what_the_runtime_serves(tmp_path, capsys):
+    """Item 16: the shipped table of a GPU (here the fake GPU's, tuned/fake.sqlite) is shown
+    with the runtime's answer per tuned workload, the user's cache database first."""
+    from resgen.settings import settings
+
+    tuned = settings().tuned_dir
+    tuned.mkdir(parents=True)
+    sums = fakefam.tune_fake(tuned / "fake.sqlite", ms=[1, 4], max_variants=6)
+    capsys.readouterr()
+    assert main(["show", "--import", "fakefam"]) == 0
+    out = capsys.readouterr().out
+    assert "What the runtime serves on Fake GPU (sm_90a)" in out
+    assert str(settings().user_db) in out and "fake.sqlite" in out
+    for s in sums:
+        assert s.winner in out
+    assert out.count("\nfake_gemm") == 2

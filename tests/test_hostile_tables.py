@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 import fakefam
-from fakefam import FakeProblem, FakeVariant, isolated_cache, make_env, tune_fake  # noqa: F401
+from fakefam import FakeProblem, FakeVariant, isolated_cache, tune_fake  # noqa: F401
 from resgen.cli import main
 from resgen.db import TuningDB, row_checksum
 from resgen.runtime import Device, Dispatcher
@@ -337,3 +337,23 @@ def test_fuzz_stored_fields(tmp_path_factory, capsys, edits, wkey, vkey, name, r
     for r in merged:                     # what merge copied, the runtime can parse
         got = FAM.VARIANT.from_key(r["variant_key"]), FAM.PROBLEM.from_key(r["workload_key"])
         assert FAM.why_invalid(got[0], got[1], "sm_90a") is None
+
+
+def test_ignored_stale_rows_are_said_once(tmp_path, caplog):
+    """Item 17: stale rows are dropped with a word even when a fresh row answers."""
+    path = _base(tmp_path)
+    win = _winner_row(path)
+    with TuningDB(path) as db:
+        from resgen.search.record import ResultRecord, Status
+
+        db.record(ResultRecord(problem=P4, variant=FakeVariant(tile=8, stages=3),
+                               environment=fakefam.make_env(), fingerprint="0" * 64,
+                               status=Status.OK, median_us=1e-3, samples_us=[1e-3],
+                               space_index=0, policy={"tie_rel": 0.01}))
+    with caplog.at_level(logging.WARNING, logger="resgen.runtime"):
+        d = Dispatcher(paths=[path], device=DEV)
+        v = d.lookup(OP, P4)
+        d.lookup(OP, FakeProblem(m=3, k=4096))
+    assert v.key() == win["variant_key"] != FakeVariant(tile=8, stages=3).key()
+    stale = [r for r in caplog.records if "ignoring stale" in r.message]
+    assert len(stale) == 1 and "re-tune" in stale[0].message
