@@ -25,9 +25,14 @@ def has_gpu() -> bool:
         return False
 
 
-def gpu_lock_path(cache_dir: Path) -> str:
+def gpu_lock_path(cache_dir: Path | None = None) -> str:
     """One lock file per physical GPU (its UUID), so tuners on different GPUs of one host
-    (CUDA_VISIBLE_DEVICES) never wait for each other, and tuners sharing one GPU take turns."""
+    (CUDA_VISIBLE_DEVICES) never wait for each other, and tuners sharing one GPU take turns.
+    cache_dir: where the lock lives (default: resgen.settings' cache directory)."""
+    if cache_dir is None:
+        from ..settings import settings
+
+        cache_dir = settings().cache_dir
     try:
         import torch
 

@@ -69,9 +69,9 @@ class Job:
 def plan_groups(jobs: Sequence[Job], arch: str, workers: int = 1) -> list[list[Job]]:
     """Jobs grouped by compile class (compile_class); with several workers, a class larger
     than max(the largest set of bucket siblings, jobs / (4 x workers)) is cut into
-    consecutive chunks of that size so every process has work. Order: families in the order they first appear in `jobs` (the
-    caller's priority: a stage covers the first family's workloads first), then biggest
-    groups first, so a long group never starts last."""
+    consecutive chunks of that size so every process has work. Order: families in the order
+    they first appear in `jobs` (the caller's priority: a stage covers the first family's
+    workloads first), then biggest groups first, so a long group never starts last."""
     classes: dict[str, list[Job]] = {}
     sub: collections.Counter[str] = collections.Counter()
     for j in jobs:
