@@ -32,9 +32,10 @@ from resgen.models import get_model  # noqa: E402
 from resgen.search.family import families_for  # noqa: E402
 from resgen.search.record import current_environment  # noqa: E402
 from resgen.search.timing import DEFAULT_POLICY, MeasurementPolicy, measure  # noqa: E402
-from resgen.search.tuner import Job, TuneConfig, run_jobs  # noqa: E402
+from resgen.search.orchestrate import Job, run_jobs  # noqa: E402
+from resgen.search.tuner import TuneConfig  # noqa: E402
 from resgen.search.variant import AttentionProblem, LinearProblem  # noqa: E402
-from resgen.cli import _gpu_lock_path  # noqa: E402
+from resgen.search.device import gpu_lock_path  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "bench/results/h200"))
 REPORT: dict = {"steps": {}}
@@ -101,7 +102,7 @@ def _tune(jobs, workers, max_variants):
     env = current_environment()
     db = OUT / "pipeline_check.sqlite"
     cfg = TuneConfig(arch=env.arch, max_variants=max_variants, time_budget_s=150,
-                     gpu_lock=_gpu_lock_path())
+                     gpu_lock=gpu_lock_path())
     t0 = time.time()
     sums = run_jobs(jobs, functools.partial(TuningDB, db), env, cfg, workers=workers)
     dt = time.time() - t0

@@ -43,7 +43,7 @@ RATIOS: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
 
 
 def _check_ratio(ratio: float) -> int:
-    if ratio not in RATIOS:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio not in RATIOS:
         raise ValueError(f"compensation ratio must be one of {RATIOS}, got {ratio!r}")
     return int(round(GROUP * ratio))
 
@@ -270,44 +270,107 @@ def save_layers(path: str | Path, layers: Mapping[str, QLinearWeight],
 
 
 def load_layers(path: str | Path) -> dict[str, QLinearWeight]:
-    """Read layers written by save_layers; validates format, dtypes and shapes."""
-    from safetensors import safe_open
+    """Read layers written by save_layers. A checkpoint is untrusted input: the format,
+    every field's presence, dtype and shape (2-D packed weights, one scale per block, row
+    counts that agree), the global and input scales (positive finite numbers) and the channel
+    masks are validated, and any problem is a ValueError naming the file, the layer and the
+    field (a file that is not safetensors included)."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:                       # older safetensors: no exported error class
+        from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
+        SafetensorError = OSError             # type: ignore[misc,assignment]  # noqa: N806
+    try:
+        f = safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such checkpoint file") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a safetensors checkpoint ({e})") from None
+    with f:
         meta = f.metadata() or {}
         if meta.get(_VERSION_KEY) != _CHECKPOINT_VERSION:
-            raise ValueError(f"{path}: not a resgen checkpoint of version {_CHECKPOINT_VERSION}")
+            raise ValueError(f"{path}: not a resgen checkpoint of version {_CHECKPOINT_VERSION} "
+                             f"(metadata {_VERSION_KEY} = {meta.get(_VERSION_KEY)!r})")
         fmt = meta.get(_FORMAT_KEY)
-        formats.block_size(fmt)
-        names = json.loads(meta["resgen_layers"])
-        out: dict[str, QLinearWeight] = {}
+        if fmt not in formats.FORMATS:
+            raise ValueError(f"{path}: metadata {_FORMAT_KEY} = {fmt!r} is not one of "
+                             f"{formats.FORMATS}")
+        try:
+            names = json.loads(meta["resgen_layers"])
+        except KeyError:
+            raise ValueError(f"{path}: metadata entry 'resgen_layers' is missing") from None
+        except (TypeError, ValueError, RecursionError):
+            raise ValueError(f"{path}: metadata entry 'resgen_layers' is not JSON") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{path}: metadata entry 'resgen_layers' is not a list of names")
         keys = set(f.keys())
+        out: dict[str, QLinearWeight] = {}
         for name in names:
-            def get(suffix, _name=name):
-                key = f"{_name}.{suffix}"
-                return f.get_tensor(key) if key in keys else None
-
-            codes, scales = get("weight"), get("weight_scale")
-            if codes is None or scales is None or codes.dtype != torch.uint8:
-                raise ValueError(f"{path}: layer {name!r} lacks a packed uint8 weight or scales")
-            want = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
-            if scales.dtype != want:
-                raise ValueError(f"{path}: layer {name!r} has {scales.dtype} scales, {fmt} "
-                                 f"needs {want}")
-            if scales.shape[-1] * formats.block_size(fmt) != codes.shape[-1] * 2:
-                raise ValueError(f"{path}: layer {name!r} scales do not match its weight")
-            gs = get("weight_scale_2")
-            if (gs is None) != (fmt == "mxfp4"):
-                raise ValueError(f"{path}: layer {name!r} global scale does not fit {fmt}")
-            mask = get("resgen_channel_mask")
-            sel = None if mask is None else Selection(mask, float(get("resgen_ratio")))
-            k = int(get("resgen_in_features"))
-            ext = 0 if sel is None else sel.extension_length(fmt)
-            if codes.shape[-1] * 2 != k + ext:
-                raise ValueError(f"{path}: layer {name!r} weight width does not match K + ext")
-            q = QuantizedTensor(fmt, codes, scales, None if gs is None else gs.float().reshape(()))
-            out[name] = QLinearWeight(q, k, sel, get("input_scale"))
+            try:
+                out[name] = _load_layer(f, keys, name, fmt)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"{path}: layer {name!r}: {e}") from None
         return out
+
+
+def _load_layer(f, keys: set[str], name: str, fmt: str) -> QLinearWeight:
+    """One layer of load_layers (errors name the field; the caller adds file and layer)."""
+    def get(suffix: str, required: bool = False) -> torch.Tensor | None:
+        key = f"{name}.{suffix}"
+        if key not in keys:
+            if required:
+                raise ValueError(f"field {suffix} is missing")
+            return None
+        return f.get_tensor(key)
+
+    def number(suffix: str, t: torch.Tensor) -> float:
+        if t.numel() != 1 or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{suffix} must be one number, got shape {tuple(t.shape)}")
+        return float(t.reshape(()).double())
+
+    codes, scales = get("weight", True), get("weight_scale", True)
+    if codes.dtype != torch.uint8 or codes.dim() != 2:
+        raise ValueError(f"weight must be packed uint8 [N, K / 2], got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    want = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
+    if scales.dtype != want or scales.dim() != 2:
+        raise ValueError(f"weight_scale (block scales) must be {want} [N, K / "
+                         f"{formats.block_size(fmt)}], got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    if scales.shape[0] != codes.shape[0]:
+        raise ValueError(f"weight has {codes.shape[0]} rows, weight_scale {scales.shape[0]}")
+    if scales.shape[-1] * formats.block_size(fmt) != codes.shape[-1] * 2:
+        raise ValueError("weight_scale does not match the weight's width (one scale per "
+                         f"{formats.block_size(fmt)} elements)")
+    gs = get("weight_scale_2")
+    if (gs is None) != (fmt == "mxfp4"):
+        raise ValueError(f"weight_scale_2 {'is missing' if gs is None else 'is present'}: "
+                         f"{fmt} {'needs' if fmt == 'nvfp4' else 'has no'} global scale")
+    if gs is not None:
+        gs = formats._check_global_scale(number("weight_scale_2", gs), "cpu")
+    mask = get("resgen_channel_mask")
+    ratio = get("resgen_ratio")
+    if (mask is None) != (ratio is None):
+        raise ValueError("resgen_channel_mask and resgen_ratio come together")
+    sel = None if mask is None else Selection(mask, number("resgen_ratio", ratio))
+    kt = get("resgen_in_features", True)
+    if kt.dtype.is_floating_point or kt.numel() != 1:
+        raise ValueError("resgen_in_features must be one integer")
+    k = int(kt.reshape(()))
+    ext = 0 if sel is None else sel.extension_length(fmt)
+    if k <= 0 or codes.shape[-1] * 2 != k + ext:
+        raise ValueError(f"the weight is {codes.shape[-1] * 2} wide, resgen_in_features + "
+                         f"extension = {k} + {ext}")
+    if sel is not None and sel.in_features != k:
+        raise ValueError(f"resgen_channel_mask covers {sel.in_features} channels, K = {k}")
+    isc = get("input_scale")
+    if isc is not None:
+        if fmt != "nvfp4":
+            raise ValueError("input_scale is an NVFP4 tensor scale; MXFP4 has none")
+        isc = formats._check_global_scale(number("input_scale", isc), "cpu")
+    q = QuantizedTensor(fmt, codes, scales, gs)
+    return QLinearWeight(q, k, sel, isc)
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:

@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -120,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds past the budget before stuck tuner processes are killed")
     t.add_argument("--compile-only", action="store_true",
                    help="render and compile only (automatic without a GPU)")
+    t.add_argument("--full-preflight", action="store_true",
+                   help="compile-only runs: every workload, up to --max-variants variants "
+                        "each (default: a covering subset of the workloads and of their "
+                        "variants, every format, mode, bucket, shape and axis value at least "
+                        "once: a few minutes on a 2-core CPU)")
     t.add_argument("--arch", default=None, help="compile target (default: the GPU's, or "
                    "RESGEN_ARCH / sm_90a without one)")
     t.add_argument("--jobs", type=_pos_int, default=None,
@@ -164,8 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("sources", type=Path, nargs="+")
     m.add_argument("--into", type=Path, required=True)
     m.add_argument("--fresh-only", action="store_true",
-                   help="copy only results whose variant parses and whose fingerprint matches "
-                        "this checkout's templates, kernel modules and versions (drop stale ones)")
+                   help="also drop results whose fingerprint does not match this checkout's "
+                        "templates, kernel modules and versions (stale ones)")
+    m.add_argument("--all-rows", action="store_true",
+                   help="copy every result whose checksum holds, parseable or not (forensics; "
+                        "by default only rows the runtime could accept are merged: registered "
+                        "family, keys that parse, numbers in range, valid for the workload)")
+    m.add_argument("--import", dest="imports", action="append", default=[])
     e = dsub.add_parser("export", help="to JSON, or a compact read-only-friendly SQLite copy "
                         "(xz-compressed when --out ends in .xz, as tuned/ ships it)")
     e.add_argument("path", type=Path)
@@ -182,42 +193,54 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- helpers --------------------------------------------------------------------------------------
 def _has_gpu() -> bool:
-    try:
-        import torch
+    from .search.device import has_gpu
 
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
+    return has_gpu()
 
 
 def _import_all(mods: Sequence[str]) -> None:
+    """--import: modules that register out-of-tree families (a bad name is a usage error)."""
     import importlib
 
     for mod in mods:
-        importlib.import_module(mod)
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            raise _Usage(f"--import {mod}: {e}") from None
 
 
 class _Progress:
-    """tqdm when installed (it is not on the GPU image), else a line every few seconds."""
+    """A tqdm bar on a terminal; into a log (stderr not a terminal) one line per 10 % of the
+    work or per minute instead of thousands of carriage-return updates."""
 
-    def __init__(self, total: int, desc: str) -> None:
-        self.total, self.n, self.desc, self._last = total, 0, desc, 0.0
-        try:
+    def __init__(self, total: int, desc: str, stream: Any = None) -> None:
+        self.total, self.n, self.desc = total, 0, desc
+        self.stream = stream or sys.stderr
+        self._last_t, self._last_step = time.monotonic(), 0
+        self.bar = None
+        if getattr(self.stream, "isatty", lambda: False)():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit="workload", file=sys.stderr)
-        except Exception:
-            self.bar = None
+            self.bar = tqdm(total=total, desc=desc, unit="workload", file=self.stream)
 
     def update(self, postfix: str) -> None:
         self.n += 1
         if self.bar is not None:
             self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.update(1)
-        elif time.monotonic() - self._last > 5 or self.n == self.total:
-            self._last = time.monotonic()
-            print(f"{self.desc}: {self.n}/{self.total} workloads  {postfix}", file=sys.stderr,
+            return
+        step = (10 * self.n) // max(self.total, 1)            # tenths done
+        if step > self._last_step or self.n == self.total or \
+                time.monotonic() - self._last_t > 60:
+            self._last_step, self._last_t = step, time.monotonic()
+            print(f"{self.desc}: {self.n}/{self.total} workloads  {postfix}", file=self.stream,
                   flush=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -230,120 +253,67 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return table(headers, rows)
 
 
-def _gpu_lock_path() -> str:
-    """One lock file per physical GPU (its UUID), so tuners on different GPUs of one host
-    (CUDA_VISIBLE_DEVICES) never wait for each other, and tuners sharing one GPU take turns."""
-    from .settings import settings
-
-    try:
-        import torch
-
-        tag = str(torch.cuda.get_device_properties(0).uuid)
-    except Exception:
-        tag = "0"
-    tag = "".join(c for c in tag if c.isalnum() or c == "-")[:64] or "0"
-    return str(settings().cache_dir / f"gpu-{tag}.lock")
-
-
-def _problems_for(fam: Any, models: list, args: argparse.Namespace) -> list:
-    """The workloads of a family for the models (see the module docstring of models.py)."""
-    import dataclasses
-
-    from .models import attention_problems, linear_problems
-    from .search.variant import AttentionProblem, LinearProblem
-
-    own = fam.model_problems(models, tp=args.tp, formats=args.formats,
-                             compensations=args.compensations, m_buckets=args.m_buckets)
-    if own is not None:
-        return list(own)
-    lin = linear_problems(models, args.tp, args.formats, args.compensations, args.m_buckets)
-    if fam.PROBLEM is LinearProblem:
-        return lin
-    if fam.PROBLEM is AttentionProblem:
-        return attention_problems(models, args.tp, args.attn_batches, args.kv_lens,
-                                  pv=args.attn_pv)
-    # Another problem type (e.g. the quantizer's): its `for_linear(LinearProblem)` classmethod
-    # when it has one, else the linear workloads' fields of the same name.
-    names = {f.name for f in dataclasses.fields(fam.PROBLEM)}
-    for_linear = getattr(fam.PROBLEM, "for_linear", None)
-    out, seen = [], set()
-    for lp in lin:
-        try:
-            p = for_linear(lp) if for_linear is not None else \
-                fam.PROBLEM(**{n: getattr(lp, n) for n in names if hasattr(lp, n)})
-        except (TypeError, ValueError):
-            continue
-        if p not in seen:
-            seen.add(p)
-            out.append(p)
-    return out
-
-
 # -- tune -------------------------------------------------------------------------------------------
-def _models(names: Sequence[str]) -> list:
-    from .models import MODELS, get_model
-
-    out = []
-    for n in names:
-        for spec in (MODELS.values() if n.strip().lower() == "all" else [get_model(n)]):
-            if spec not in out:
-                out.append(spec)
-    return out
+class _Usage(Exception):
+    """A user error: printed as one line, exit code 2."""
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
-    from .db import DatabaseError, TuningDB
+def _compiler_missing(fams: Sequence[Any]) -> str | None:
+    """The install hint when a built-in family (they all compile with CuTe DSL) is selected
+    and the kernel compiler is not importable; None when it is (or only out-of-tree families
+    run, which bring their own compilers)."""
+    import importlib.util
+
+    if not any(type(f).__module__.startswith("resgen.") for f in fams):
+        return None
+    try:
+        found = importlib.util.find_spec("cutlass") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return ("the CuTe DSL kernel compiler (nvidia-cutlass-dsl 4.8.1, module 'cutlass') is not "
+            "installed: run scripts/install.sh, or pip install 'resgen[kernels]'")
+
+
+def _tune_families(args: argparse.Namespace, arch: str) -> list[Any]:
     from .search.family import families
-    from .search.record import compile_only_environment, current_environment
-    from .search.timing import policy_named
-    from .search.tuneplan import measured_costs, plan_run
-    from .search.tuner import PHASES, Job, TuneConfig, run_jobs, stages_of
-    from .settings import settings
 
-    started = time.monotonic()            # the budget counts from here: setup included
-    started_utc = _utc_now()
-    _import_all(args.imports)
-    models = _models(args.model)
-    gpu = _has_gpu()
-    compile_only = args.compile_only or not gpu
-    if not gpu and not args.compile_only and not args.plan:
-        print("No CUDA GPU found: running the COMPILE-ONLY pre-flight instead: per workload "
-              f"up to --max-variants={args.max_variants} valid variants (the default plus an "
-              "even spread over the space) are rendered and compiled; nothing is run or "
-              "timed; results are stored with status 'compiled' under a compile-only "
-              "environment.", file=sys.stderr)
-    if compile_only:
-        arch = args.arch or settings().arch
-        env = compile_only_environment(arch)
-        # --plan on a machine without a GPU plans the GPU run (unless --compile-only).
-        compile_only = args.compile_only or not args.plan
-    else:
-        env = current_environment()
-        arch = args.arch or env.arch
-        if arch != env.arch:
-            print(f"--arch {arch} differs from this GPU's {env.arch}: use --compile-only",
-                  file=sys.stderr)
-            return 2
-    fams = [f for f in families().values() if arch in f.ARCHS]
+    known = families()
     if args.families:
-        unknown = set(args.families) - {f.NAME for f in families().values()}
+        unknown = set(args.families) - set(known)
         if unknown:
-            print(f"unknown families {sorted(unknown)}", file=sys.stderr)
-            return 2
-        fams = [f for f in fams if f.NAME in args.families]
-    if args.ops:
-        fams = [f for f in fams if f.PROBLEM.OP in args.ops]
+            raise _Usage(f"unknown families {sorted(unknown)} (registered: {sorted(known)})")
+    fams = [f for f in known.values() if arch in f.ARCHS
+            and (not args.families or f.NAME in args.families)
+            and (not args.ops or f.PROBLEM.OP in args.ops)]
     if not fams:
-        print(f"no kernel family for ops {args.ops or 'any'} on {arch} (registered: "
-              f"{sorted(families())})", file=sys.stderr)
-        return 2
-    jobs: list[Job] = []
+        raise _Usage(f"no kernel family for ops {args.ops or 'any'} on {arch} (registered: "
+                     f"{sorted(known)})")
+    return sorted(fams, key=lambda f: f.NAME)
+
+
+def _tune_workloads(args: argparse.Namespace, fams: Sequence[Any], models: Sequence[Any],
+                    preflight: str | None) -> tuple[dict, dict, list]:
+    """(problems per family, workloads per model per family, jobs) of a run; raises
+    ValueError for a bad format, compensation, bucket or tp (the problem constructors
+    validate)."""
+    from .models import tuning_workloads
+    from .search.orchestrate import Job
+    from .search.tuneplan import preflight_workloads
+
+    kw = dict(tp=args.tp, formats=args.formats, compensations=args.compensations,
+              m_buckets=args.m_buckets, attn_batches=args.attn_batches, kv_lens=args.kv_lens,
+              attn_pv=args.attn_pv)
     problems: dict[str, list] = {}
     per_model: dict[str, dict[str, int]] = {}
-    for fam in sorted(fams, key=lambda f: f.NAME):
-        probs = _problems_for(fam, models, args)       # deduplicated across the models
+    jobs: list = []
+    for fam in fams:
+        probs = tuning_workloads(fam, models, **kw)      # deduplicated across the models
+        if preflight is not None:
+            probs = preflight_workloads(probs, preflight)
         problems[fam.NAME] = probs
-        per_model[fam.NAME] = ({m.name: len(_problems_for(fam, [m], args)) for m in models}
+        per_model[fam.NAME] = ({m.name: len(tuning_workloads(fam, [m], **kw)) for m in models}
                                if len(models) > 1 else {models[0].name: len(probs)})
         jobs += [Job(fam.NAME, p.key()) for p in probs]
     if args.shard is not None:
@@ -355,41 +325,125 @@ def cmd_tune(args: argparse.Namespace) -> int:
         kept = {(j.family, j.problem_key) for j in jobs}
         problems = {f: [p for p in ps if (f, p.key()) in kept] for f, ps in problems.items()}
         per_model = {f: {f"shard-{i}/{n}": len(problems[f])} for f in per_model}
-    if not jobs:
-        print("no workloads to tune", file=sys.stderr)
-        return 2
-    if args.warm_start is not None:
-        # a typo must not silently tune without the hint: the table must open and be ours
+    return problems, per_model, jobs
+
+
+def _check_output_db(path: Path) -> None:
+    """An existing output database must be ours (refused before anything is created)."""
+    from .db import DatabaseError, TuningDB
+
+    if path.is_dir():
+        raise _Usage(f"--db {path}: a directory, not a database file")
+    if path.exists():
         try:
-            with TuningDB(args.warm_start, readonly=True) as db:
-                rep = db.verify()
+            TuningDB(path, readonly=True).close()
         except DatabaseError as e:
-            print(f"--warm-start {args.warm_start}: {e}", file=sys.stderr)
-            return 2
-        if not rep.ok:
-            print(f"--warm-start {args.warm_start} fails verification: "
-                  f"{'; '.join(rep.errors[:3])}", file=sys.stderr)
-            return 2
-    db_path = args.db or settings().user_db
-    budget = args.time_budget if args.time_budget is not None else (
-        None if compile_only else 480.0)
-    cores = os.cpu_count() or 1
-    # Compile-only: one process per core. On a GPU: every core but two compiles (CuTe DSL
-    # compiles take 0.5-3 s on one core; GPU work takes milliseconds per variant), and the
-    # processes take turns on the GPU.
-    workers = args.jobs or (cores if compile_only else max(1, min(14, cores - 2)))
-    if args.plan and not gpu and not args.jobs and not compile_only:
-        workers = 14                              # planning for the 16-core H200 machine
-    lock = None if compile_only else _gpu_lock_path()
-    policy = policy_named(args.policy)
-    config = TuneConfig(arch=arch, policy=policy, max_variants=args.max_variants,
-                        time_budget_s=budget, resume=args.resume, compile_only=compile_only,
-                        seed=args.seed, gpu_lock=lock, timer=args.timer, search=args.search,
-                        coverage=args.coverage, hard_stop_grace_s=args.hard_stop,
-                        resume_since=None if args.resume else started_utc,
-                        warm_start=str(args.warm_start) if args.warm_start else None)
+            raise _Usage(f"--db {e}") from None
+
+
+def _check_warm_start(path: Path | None) -> None:
+    from .db import DatabaseError, TuningDB
+
+    if path is None:
+        return
+    # a typo must not silently tune without the hint: the table must open and be ours
+    try:
+        with TuningDB(path, readonly=True) as db:
+            rep = db.verify()
+    except DatabaseError as e:
+        raise _Usage(f"--warm-start {path}: {e}") from None
+    if not rep.ok:
+        raise _Usage(f"--warm-start {path} fails verification: {'; '.join(rep.errors[:3])}")
+
+
+def _preflight_note(arch: str, preflight: str, max_variants: int) -> str:
+    what = ("a covering subset of the workloads and of each one's variants: every format, "
+            "mode, bucket, shape and axis value compiled at least once; --full-preflight "
+            "compiles every workload" if preflight == "cover" else
+            f"every workload, up to --max-variants={max_variants} variants each")
+    return (f"No CUDA GPU found: running the COMPILE-ONLY pre-flight for {arch} instead "
+            f"({what}); nothing is run or timed; results are stored with status 'compiled' "
+            "under a compile-only environment.")
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    try:
+        return _tune(args)
+    except _Usage as e:
+        print(f"resgen tune: {e}", file=sys.stderr)
+        return 2
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from .db import DatabaseError, TuningDB, warm_start_rows
+    from .models import get_models
+    from .search import device
+    from .search.orchestrate import TuneInterrupted, run_jobs
+    from .search.record import compile_only_environment, current_environment
+    from .search.timing import policy_named
+    from .search.tuneplan import measured_costs, plan_run
+    from .search.tuner import TuneConfig, stages_of
+    from .settings import settings
+
+    started = time.monotonic()            # the budget counts from here: setup included
+    started_utc = _utc_now()
+    # -- parse: everything is validated before anything is created -----------------------
+    budget = args.time_budget
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise _Usage(f"--time-budget {budget}: need a positive number of seconds")
+    if not (math.isfinite(args.hard_stop) and args.hard_stop >= 0):
+        raise _Usage(f"--hard-stop {args.hard_stop}: need a non-negative number of seconds")
+    _import_all(args.imports)
+    try:
+        models = get_models(args.model)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    gpu = _has_gpu()
+    compile_only = args.compile_only or not gpu
+    if compile_only:
+        arch = args.arch or settings().arch
+        env = compile_only_environment(arch)
+        # --plan on a machine without a GPU plans the GPU run (unless --compile-only).
+        compile_only = args.compile_only or not args.plan
+    else:
+        env = current_environment()
+        arch = args.arch or env.arch
+        if arch != env.arch:
+            raise _Usage(f"--arch {arch} differs from this GPU's {env.arch}: use --compile-only")
+    fams = _tune_families(args, arch)
+    preflight = ("full" if args.full_preflight else "cover") if compile_only else None
+    try:
+        problems, per_model, jobs = _tune_workloads(args, fams, models, preflight)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    if not jobs:
+        raise _Usage("no workloads to tune")
+    _check_warm_start(args.warm_start)
+    db_path = Path(args.db or settings().user_db)
+    _check_output_db(db_path)
+    if not args.plan:
+        missing = _compiler_missing(fams)
+        if missing:
+            raise _Usage(missing)
+    if budget is None and not compile_only:
+        budget = 480.0
+    try:
+        config = TuneConfig(
+            arch=arch, policy=policy_named(args.policy), max_variants=args.max_variants,
+            time_budget_s=budget, resume=args.resume, compile_only=compile_only,
+            seed=args.seed, timer=args.timer, search=args.search, coverage=args.coverage,
+            gpu_lock=None if compile_only else device.gpu_lock_path(settings().cache_dir),
+            hard_stop_grace_s=args.hard_stop,
+            resume_since=None if args.resume else started_utc,
+            warm_start=str(args.warm_start) if args.warm_start else None,
+            warm_start_reader=warm_start_rows if args.warm_start else None,
+            preflight=preflight or "full")
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    workers = args.jobs or config.default_workers(
+        plan_gpu_host=args.plan and not gpu and not compile_only)
     measured = None
-    if Path(db_path).exists():
+    if db_path.exists():
         try:
             with TuningDB(db_path, readonly=True) as db:
                 measured = measured_costs(db.rows(gpu_name=env.gpu_name, compile_only=False))
@@ -400,66 +454,119 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.plan:
         print(plan.text())
         return 0
+    # -- call ------------------------------------------------------------------------------
+    if not gpu and not args.compile_only:
+        print(_preflight_note(arch, config.preflight, args.max_variants), file=sys.stderr)
     print(plan.text(), file=sys.stderr)
-    TuningDB(db_path).close()                     # create (or reject) before starting workers
+    try:
+        TuningDB(db_path).close()                 # create before starting workers
+    except DatabaseError as e:
+        raise _Usage(f"--db {e}") from None
     left = None if budget is None else max(1.0, budget - (time.monotonic() - started))
     config.time_budget_s = left
     stages = stages_of(config)
     label = "compile-only pre-flight" if compile_only else f"tuning on {env.gpu_name}"
     print(f"resgen tune: {label}, arch {arch}, {len(jobs)} workloads, stages "
           f"{'+'.join(stages)}, {workers} process(es), budget {budget or 'none'} s, policy "
-          f"{policy.label}, database {db_path}", file=sys.stderr)
-    bar = _Progress(len(jobs) * len(stages), "compile-only" if compile_only else "tune")
-    totals: Counter[str] = Counter()
-    crashes: list[str] = []
-    disabled: list[str] = []
+          f"{config.policy.label}, database {db_path}", file=sys.stderr)
+    progress = _TuneProgress(len(jobs) * len(stages), compile_only)
+    modules = list(args.imports) + sorted({type(f).__module__ for f in fams})
+    interrupted = False
+    try:
+        # On a GPU the tuning always runs in worker processes: one whose CUDA context a
+        # broken variant poisons is replaced, and the run goes on.
+        summaries = run_jobs(jobs, functools.partial(TuningDB, db_path), env, config,
+                             workers=workers, isolate=not compile_only, modules=modules,
+                             on_event=progress.on_event)
+    except TuneInterrupted as e:
+        summaries, interrupted = e.summaries, True
+    progress.close()
+    # -- print -------------------------------------------------------------------------------
+    elapsed = time.monotonic() - started
+    print(_summary_text(summaries, compile_only, elapsed, db_path), flush=True)
+    progress.report()
+    if args.json:
+        _write_tune_json(args.json, summaries, progress, config, plan, env, models, db_path,
+                         elapsed, workers, budget, compile_only, interrupted)
+    if interrupted:
+        stored = _stored_since(db_path, started_utc)
+        print(f"\ninterrupted: {stored} results of this run are stored in {db_path}; run the "
+              "same command again to resume (stored variants are skipped, the one in flight "
+              "is tried again)", file=sys.stderr)
+        return 130
+    ok = progress.totals["timed"] + progress.totals["compiled"] + progress.totals["resumed"]
+    return 1 if progress.crashes or ok == 0 else 0
 
-    def on_event(kind: str, obj: Any) -> None:
+
+def _stored_since(path: Path, since: str) -> int | str:
+    from .db import TuningDB
+
+    try:
+        with TuningDB(path, readonly=True) as db:
+            return db.count(since=since)
+    except Exception:
+        return "?"
+
+
+class _TuneProgress:
+    """The run's events: a progress bar and the counts, crashes and disabled families the
+    summary prints."""
+
+    def __init__(self, total: int, compile_only: bool) -> None:
+        self.bar = _Progress(total, "compile-only" if compile_only else "tune")
+        self.totals: Counter[str] = Counter()
+        self.crashes: list[str] = []
+        self.disabled: list[str] = []
+
+    def on_event(self, kind: str, obj: Any) -> None:
+        t = self.totals
         if kind == "done":
             for k in ("compiled", "compile_failed", "check_failed", "run_failed", "timed",
                       "resumed"):
-                totals[k] += getattr(obj, k)
-            totals["errors"] += obj.error is not None
-            bar.update(f"{obj.stage}: compiled {totals['compiled']} timed {totals['timed']} "
-                       f"failed {totals['compile_failed'] + totals['check_failed'] + totals['run_failed']}")
+                t[k] += getattr(obj, k)
+            t["errors"] += obj.error is not None
+            failed = t["compile_failed"] + t["check_failed"] + t["run_failed"]
+            self.bar.update(f"{obj.stage}: compiled {t['compiled']} timed {t['timed']} "
+                            f"failed {failed}")
         elif kind == "crash":
-            crashes.append(str(obj))
+            self.crashes.append(str(obj))
         elif kind == "lost":
-            totals["lost"] += 1
-            print(f"\nreplacing a tuner process: {obj}", file=sys.stderr)
+            t["lost"] += 1
+            self.bar.write(f"replacing a tuner process: {obj}")
         elif kind == "disabled":
-            disabled.append(str(obj))
-            print(f"\n{obj}", file=sys.stderr)
+            self.disabled.append(str(obj))
+            self.bar.write(str(obj))
 
-    modules = list(args.imports) + sorted({type(f).__module__ for f in fams})
-    # On a GPU the tuning always runs in worker processes: one whose CUDA context a broken
-    # variant poisons is replaced, and the run goes on.
-    summaries = run_jobs(jobs, functools.partial(TuningDB, db_path), env, config,
-                         workers=workers, isolate=not compile_only, modules=modules,
-                         on_event=on_event)
-    bar.close()
-    elapsed = time.monotonic() - started
-    print(_summary_text(summaries, compile_only, elapsed, db_path), flush=True)
-    if totals["lost"]:
-        print(f"{totals['lost']} tuner process(es) were replaced after a variant broke the "
-              "CUDA context (those variants are stored as run_failed)")
-    for c in crashes:
-        print(f"tuner process crashed: {c}", file=sys.stderr)
-    for d in disabled:
-        print(d)
-    if args.json:
-        phase_totals = {k: sum(s.phase_s.get(k, 0.0) for s in summaries) for k in PHASES}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "mode": "compile-only" if compile_only else "tune", "arch": arch,
-            "environment": env.as_dict(), "database": str(db_path), "seconds": elapsed,
-            "workers": workers, "time_budget_s": budget, "policy": policy.as_dict(),
-            "stages": list(stages), "crashes": crashes, "disabled": disabled,
-            "plan": plan.as_dict(),
-            "phase_s": phase_totals, "models": [m.name for m in models],
-            "workloads": [s.__dict__ for s in summaries]}, indent=1, default=str))
-    ok = totals["timed"] + totals["compiled"] + totals["resumed"]
-    return 1 if crashes or ok == 0 else 0
+    def close(self) -> None:
+        self.bar.close()
+
+    def report(self) -> None:
+        if self.totals["lost"]:
+            print(f"{self.totals['lost']} tuner process(es) were replaced after a variant broke "
+                  "the CUDA context (those variants are stored as run_failed)")
+        for c in self.crashes:
+            print(f"tuner process crashed: {c}", file=sys.stderr)
+        for d in self.disabled:
+            print(d)
+
+
+def _write_tune_json(path: Path, summaries: list, progress: _TuneProgress, config: Any,
+                     plan: Any, env: Any, models: list, db_path: Path, elapsed: float,
+                     workers: int, budget: float | None, compile_only: bool,
+                     interrupted: bool) -> None:
+    from .search.tuner import PHASES, stages_of
+
+    phase_totals = {k: sum(s.phase_s.get(k, 0.0) for s in summaries) for k in PHASES}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "mode": "compile-only" if compile_only else "tune", "arch": config.arch,
+        "preflight": config.preflight if compile_only else None,
+        "environment": env.as_dict(), "database": str(db_path), "seconds": elapsed,
+        "workers": workers, "time_budget_s": budget, "policy": config.policy.as_dict(),
+        "stages": list(stages_of(config)), "crashes": progress.crashes,
+        "disabled": progress.disabled, "interrupted": interrupted, "plan": plan.as_dict(),
+        "phase_s": phase_totals, "models": [m.name for m in models],
+        "workloads": [s.__dict__ for s in summaries]}, indent=1, default=str))
 
 
 def _utc_now() -> str:
@@ -501,7 +608,12 @@ def _summary_text(summaries: list, compile_only: bool, elapsed: float, db_path: 
     text = [f"\n{head}: {len(summaries)} workloads in {elapsed:.1f} s -> {db_path}",
             _table(cols, rows)]
     shown = [k for k in PHASES if any(p[k] for p in phases.values())]
-    if shown:
+    if shown and compile_only:
+        prow = [[fam, f"{p['compile']:.1f}"] for fam, p in sorted(phases.items())]
+        prow.append(["TOTAL", f"{sum(p['compile'] for p in phases.values()):.1f}"])
+        text += ["compile seconds (summed over processes):",
+                 _table(["family", "compile"], prow)]
+    elif shown:
         gpu = [k for k in ("prep", "check", "time") if k in shown]
         prow = []
         for fam, p in sorted(phases.items()):
@@ -522,77 +634,176 @@ def _summary_text(summaries: list, compile_only: bool, elapsed: float, db_path: 
 
 
 # -- show -------------------------------------------------------------------------------------------
-def _workload_label(key: str) -> str:
-    d = json.loads(key)
+def _printable(text: Any, limit: int = 80) -> str:
+    """Untrusted text (a GPU name from a shared table) as one printable line: control and
+    other non-printable characters escaped, cut to `limit` characters."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+    return out if len(out) <= limit else out[:limit - 3] + "..."
+
+
+def _workload_label(problem: Any) -> str:
+    d = problem.as_dict()
     d.pop("op", None)
     return " ".join(f"{k}={v}" for k, v in sorted(d.items()))
 
 
+def _parsed(row: Any) -> tuple[Any, Any, Any] | None:
+    """(family, problem, variant) of a stored row, parsed through the family's types and
+    matched against the stored digests; None if any of it fails (nothing else is shown)."""
+    from .search.family import get_family
+
+    try:
+        fam = get_family(row["family"])
+        p = fam.PROBLEM.from_key(row["workload_key"])
+        v = fam.VARIANT.from_key(row["variant_key"])
+    except Exception:
+        return None
+    if p.digest() != row["workload_digest"] or v.digest() != row["variant_digest"]:
+        return None
+    return fam, p, v
+
+
+def _intact(row: Any) -> bool:
+    from .db import row_checksum
+
+    try:
+        return row_checksum(row, row["environment_digest"], row["workload_digest"],
+                            row["variant_digest"]) == row["checksum"]
+    except (TypeError, ValueError):
+        return False
+
+
 def cmd_show(args: argparse.Namespace) -> int:
+    """With --db: that file's winners per workload. Without: what the runtime would serve
+    (resgen.runtime's databases in its order, the shipped table included), per GPU."""
+    _import_all(args.imports)
+    if args.db is None:
+        return _show_served(args)
     from .db import DatabaseError, TuningDB
     from .search.build import variant_fingerprint
-    from .search.family import get_family
-    from .search.record import Status, pick_winner
-    from .settings import settings
+    from .search.record import Status, pick_winner, stored_timing
 
-    _import_all(args.imports)
-    path = args.db or settings().user_db
     try:
-        db = TuningDB(path, readonly=True)
+        with TuningDB(args.db, readonly=True) as db:
+            rows = db.rows(op=args.op)
     except DatabaseError as e:
         print(f"resgen show: {e}", file=sys.stderr)
         return 2
-    with db:
-        rows = db.rows(op=args.op)
     groups: dict[tuple, list] = defaultdict(list)
+    unparsed = 0
     for r in rows:
-        groups[(r["op"], r["workload_key"], r["gpu_name"], r["arch"])].append(r)
+        got = _parsed(r) if _intact(r) else None
+        if got is None:
+            unparsed += 1
+            continue
+        groups[(got[1].key(), r["gpu_name"], r["arch"])].append((r, got))
     out = []
-    for (op, wkey, gpu, arch), rs in groups.items():
-        counts = Counter(r["status"] for r in rs)
-        timed = [r for r in rs if r["status"] == Status.OK]
-        win = pick_winner(timed, _tie(timed)) if timed else None
-        fresh = ""
-        if win is not None:
+    for (_, gpu, arch), rs in groups.items():
+        counts = Counter(str(r["status"]) if r["status"] in Status.ALL else "?" for r, _ in rs)
+        timed = []
+        for r, got in rs:
+            if r["status"] != Status.OK:
+                continue
             try:
-                fam = get_family(win["family"])
-                v = fam.VARIANT.from_key(win["variant_key"])
-                p = fam.PROBLEM.from_key(wkey)
-                fresh = "yes" if variant_fingerprint(fam, v, p, arch) == win["fingerprint"] \
-                    else "STALE"
+                t = stored_timing(r)
+            except ValueError:
+                counts["bad_numbers"] += 1
+                continue
+            timed.append({"median_us": t.median_us, "space_index": t.space_index,
+                          "tie": t.tie_rel, "row": r, "got": got})
+        win = pick_winner(timed, min((t["tie"] for t in timed), default=0.01))
+        _, problem, _ = rs[0][1]
+        name, us, fresh = "-", "-", ""
+        if win is not None:
+            fam, p, v = win["got"]
+            name, us = v.name(), f"{win['median_us']:.2f}"
+            try:
+                fresh = "yes" if variant_fingerprint(fam, v, p, arch) == \
+                    win["row"]["fingerprint"] else "STALE"
             except Exception:
                 fresh = "?"
-        out.append([op, _workload_label(wkey), gpu, win["variant_name"] if win else "-",
-                    f"{win['median_us']:.2f}" if win else "-", fresh,
+        out.append([problem.OP, _workload_label(problem), _printable(gpu, 40), name, us, fresh,
                     " ".join(f"{k}:{n}" for k, n in sorted(counts.items()))])
     if not out:
-        print(f"{path}: no results")
+        print(f"{args.db}: no results" + (f" ({unparsed} rows that do not parse or fail their "
+                                          "checksum, not shown)" if unparsed else ""))
         return 0
     print(_table(["op", "workload", "gpu", "winner", "us", "current", "results"], out))
+    if unparsed:
+        print(f"({unparsed} rows that do not parse or fail their checksum are not shown; "
+              f"`resgen db verify {args.db}` lists them)")
     return 0
 
 
-def _tie(rows: list) -> float:
-    for r in rows:
+def _show_devices() -> list[Any]:
+    """The GPUs to show the runtime's answers for: this machine's, else every GPU with timed
+    results in a database the runtime would consult (the shipped tables included)."""
+    from .db import TuningDB
+    from .runtime import Device
+    from .settings import settings
+
+    dev = Device.current()
+    if dev is not None:
+        return [dev]
+    s = settings()
+    paths = [p for p in (s.db_path, s.user_db) if p is not None]
+    tuned = Path(s.tuned_dir)
+    if tuned.is_dir():
+        paths += sorted(tuned.glob("*.sqlite")) + sorted(tuned.glob("*.sqlite.xz"))
+    found: list[Any] = []
+    for p in paths:
         try:
-            return float(json.loads(r["policy"])["tie_rel"])
+            with TuningDB(p, readonly=True) as db:
+                envs = db.environments()
         except Exception:
             continue
-    return 0.01
+        for e in envs:
+            if e.get("compile_only") or not isinstance(e.get("gpu_name"), str) or \
+                    not isinstance(e.get("arch"), str):
+                continue
+            d = Device(e["gpu_name"], e["arch"])
+            if d not in found:
+                found.append(d)
+    return found
+
+
+def _show_served(args: argparse.Namespace) -> int:
+    from .runtime import Dispatcher, default_db_paths
+
+    from .runtime import Device
+
+    here = Device.current()
+    devices = _show_devices()
+    if not devices:
+        print("resgen show: no tuned results for any GPU in the runtime's databases "
+              f"({', '.join(str(p) for p in default_db_paths(None))}, and no shipped table); "
+              "`resgen show --db PATH` shows one file", file=sys.stderr)
+        return 0
+    for dev in devices:
+        disp = Dispatcher(device=dev)
+        out = []
+        for op, p in disp.tuned(args.op):
+            v, src, med = disp.served(op, p)
+            out.append([op, _workload_label(p), v.name(), "-" if med is None else f"{med:.2f}",
+                        _printable(src, 120)])
+        where = ", ".join(str(x) for x in disp.paths)
+        print(f"What the runtime serves on {_printable(dev.gpu_name, 40)} ({dev.arch}) from "
+              f"{where}" + ("" if dev == here else " (not this machine's GPU: what it would "
+                                                    "serve there)"))
+        if out:
+            print(_table(["op", "workload", "served", "us", "from"], out))
+        else:
+            print("  nothing tuned")
+    return 0
 
 
 # -- bench ------------------------------------------------------------------------------------------
 def _load_baselines() -> Any:
-    import importlib.util
+    """cuBLAS BF16 / FP8, Triton MXFP4 and the HBM floor (resgen.baselines: package code, so
+    `resgen bench` works from an installed copy)."""
+    from . import baselines
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "baselines.py"
-    if not path.exists():
-        raise RuntimeError(f"{path} not found: `resgen bench` runs from a source checkout")
-    spec = importlib.util.spec_from_file_location("resgen_bench_baselines", path)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
+    return baselines
 
 
 def time_layer(fam: Any, v: Any, p: Any, arch: str, compiled: dict, policy: Any
@@ -624,13 +835,20 @@ def time_layer(fam: Any, v: Any, p: Any, arch: str, compiled: dict, policy: Any
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .models import get_models, linear_problems
+
+    try:
+        models = get_models(args.model)
+        problems = linear_problems(models, args.tp, args.formats, args.compensations, args.m)
+    except ValueError as e:
+        print(f"resgen bench: {e}", file=sys.stderr)
+        return 2
     if not _has_gpu():
         print("resgen bench needs a CUDA GPU (none found)", file=sys.stderr)
         return 2
     import torch
 
     from . import runtime
-    from .models import get_model, linear_problems
     from .search.family import get_family
     from .search.record import current_environment
     from .search.timing import DEFAULT_POLICY
@@ -640,11 +858,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     env = current_environment()
     disp = runtime.Dispatcher(paths=[args.db] if args.db else None)
     policy = DEFAULT_POLICY
-    models = [get_model(m) for m in args.model]
     rows, table = [], []
     base_cache: dict[tuple, dict] = {}
     compiled: dict[tuple, Any] = {}                 # one compile per compile key (M buckets)
-    for p in linear_problems(models, args.tp, args.formats, args.compensations, args.m):
+    for p in problems:
         rec: dict[str, Any] = {"problem": json.loads(p.key())}
         try:
             v = disp.lookup("linear", p)
@@ -778,52 +995,62 @@ def _bench_triton(bl: Any, x: Any, p: Any, policy: Any) -> dict[str, Any]:
 # -- db ---------------------------------------------------------------------------------------------
 def _parse_key(kind: str, key: str) -> str | None:
     """Validated parse of a stored key through its family's types; error text or None."""
-    from .search.family import get_family
+    from .search.family import families, get_family
 
     try:
         d = json.loads(key)
+    except (TypeError, ValueError, RecursionError):
+        return "key is not JSON"
+    if not isinstance(d, dict):
+        return f"key is a JSON {type(d).__name__}, not an object"
+    try:
         if kind == "variant":
             get_family(d.get("family")).VARIANT.from_dict(d)
-        else:
-            from .search.family import families
-
-            classes = {f.PROBLEM for f in families().values() if f.PROBLEM.OP == d.get("op")}
-            if not classes:
-                return f"no registered family for op {d.get('op')!r}"
-            errs = []
-            for cls in classes:
-                try:
-                    cls.from_dict(d)
-                    return None
-                except ValueError as e:
-                    errs.append(str(e))
-            return "; ".join(errs)
-    except ValueError as e:
+            return None
+        classes = {f.PROBLEM for f in families().values() if f.PROBLEM.OP == d.get("op")}
+        if not classes:
+            return f"no registered family for op {_printable(repr(d.get('op')), 60)}"
+        errs = []
+        for cls in classes:
+            try:
+                cls.from_dict(d)
+                return None
+            except (TypeError, ValueError) as e:
+                errs.append(str(e))
+        return "; ".join(errs)
+    except (TypeError, ValueError) as e:
         return str(e)
-    return None
 
 
-def _fresh_filter() -> Callable[[Any], bool]:
-    """A predicate on database rows: tuned with what this checkout would compile (its family is
-    registered, its variant and workload parse, and the fingerprint recorded for it is the one
-    the current templates, kernel modules, compile options and versions give: the rule the
-    runtime and the tuner use to tell stale results). Fingerprints are computed once per
-    compile class."""
+def _servable_filter(fresh_only: bool) -> Callable[[Any], bool]:
+    """A predicate on database rows for `db merge`: what the runtime could accept. The row's
+    family is registered, its workload and variant parse through the family's types and match
+    their stored digests, its status is known, a timed row's numbers pass the range checks
+    (resgen.search.record.stored_timing), and the variant is valid for its workload on the
+    row's arch (why_invalid). fresh_only: also the fingerprint recorded for it is the one the
+    current templates, kernel modules, compile options and versions give (the rule the
+    runtime and the tuner use to tell stale results; computed once per compile class)."""
     from .search.build import memo_fingerprint
-    from .search.family import get_family
+    from .search.record import Status, stored_timing
 
     cache: dict[tuple, str] = {}
 
-    def fresh(row) -> bool:
+    def keep(row: Any) -> bool:
+        got = _parsed(row)
+        if got is None or row["status"] not in Status.ALL:
+            return False
+        fam, p, v = got
         try:
-            fam = get_family(row["family"])
-            v = fam.VARIANT.from_key(row["variant_key"])
-            p = fam.PROBLEM.from_key(row["workload_key"])
-            return memo_fingerprint(cache, fam, v, p, row["arch"]) == row["fingerprint"]
-        except Exception:        # unparseable, unknown family or arch: not fresh
+            if row["status"] == Status.OK:
+                stored_timing(row)
+            if fam.why_invalid(v, p, row["arch"]) is not None:
+                return False
+            return not fresh_only or \
+                memo_fingerprint(cache, fam, v, p, row["arch"]) == row["fingerprint"]
+        except Exception:        # bad numbers, unknown arch, a family that raises: not kept
             return False
 
-    return fresh
+    return keep
 
 
 def cmd_db(args: argparse.Namespace) -> int:
@@ -842,7 +1069,8 @@ def cmd_db(args: argparse.Namespace) -> int:
                 print(f"  warning: {w}")
             return 0 if rep.ok else 1
         if args.dbcmd == "merge":
-            keep = _fresh_filter() if args.fresh_only else None
+            _import_all(args.imports)
+            keep = None if args.all_rows else _servable_filter(args.fresh_only)
             with TuningDB(args.into) as dst:
                 for src in args.sources:
                     with TuningDB(src, readonly=True) as s:
@@ -860,20 +1088,36 @@ def cmd_db(args: argparse.Namespace) -> int:
                     args.out.write_text(json.dumps(db.export_json(), indent=1))
             print(f"{args.path} -> {args.out} ({fmt})")
             return 0
-    except (DatabaseError, FileExistsError) as e:
+    except (DatabaseError, OSError) as e:       # FileExistsError, PermissionError, ...
         print(f"resgen db {args.dbcmd}: {e}", file=sys.stderr)
         return 2
     return 2
 
 
 # -- entry --------------------------------------------------------------------------------------------
+_QUALITY_HINT = "scripts/install.sh .venv --quality (or pip install 'resgen[quality]')"
+
+
 def _quality(name: str, argv: list[str]) -> int:
+    """`resgen report` / `resgen plan` (resgen.quality.cli); a missing quality extra or
+    input is one line and exit code 2."""
     try:
         from .quality import cli as qcli
     except ImportError as e:
-        print(f"resgen {name}: the quality package is not available ({e})", file=sys.stderr)
+        print(f"resgen {name}: the quality package is not available ({e}); install it: "
+              f"{_QUALITY_HINT}", file=sys.stderr)
         return 2
-    return int(getattr(qcli, f"{name}_main")(argv) or 0)
+    try:
+        return int(getattr(qcli, f"{name}_main")(argv) or 0)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "resgen":
+            raise
+        print(f"resgen {name} needs the quality extra (module {e.name!r} is missing): "
+              f"{_QUALITY_HINT}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        print(f"resgen {name}: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -888,6 +1132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {"tune": cmd_tune, "show": cmd_show, "bench": cmd_bench, "db": cmd_db}
     try:
         return handler[args.cmd](args)
+    except _Usage as e:
+        print(f"resgen {args.cmd}: {e}", file=sys.stderr)
+        return 2
     except BrokenPipeError:             # `resgen show | head`: the reader left, not an error
         sys.stdout = open(os.devnull, "w")
         return 0

@@ -66,6 +66,7 @@ _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _BOUNDARIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
                (3.5, True), (5.0, False))
 _ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def block_size(fmt: str) -> int:
@@ -93,6 +94,36 @@ class QuantizedTensor:
     scales: torch.Tensor
     global_scale: torch.Tensor | None
 
+    def __post_init__(self) -> None:
+        """Shapes and dtypes are checked here (no device sync): one scale per block of codes,
+        never a broadcast. NVFP4 may carry no global scale (per-row scales held elsewhere,
+        e.g. ResAttn's queries); dequantize then needs apply_global_scale=False."""
+        _check_format(self.fmt)
+        for name, t in (("codes", self.codes), ("scales", self.scales)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"QuantizedTensor {name} must be a torch.Tensor, got "
+                                f"{type(t).__name__}")
+        if self.codes.dtype != torch.uint8 or self.codes.dim() == 0:
+            raise ValueError(f"QuantizedTensor codes must be packed uint8 [..., K // 2], got "
+                             f"{self.codes.dtype} {tuple(self.codes.shape)}")
+        want = torch.float8_e4m3fn if self.fmt == "nvfp4" else torch.uint8
+        if self.scales.dtype != want:
+            raise ValueError(f"{self.fmt} scales must be {want}, got {self.scales.dtype}")
+        bs = _BLOCK[self.fmt]
+        k = self.codes.shape[-1] * 2
+        expect = (*self.codes.shape[:-1], k // bs)
+        if k % bs or tuple(self.scales.shape) != expect:
+            raise ValueError(f"{self.fmt} codes {tuple(self.codes.shape)} (K = {k}) need scales "
+                             f"of shape {expect} (one per {bs} elements), got "
+                             f"{tuple(self.scales.shape)}")
+        gs = self.global_scale
+        if self.fmt == "mxfp4" and gs is not None:
+            raise ValueError("MXFP4 has no global scale; pass global_scale=None")
+        if gs is not None and (not isinstance(gs, torch.Tensor) or gs.numel() != 1
+                               or not gs.dtype.is_floating_point):
+            raise TypeError(f"an NVFP4 global_scale is a one-element float tensor, got "
+                            f"{type(gs).__name__}")
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
@@ -114,9 +145,15 @@ class QuantizedTensor:
         return QuantizedTensor(self.fmt, self.codes[index], self.scales[index], self.global_scale)
 
     def scale_values(self) -> torch.Tensor:
-        """Block scales as float32 [..., K // block] WITHOUT the NVFP4 global scale."""
+        """Block scales as float32 [..., K // block] WITHOUT the NVFP4 global scale. An E8M0
+        code of 255 (NaN in OCP MX) or an E4M3 NaN is a ValueError, never a NaN result."""
         if self.fmt == "nvfp4":
-            return self.scales.to(torch.float32)
+            out = self.scales.to(torch.float32)
+            if bool(torch.isnan(out).any()):
+                raise ValueError("NVFP4 scales hold E4M3 NaN codes")
+            return out
+        if bool((self.scales == 255).any()):
+            raise ValueError("MXFP4 scales hold the E8M0 NaN code 255")
         return _pow2(self.scales.to(torch.int32) - 127)
 
 
@@ -227,6 +264,15 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_global_scale(global_scale, device) -> torch.Tensor:
+    """A static NVFP4 tensor scale: a positive finite Python number or one-element tensor."""
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.numel() != 1 or not (global_scale.dtype.is_floating_point or
+                                             global_scale.dtype in _INT_DTYPES):
+            raise TypeError(f"NVFP4 global_scale must be one number, got a "
+                            f"{global_scale.dtype} tensor of shape {tuple(global_scale.shape)}")
+    elif isinstance(global_scale, bool) or not isinstance(global_scale, (int, float)):
+        raise TypeError(f"NVFP4 global_scale must be a positive number or a one-element "
+                        f"tensor, got {type(global_scale).__name__}")
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=device).reshape(())
     if not bool(torch.isfinite(gs)) or float(gs) <= 0:
         raise ValueError(f"NVFP4 global_scale must be a positive finite number, got {float(gs)}")
@@ -292,12 +338,16 @@ def dequantize(q: QuantizedTensor, *, apply_global_scale: bool = True) -> torch.
     at most 6 significant bits), which is what the reference GEMMs accumulate before applying
     the global scales once.
     """
-    _check_format(q.fmt)
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"dequantize takes a QuantizedTensor, got {type(q).__name__}")
     bs = q.block_size
     vals = e2m1_decode(unpack_fp4(q.codes))
     vals = vals.reshape(*vals.shape[:-1], vals.shape[-1] // bs, bs)
     scale = q.scale_values().unsqueeze(-1)
     if q.fmt == "nvfp4" and apply_global_scale:
+        if q.global_scale is None:
+            raise ValueError("this NVFP4 tensor has no global scale (its scales are kept "
+                             "elsewhere): pass apply_global_scale=False")
         scale = q.global_scale * scale
     return (scale * vals).reshape(q.shape)
 
@@ -310,9 +360,15 @@ def _selected_indices(channels, k: int, device) -> torch.Tensor:
                 f"channel selection was made for K={channels.in_features}, input has K={k}")
     else:
         idx = torch.as_tensor(channels)
+    if idx.dtype not in _INT_DTYPES or idx.dim() > 1:
+        raise ValueError(f"selected channels must be a 1-D integer index tensor, got "
+                         f"{idx.dtype} of shape {tuple(idx.shape)} (float indices are not "
+                         "truncated)")
     idx = idx.to(device=device, dtype=torch.long).reshape(-1)
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k):
         raise ValueError(f"selected channel indices must lie in [0, {k})")
+    if idx.numel() != torch.unique(idx).numel():
+        raise ValueError("selected channel indices repeat a channel")
     return idx
 
 

@@ -42,10 +42,12 @@ class PagedKVCache:
     @classmethod
     def empty(cls, num_pages: int, num_kv_heads: int, head_dim: int, page_size: int = 32,
               k_scale: float = 1.0, v_scale: float = 1.0, device="cpu") -> "PagedKVCache":
+        for name, v in (("num_pages", num_pages), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("page_size", page_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if head_dim % 16:
             raise ValueError(f"head_dim must be a multiple of 16 for NVFP4, got {head_dim}")
-        if page_size <= 0 or num_pages <= 0:
-            raise ValueError("page_size and num_pages must be positive")
         shp = (num_pages, num_kv_heads, page_size)
         codes = lambda: torch.zeros(*shp, head_dim // 2, dtype=torch.uint8, device=device)  # noqa: E731
         sf = lambda: torch.zeros(*shp, head_dim // 16, dtype=torch.float8_e4m3fn, device=device)  # noqa: E731

@@ -26,9 +26,12 @@ from typing import Any, Iterable, Mapping, Sequence
 from .search.variant import AttentionProblem, LinearProblem
 
 __all__ = ["ModelSpec", "LinearShape", "AttentionGeometry", "MODELS", "get_model",
-           "linear_problems", "attention_problems", "COMPENSATIONS", "FORMATS", "ATTENTION_PV"]
+           "get_models", "linear_problems", "attention_problems", "tuning_workloads",
+           "COMPENSATIONS", "FORMATS", "ATTENTION_PV"]
 
 FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
+_MAX_FEATURES = 1 << 20          # LinearProblem's n and k range
+_MAX_HEAD_DIM = 1024             # AttentionProblem's head_dim range
 COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
 
 
@@ -71,6 +74,14 @@ class ModelSpec:
         if self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: {self.heads} query heads are not a multiple of "
                              f"{self.kv_heads} KV heads")
+        if self.head_dim % 16 or self.head_dim > _MAX_HEAD_DIM:
+            raise ValueError(f"{self.name}: head_dim {self.head_dim} is not a multiple of 16 "
+                             f"up to {_MAX_HEAD_DIM} (NVFP4 blocks of 16 along the head)")
+        widest = max(self.hidden, 2 * self.intermediate,
+                     (self.heads + 2 * self.kv_heads) * self.head_dim)
+        if widest > _MAX_FEATURES:
+            raise ValueError(f"{self.name}: a projection {widest} features wide exceeds the "
+                             f"{_MAX_FEATURES} resgen's linear problems cover")
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], name: str | None = None) -> "ModelSpec":
@@ -152,12 +163,32 @@ def get_model(name: str | Mapping[str, Any] | Path) -> ModelSpec:
         p = p / "config.json"
     if p.is_file():
         try:
-            cfg = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
+            cfg = json.loads(p.read_bytes().decode("utf-8"))
+        except OSError as e:
+            raise ValueError(f"{p}: cannot read ({e.strerror or e})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{p}: not a UTF-8 text file (a config.json is JSON)") from None
+        except (json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"{p}: not JSON: {e}") from None
-        return ModelSpec.from_hf_config(cfg, name=p.parent.name or None)
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"{p}: a config.json holds a JSON object, not a "
+                             f"{type(cfg).__name__}")
+        try:
+            return ModelSpec.from_hf_config(cfg, name=p.parent.name or None)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
     raise ValueError(f"unknown model {name!r}: known {sorted(MODELS)}, or give a config.json "
                      f"or a model directory")
+
+
+def get_models(names: Sequence[str]) -> list[ModelSpec]:
+    """Models by name (get_model), "all" for every built-in one; each model once."""
+    out: list[ModelSpec] = []
+    for n in names:
+        for spec in (MODELS.values() if str(n).strip().lower() == "all" else [get_model(n)]):
+            if spec not in out:
+                out.append(spec)
+    return out
 
 
 def _dedupe(items: Iterable[Any]) -> list[Any]:
@@ -196,3 +227,40 @@ def attention_problems(models: Sequence[ModelSpec], tp: int = 1,
                                     compensation=c, pv=v)
                    for spec in models for g in [spec.attention(tp)] for c in compensation
                    for v in pv for b in batches for L in kv_lens)
+
+
+def tuning_workloads(family: Any, models: Sequence[ModelSpec], *, tp: int = 1,
+                     formats: Sequence[str] = FORMATS,
+                     compensations: Sequence[str] = COMPENSATIONS,
+                     m_buckets: Sequence[int] = (1,), attn_batches: Sequence[int] = (1,),
+                     kv_lens: Sequence[int] = (8192,), attn_pv: Sequence[str] = ATTENTION_PV
+                     ) -> list[Any]:
+    """The workloads `resgen tune` gives a kernel family for the models, deduplicated: its
+    own `model_problems` hook when it has one; the linear or attention workloads for those
+    problem types; for another problem type (e.g. the quantizer's), its
+    `for_linear(LinearProblem)` classmethod when it has one, else the linear workloads' fields
+    of the same name. Raises ValueError for a bad format, compensation, bucket or tp."""
+    import dataclasses
+
+    hook = getattr(family, "model_problems", None)
+    if hook is not None:
+        return list(hook(models, tp=tp, formats=formats, compensations=compensations,
+                         m_buckets=m_buckets))
+    lin = linear_problems(models, tp, formats, compensations, m_buckets)
+    if family.PROBLEM is LinearProblem:
+        return lin
+    if family.PROBLEM is AttentionProblem:
+        return attention_problems(models, tp, attn_batches, kv_lens, pv=attn_pv)
+    names = {f.name for f in dataclasses.fields(family.PROBLEM)}
+    for_linear = getattr(family.PROBLEM, "for_linear", None)
+    out, seen = [], set()
+    for lp in lin:
+        try:
+            p = for_linear(lp) if for_linear is not None else \
+                family.PROBLEM(**{n: getattr(lp, n) for n in names if hasattr(lp, n)})
+        except (TypeError, ValueError):
+            continue
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out

@@ -68,10 +68,15 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
     check_compensation(compensation, qweight)
     fmt = qweight.fmt
     k = qweight.in_features
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"x must be a tensor [..., K={k}], got "
+                         f"{'a 0-dim tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
     if x.shape[-1] != k:
         raise ValueError(f"input has K={x.shape[-1]}, the weight expects K={k}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:            # no rows: the empty result of the right shape
+        return torch.zeros(*lead, qweight.out_features, dtype=torch.float32, device=x.device)
     channels = qweight.selection if compensation not in ("none", "full") else None
     base, res = formats.quantize_with_residue(x2, fmt, channels=channels,
                                               global_scale=qweight.input_scale)
@@ -98,6 +103,11 @@ def quantize_query(q: torch.Tensor, *, scale: Literal["row", "tensor"] = "row"):
     kernels compute in-register; "tensor": one for the whole query tensor.
     Returns (base, res, alpha) with alpha: float32 [B, Hq, 1] (row) broadcastable.
     """
+    if scale not in ("row", "tensor"):
+        raise ValueError(f"query scale must be 'row' or 'tensor', got {scale!r}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"queries must be [B, Hq, D], got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     b, h, d = q.shape
     if scale == "tensor":
         base, res = formats.quantize_with_residue(q, "nvfp4")
@@ -141,12 +151,30 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
         the 2^8 puts P in [0, 256] so probabilities down to 2^-14 stay E4M3 normals).
     A sequence of length 0 yields zeros. Returns float32 [B, Hq, D].
     """
+    if pv not in ("fp32", "bf16", "f16", "fp8"):
+        raise ValueError(f"pv must be 'fp32', 'bf16', 'f16' or 'fp8', got {pv!r}")
+    if query_scale not in ("row", "tensor"):
+        raise ValueError(f"query_scale must be 'row' or 'tensor', got {query_scale!r}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("queries must be a tensor [B, Hq, D]")
     bsz, hq, d = q.shape
     hkv = cache.num_kv_heads
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     if d != cache.head_dim:
         raise ValueError(f"query head dim {d} != cache head dim {cache.head_dim}")
+    if tuple(seq_lens.shape) != (bsz,) or block_tables.dim() != 2 or \
+            block_tables.shape[0] != bsz:
+        raise ValueError(f"{bsz} queries need seq_lens [{bsz}] and block_tables "
+                         f"[{bsz}, max_pages], got {tuple(seq_lens.shape)} and "
+                         f"{tuple(block_tables.shape)}")
+    if bsz and int(seq_lens.max()) > block_tables.shape[1] * cache.page_size:
+        raise ValueError(f"a sequence of {int(seq_lens.max())} tokens exceeds its block table "
+                         f"({block_tables.shape[1]} pages of {cache.page_size})")
+    if bsz and int(seq_lens.min()) < 0:
+        raise ValueError("seq_lens must be non-negative")
+    if not bool(torch.isfinite(q).all()):
+        raise ValueError("queries contain NaN or Inf")
     scale = sm_scale if sm_scale is not None else d ** -0.5
     base, res, alpha_q = quantize_query(q, scale=query_scale)
     qu = formats.dequantize(base, apply_global_scale=False).double()
@@ -175,8 +203,6 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
             elif pv == "fp8":
                 p = _round_e4m3(p.float() * FP8_P_SCALE).double() / FP8_P_SCALE
                 v = _round_e4m3(v.float()).double()
-            elif pv != "fp32":
-                raise ValueError(f"pv must be 'fp32', 'bf16', 'f16' or 'fp8', got {pv!r}")
             out[b, heads] = ((p @ v) / l_sum * float(cache.v_scale)).float()
     return out
 

@@ -6,6 +6,12 @@ H200; or its xz-compressed form tuned/h200.sqlite.xz). Tuned buckets are tried n
 that order answers (an exact bucket in the shipped table beats a neighbouring bucket in the
 cache database). A row is acceptable only if
 - it is a timed "ok" result from an environment with this GPU's name and arch;
+- its checksum matches its content (a row `resgen db verify` reports as altered or torn is
+  never served; checked once per table load) and its workload and variant keys match their
+  stored digests;
+- its median, space index and measurement policy pass the range checks of
+  resgen.search.record.stored_timing (a positive finite median, a tie band in
+  [0, MAX_TIE_REL]): one bad row is skipped (one warning per table), never a crash;
 - its variant parses through `VARIANT.from_dict` (nothing from a file is trusted);
 - its fingerprint equals the one the current templates, compile options, arch, resgen and
   CuTe DSL produce for it (a stale row is never served);
@@ -28,16 +34,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .db import DatabaseError, MissingDatabaseError, TuningDB
+from .db import DatabaseError, MissingDatabaseError, TuningDB, row_checksum
 from .search.buckets import bucket_fields, bucket_rank, without_buckets
 from .search.build import memo_fingerprint
 from .search.family import KernelFamily, families_for, get_family
-from .search.record import Status, arch_of_capability, gpu_slug, pick_winner
+from .search.record import (DEFAULT_TIE_REL, Status, arch_of_capability, gpu_slug, pick_winner,
+                            stored_timing)
 from .search.variant import ProblemBase, VariantBase, canonical_json
 from .settings import settings
 
@@ -113,46 +120,52 @@ class _Entry:
 
 
 class _Table:
-    """The acceptable rows of one database for one device, indexed for lookup."""
+    """The acceptable rows of one database for one device, indexed for lookup.
+
+    A row is skipped (never a crash, one warning per table with the counts by reason) when its
+    checksum does not match its content (altered or torn: what `resgen db verify` reports),
+    its family is unknown, its workload or variant key does not parse or does not match its
+    stored digest, or its median, space index or policy is out of range
+    (resgen.search.record.stored_timing)."""
 
     def __init__(self, path: Path, device: Device, warn: Any) -> None:
         # entries[op][non-bucket key] -> [_Entry]
         self.entries: dict[str, dict[str, list[_Entry]]] = defaultdict(lambda: defaultdict(list))
-        import json
-
         with TuningDB(path, readonly=True) as db:
             rows = db.rows(status=Status.OK, gpu_name=device.gpu_name, arch=device.arch,
                            compile_only=False)
         by_workload: dict[str, _Entry] = {}
         # Rows repeat workloads and variants (12629 rows, 1464 workloads, 449 variants in the
         # shipped H200 table): each distinct key is parsed and validated once.
-        parsed: dict[tuple[str, str], Any] = {}
+        parsed: dict[tuple[str, str, str], Any] = {}
 
-        def parse(cls: Any, key: str) -> Any:
-            k = (cls.__qualname__, key)
+        def parse(cls: Any, key: Any, digest: Any) -> Any:
+            k = (cls.__qualname__, str(key), str(digest))
             if k not in parsed:
                 try:
-                    parsed[k] = cls.from_key(key)
+                    obj = cls.from_key(key)
+                    if obj.digest() != digest:
+                        raise ValueError("key does not match its stored digest")
+                    parsed[k] = obj
                 except Exception as e:        # remembered: the same key fails the same way
-                    parsed[k] = ValueError(str(e))
+                    parsed[k] = ValueError(f"{cls.__name__} key: {e}"[:200])
             out = parsed[k]
             if isinstance(out, ValueError):
-                raise ValueError(str(out))
+                raise out
             return out
 
+        skipped: Counter[str] = Counter()
         for r in rows:
             try:
+                if row_checksum(r, r["environment_digest"], r["workload_digest"],
+                                r["variant_digest"]) != r["checksum"]:
+                    raise ValueError("checksum mismatch (row altered or torn)")
                 fam = get_family(r["family"])
-                problem = parse(fam.PROBLEM, r["workload_key"])
-                variant = parse(fam.VARIANT, r["variant_key"])
-                pol = json.loads(r["policy"] or "{}")
-                tie = float(pol.get("tie_rel", 0.01))
-                policy = (int(pol.get("version", 0)), str(pol.get("name", "")))
-                if not (r["median_us"] or 0) > 0:
-                    raise ValueError("non-positive median")
-            except Exception as e:       # unknown family, bad key, bad policy: skip the row
-                warn(("row", str(path), r.get("family")),
-                     f"{path}: skipping result {r.get('id')} ({r.get('family')}): {e}")
+                problem = parse(fam.PROBLEM, r["workload_key"], r["workload_digest"])
+                variant = parse(fam.VARIANT, r["variant_key"], r["variant_digest"])
+                timing = stored_timing(r)
+            except Exception as e:       # bad checksum, family, key or numbers: skip the row
+                skipped[str(e)[:160]] += 1
                 continue
             entry = by_workload.get(r["workload_digest"])
             if entry is None:
@@ -161,8 +174,12 @@ class _Table:
                 by_workload[r["workload_digest"]] = entry
                 nb = canonical_json(without_buckets(problem))
                 self.entries[type(problem).OP][nb].append(entry)
-            entry.rows.append(_Row(r["family"], variant, float(r["median_us"]),
-                                   int(r["space_index"]), r["fingerprint"], tie, policy))
+            entry.rows.append(_Row(r["family"], variant, timing.median_us, timing.space_index,
+                                   r["fingerprint"], timing.tie_rel, timing.policy))
+        if skipped:
+            why = "; ".join(f"{n} x {msg}" for msg, n in skipped.most_common(3))
+            warn(("rows", str(path)), f"{path}: skipped {sum(skipped.values())} of {len(rows)} "
+                                      f"timed rows ({why})")
 
 
 class Dispatcher:
@@ -179,6 +196,7 @@ class Dispatcher:
                           {Path(p) for p in (explicit, settings().db_path) if p is not None})
         self._cache: dict[tuple, VariantBase] = {}
         self._source: dict[tuple, str] = {}
+        self._median: dict[tuple, float] = {}
         self._tables: list[tuple[Path, _Table]] | None = None
         self._fp: dict[tuple[str, str, str, str], str] = {}   # build.memo_fingerprint
         self._warned: set = set()
@@ -193,15 +211,38 @@ class Dispatcher:
         except KeyError:
             pass
         with self._lock:
-            v, src = self._resolve(op, problem, family)
+            v, src, med = self._resolve(op, problem, family)
             self._cache[key] = v
             self._source[key] = src
+            if med is not None:
+                self._median[key] = med
         return v
 
     def source(self, op: str, problem: ProblemBase, family: str | None = None) -> str:
         """Where the answer came from: a database path and bucket, or "default"."""
         self.lookup(op, problem, family)
         return self._source[(op, problem, family)]
+
+    def served(self, op: str, problem: ProblemBase, family: str | None = None
+               ) -> tuple[VariantBase, str, float | None]:
+        """(variant, source, its stored median in us or None for the default): what
+        `resgen show` prints for a tuned workload."""
+        v = self.lookup(op, problem, family)
+        key = (op, problem, family)
+        return v, self._source[key], self._median.get(key)
+
+    def tuned(self, op: str | None = None) -> list[tuple[str, ProblemBase]]:
+        """Every distinct (op, tuned problem) of the acceptable rows of this device's
+        tables, in table order."""
+        out: dict[tuple[str, str], tuple[str, ProblemBase]] = {}
+        for _, table in self._load():
+            for o, by_nb in table.entries.items():
+                if op is not None and o != op:
+                    continue
+                for entries in by_nb.values():
+                    for e in entries:
+                        out.setdefault((o, e.problem.key()), (o, e.problem))
+        return list(out.values())
 
     # -- internals -------------------------------------------------------------------------
     def _warn(self, key: Any, msg: str) -> None:
@@ -262,17 +303,14 @@ class Dispatcher:
             self._warn(("fp", fam.NAME), f"cannot fingerprint {v.name()}: {e}")
             return ""
 
-    def _acceptable(self, fam: KernelFamily, row: _Row, tuned: ProblemBase,
-                    real: ProblemBase) -> bool:
-        if row.fingerprint != self._current_fp(fam, row.variant, tuned):
-            return False
+    def _valid(self, fam: KernelFamily, row: _Row, real: ProblemBase) -> bool:
         try:
             return fam.why_invalid(row.variant, real, self.arch) is None
         except Exception:
             return False
 
     def _resolve(self, op: str, problem: ProblemBase, family: str | None
-                 ) -> tuple[VariantBase, str]:
+                 ) -> tuple[VariantBase, str, float | None]:
         if not isinstance(problem, ProblemBase) or type(problem).OP != op:
             raise ValueError(f"problem {problem!r} is not a {op!r} problem")
         fams = self._families(op, problem, family)
@@ -286,16 +324,31 @@ class Dispatcher:
                         for e in table.entries.get(op, {}).get(nb, ())),
                        key=lambda c: (c[0], c[1]))
         for _, _, path, entry in cands:
-            ok = [r for r in entry.rows if r.family in by_name
-                  and self._acceptable(by_name[r.family], r, entry.problem, problem)]
+            ok = []
+            stale = 0
+            for r in entry.rows:
+                fam = by_name.get(r.family)
+                if fam is None:
+                    continue
+                if r.fingerprint != self._current_fp(fam, r.variant, entry.problem):
+                    stale += 1
+                elif self._valid(fam, r, problem):
+                    ok.append(r)
+            if stale:      # said once per database and op, whoever answers in the end
+                self._warn(("stale", str(path), op),
+                           f"{path}: ignoring stale {op} results (tuned with other templates, "
+                           f"compile options or versions; e.g. {stale} for {nb} "
+                           f"{dict(zip(fields, entry.buckets))}): re-tune, `resgen show "
+                           f"--db {path}` marks them STALE")
             if ok:      # medians compare only under one policy: the newest one present
                 newest = max(r.policy for r in ok)
                 ok = [r for r in ok if r.policy == newest]
             win = pick_winner([r.as_pick() for r in ok],
-                              min((r.tie_rel for r in ok), default=0.01))
+                              min((r.tie_rel for r in ok), default=DEFAULT_TIE_REL))
             if win is not None:
                 self._warn_far(op, nb, fields, real, entry.buckets)
-                return win["row"].variant, f"{path} bucket {dict(zip(fields, entry.buckets))}"
+                return (win["row"].variant, f"{path} bucket {dict(zip(fields, entry.buckets))}",
+                        win["row"].median_us)
         # Miss: the family default, loud once per (op, bucket).
         bucket = tuple(1 << max(0, (int(x) - 1)).bit_length() for x in real)
         self._warn(("miss", op, nb, bucket),
@@ -304,7 +357,7 @@ class Dispatcher:
         for fam in fams:
             d = fam.default(problem, self.arch)
             if fam.why_invalid(d, problem, self.arch) is None:
-                return d, "default"
+                return d, "default", None
         raise ValueError(f"no family accepts {problem.key()} on {self.arch}: even the "
                          f"default variant is invalid")
 

@@ -3,7 +3,8 @@
 RESGEN_CACHE_DIR   rendered kernels and compile artifacts (default ~/.cache/resgen)
 RESGEN_DB          an explicit tuning database to consult first
 RESGEN_ARCH        compile target when no GPU is present (default sm_90a)
-RESGEN_TUNED_DIR   the shipped dispatch tables, one per GPU (default <repo>/tuned)
+RESGEN_TUNED_DIR   the shipped dispatch tables, one per GPU (default: the package's copy,
+                   <package>/_tuned, in an installed wheel; <repo>/tuned in a source checkout)
 
 The compile target (`settings().arch`, the default of resgen.ops and the compile-only CLI) is
 this machine's GPU's arch when a CUDA GPU is present (compute capability 9.0 -> sm_90a), else
@@ -20,9 +21,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Settings", "settings", "arch_of_capability", "device_arch", "DEFAULT_ARCH"]
+__all__ = ["Settings", "settings", "arch_of_capability", "device_arch", "DEFAULT_ARCH",
+           "default_tuned_dir"]
 
-_REPO_TUNED = Path(__file__).resolve().parent.parent / "tuned"
+_PACKAGE = Path(__file__).resolve().parent
+_REPO_TUNED = _PACKAGE.parent / "tuned"          # the user's layout in a source checkout
+_PACKAGED_TUNED = _PACKAGE / "_tuned"            # tuned/ as package data (setup.py build_py)
 DEFAULT_ARCH = "sm_90a"          # the compile target without a GPU and without RESGEN_ARCH
 
 
@@ -43,6 +47,15 @@ def device_arch() -> str | None:
         return arch_of_capability(*torch.cuda.get_device_capability(0))
     except Exception:
         return None
+
+
+def default_tuned_dir() -> Path:
+    """Where the shipped tables are without RESGEN_TUNED_DIR: the copy built into the
+    package (a wheel or non-editable install) when there is one, else the source checkout's
+    tuned/ (an editable install or PYTHONPATH)."""
+    if any(_PACKAGED_TUNED.glob("*.sqlite*")):
+        return _PACKAGED_TUNED
+    return _REPO_TUNED
 
 
 @dataclass(frozen=True)
@@ -71,4 +84,4 @@ def settings() -> Settings:
     tuned = os.environ.get("RESGEN_TUNED_DIR")
     return Settings(cache_dir=Path(cache), db_path=Path(db) if db else None,
                     no_gpu_arch=os.environ.get("RESGEN_ARCH") or DEFAULT_ARCH,
-                    tuned_dir=Path(tuned) if tuned else _REPO_TUNED)
+                    tuned_dir=Path(tuned) if tuned else default_tuned_dir())

@@ -189,9 +189,9 @@ KILL = bool(__import__("os").environ.get("FAKEFAM_KILL"))      # (8, 3, a, no sp
 HANG = bool(__import__("os").environ.get("FAKEFAM_HANG"))      # (8, 2, a, no split) hangs
 _POISONED = [False]
 if POISON:
-    import resgen.search.tuner as _tuner
+    import resgen.search.device as _device
 
-    _tuner._device_healthy = lambda device: not _POISONED[0]
+    _device.device_healthy = lambda device: not _POISONED[0]
 
 
 def make_env(gpu_name: str = "Fake GPU", arch: str = "sm_90a", compile_only: bool = False):
@@ -208,9 +208,14 @@ def tune_fake(db_path: Path, ms=(1, 4, 16, 64), *, env=None, k: int = 4096, n: i
     import functools
 
     from resgen.db import TuningDB
-    from resgen.search.tuner import Job, TuneConfig, run_jobs
+    from resgen.search.orchestrate import Job, run_jobs
+    from resgen.search.tuner import TuneConfig
 
     env = env or make_env()
+    if config.get("warm_start"):
+        from resgen.db import warm_start_rows
+
+        config.setdefault("warm_start_reader", warm_start_rows)
     cfg = TuneConfig(arch=env.arch, compile_only=env.compile_only, **config)
     jobs = [Job(FakeFamily.NAME, FakeProblem(m=m, n=n, k=k, compensation=compensation).key())
             for m in ms]

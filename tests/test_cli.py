@@ -30,7 +30,8 @@ TUNE = ["tune", "--model", "qwen3-8b", "--families", "fake_gemm", "--import", "f
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_tune_without_gpu_runs_the_compile_only_preflight(tmp_path, capsys, jobs):
     db = tmp_path / "pre.sqlite"
-    rc = main(TUNE + ["--db", str(db), "--jobs", jobs, "--json", str(tmp_path / "s.json")])
+    rc = main(TUNE + ["--db", str(db), "--jobs", jobs, "--json", str(tmp_path / "s.json"),
+                      "--full-preflight"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "No CUDA GPU found" in err and "COMPILE-ONLY" in err
@@ -50,8 +51,44 @@ def test_tune_without_gpu_runs_the_compile_only_preflight(tmp_path, capsys, jobs
         assert keys == {6144, 4096, 24576}
     # Resume: a second run compiles nothing new.
     fakefam.COMPILES.clear()
-    assert main(TUNE + ["--db", str(db), "--jobs", "1"]) == 0
+    assert main(TUNE + ["--db", str(db), "--jobs", "1", "--full-preflight"]) == 0
     assert fakefam.COMPILES == []
+
+
+@no_gpu
+def test_default_cpu_preflight_compiles_a_covering_subset(tmp_path, capsys):
+    """Issue 22 item 16: without a GPU the default pre-flight compiles a covering subset: every
+    value of every workload field in some workload, every axis value of each chosen
+    workload's valid space in some compiled variant; its plan speaks of no GPU seconds."""
+    import dataclasses
+
+    from resgen.models import get_model, tuning_workloads
+    from resgen.search.cover import covering_subset
+
+    db = tmp_path / "pre.sqlite"
+    rc = main(TUNE + ["--db", str(db), "--jobs", "1", "--json", str(tmp_path / "s.json")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "covering subset" in err and "--full-preflight" in err
+    assert "GPU s" not in err and "GPU seconds" not in err
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["preflight"] == "cover"
+    chosen = [fakefam.FakeProblem.from_key(w["problem_key"]) for w in summary["workloads"]]
+    every = tuning_workloads(fakefam.FAMILY, [get_model("qwen3-8b")], formats=["nvfp4"],
+                             compensations=["none", "full"], m_buckets=[1, 16])
+    assert 1 <= len(chosen) < len(every) == 16
+    for f in dataclasses.fields(fakefam.FakeProblem):
+        assert {getattr(p, f.name) for p in chosen} == {getattr(p, f.name) for p in every}
+    with TuningDB(db, readonly=True) as d:
+        rows = d.rows()
+    for p in chosen:
+        valid = [v for v in fakefam.FAMILY.space(p, "sm_90a")
+                 if fakefam.FAMILY.why_invalid(v, p, "sm_90a") is None]
+        got = [fakefam.FakeVariant.from_key(r["variant_key"]) for r in rows
+               if r["workload_key"] == p.key()]
+        for f in dataclasses.fields(fakefam.FakeVariant):
+            assert {getattr(v, f.name) for v in got} == {getattr(v, f.name) for v in valid}
+        assert len(got) <= len(covering_subset(valid)) + 1      # the default may add one
 
 
 def test_tune_gpu_path_with_fake_timings(tmp_path, capsys, monkeypatch):
@@ -118,7 +155,11 @@ def test_plan_for_several_models_prints_and_touches_nothing(tmp_path, capsys):
     assert main(base + ["--model", "qwen3-8b,Qwen/Qwen3-8B"]) == 0
     assert "over 288 unique workloads" in capsys.readouterr().out
     assert main(base + ["--model", "qwen3-8b", "--compile-only"]) == 0
-    assert "stages full" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "PLAN (compile-only pre-flight, cover)" in out
+    assert "GPU s" not in out and "GPU seconds" not in out
+    assert main(base + ["--model", "qwen3-8b", "--compile-only", "--full-preflight"]) == 0
+    assert "PLAN (compile-only pre-flight, full): 288 workloads" in capsys.readouterr().out
 
 
 @no_gpu
@@ -129,7 +170,7 @@ def test_tune_shards_partition_the_workloads(tmp_path, capsys):
     for i in range(3):
         s = tmp_path / f"s{i}.json"
         assert main(TUNE + ["--db", str(tmp_path / f"d{i}.sqlite"), "--jobs", "1",
-                            "--shard", f"{i}/3", "--json", str(s)]) == 0
+                            "--shard", f"{i}/3", "--json", str(s), "--full-preflight"]) == 0
         seen.append([(w["family"], w["problem_key"])
                      for w in json.loads(s.read_text())["workloads"]])
     capsys.readouterr()

@@ -347,7 +347,8 @@ def test_fp4linear_from_an_nn_linear():
     ref = R.linear(xb, mod.op.qweight, "full") + lin.bias.detach()
     assert _rel(y.reshape(6, 128), ref) <= 3e-3
     with pytest.raises(ValueError, match="bias"):
-        FP4Linear(mod.op.qweight, "none", torch.zeros(5), device="cpu", variant=v)
+        FP4Linear(mod.op.qweight, "none", torch.zeros(5), device="cpu", variant=v,
+                  compile_fn=_Compiles(), quantizer_fn=_quantizers([]))
 
 
 def test_plans_are_bounded(monkeypatch):

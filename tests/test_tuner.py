@@ -15,8 +15,8 @@ from fakefam import (FakeFamily, FakeProblem, FakeVariant, Pack, fake_us,  # noq
 from resgen.db import TuningDB
 from resgen.search.record import Status
 from resgen.search.timing import DEFAULT_POLICY, MeasurementPolicy, summarize
-from resgen.search.tuner import (Job, TuneConfig, Tuner, gpu_lock, run_jobs,
-                                 working_set_bytes)
+from resgen.search.orchestrate import Job, run_jobs
+from resgen.search.tuner import TuneConfig, Tuner, gpu_lock, working_set_bytes
 from resgen.search.variant import LinearProblem
 
 pytestmark = pytest.mark.usefixtures("isolated_cache")
@@ -240,11 +240,11 @@ POISON = FakeVariant(tile=8, stages=4, pack=Pack.A)
 
 
 def test_device_loss_in_process_stops_cleanly(tmp_path, monkeypatch):
-    import resgen.search.tuner as tuner_mod
+    import resgen.search.device as device_mod
 
     monkeypatch.setattr(fakefam, "POISON", True)
     monkeypatch.setattr(fakefam, "_POISONED", [False])
-    monkeypatch.setattr(tuner_mod, "_device_healthy", lambda d: not fakefam._POISONED[0])
+    monkeypatch.setattr(device_mod, "device_healthy", lambda d: not fakefam._POISONED[0])
     events = []
     cfg = TuneConfig(arch="sm_90a", max_variants=64)
     jobs = [Job(FAM.NAME, FakeProblem(m=m, k=4096).key()) for m in (1, 4)]
@@ -524,7 +524,8 @@ def test_no_resume_with_coverage_times_each_variant_once(tmp_path):
 
 
 def test_plan_groups_by_compile_class_in_chunks_family_order(monkeypatch):
-    from resgen.search.tuner import compile_class, plan_groups
+    from resgen.search.orchestrate import plan_groups
+    from resgen.search.tuner import compile_class
 
     jobs = [Job(FAM.NAME, FakeProblem(m=m, n=n, k=4096).key())
             for n in (256, 512) for m in (1, 4, 16, 64)]
@@ -726,7 +727,7 @@ def test_refine_share_never_reaches_past_the_run_budget():
     """The last workloads of a run used to get workers x the time left, so a run whose
     workloads all finished still ran into the hard stop (tune13b: 64 workloads, 14
     processes, killed 30 s past the budget)."""
-    from resgen.search.tuner import workload_share
+    from resgen.search.orchestrate import workload_share
 
     assert workload_share("refine", 100.0, 14, 1) == 100.0      # not 1400 s
     assert workload_share("refine", 100.0, 14, 28) == 50.0      # the fair share

@@ -10,7 +10,7 @@ import pytest
 
 import fakefam
 from fakefam import FakeProblem, FakeVariant, Pack, isolated_cache, make_env, tune_fake  # noqa: F401
-from resgen.db import TuningDB
+from resgen.db import TuningDB, warm_start_rows
 from resgen.search.record import ResultRecord, Status
 from resgen.search.warmstart import WarmStart, lenient_variant
 
@@ -67,8 +67,8 @@ def test_without_a_warm_start_the_default_goes_first(tmp_path):
 def test_rows_of_another_gpu_are_no_hint(tmp_path):
     old = tmp_path / "old.sqlite"
     _earlier_table(old, [(BEST, 1.0)], gpu="Other GPU")
-    assert WarmStart(old, "Fake GPU").candidates(FAM, P, "sm_90a", 3) == []
-    assert WarmStart(old, "Other GPU").candidates(FAM, P, "sm_90a", 3) == [BEST]
+    assert WarmStart(old, "Fake GPU", warm_start_rows).candidates(FAM, P, "sm_90a", 3) == []
+    assert WarmStart(old, "Other GPU", warm_start_rows).candidates(FAM, P, "sm_90a", 3) == [BEST]
 
 
 def test_keys_are_parsed_leniently_but_validated():
@@ -90,7 +90,7 @@ def test_a_missing_or_corrupt_table_only_loses_the_hint(tmp_path):
     bad = tmp_path / "bad.sqlite"
     bad.write_bytes(b"this is not a database")
     for path in (bad, tmp_path / "absent.sqlite"):
-        assert WarmStart(path, "Fake GPU").candidates(FAM, P, "sm_90a", 3) == []
+        assert WarmStart(path, "Fake GPU", warm_start_rows).candidates(FAM, P, "sm_90a", 3) == []
     rec = Recorder()
     (s,) = tune_fake(tmp_path / "new.sqlite", ms=[16], max_variants=2, timer=rec,
                      warm_start=str(bad))

@@ -44,12 +44,14 @@ from urllib.parse import quote
 
 import sqlite_utils
 
-from ..search.record import Environment, ResultRecord, Status, pick_winner
+from ..search.record import (DEFAULT_TIE_REL, Environment, ResultRecord, Status, pick_winner,
+                             stored_timing)
 from ..search.variant import ProblemBase, VariantBase, canonical_json, sha256_json
 from .errors import (CorruptDatabaseError, DatabaseError, ForeignDatabaseError,
                      MissingDatabaseError, NewerSchemaError)
 
-__all__ = ["SCHEMA_VERSION", "APP", "TuningDB", "VerifyReport", "row_checksum", "unpack_xz"]
+__all__ = ["SCHEMA_VERSION", "APP", "TuningDB", "VerifyReport", "row_checksum", "unpack_xz",
+           "warm_start_rows"]
 
 SCHEMA_VERSION = 2
 _OLDEST_READABLE = 1       # version 1 lacks results.phase_s (added by version 2)
@@ -158,6 +160,17 @@ class TuningDB:
             if not self.path.exists():
                 raise MissingDatabaseError(f"{self.path}: no such tuning database")
             self.path = unpack_xz(self.path)
+        try:
+            self._open(create)
+        except DatabaseError as e:
+            if self.source == self.path:
+                raise
+            # name the file the caller gave, not the unpacked cache copy
+            raise type(e)(str(e).replace(str(self.path), f"{self.source} (unpacked)")) \
+                from None
+
+    def _open(self, create: bool) -> None:
+        readonly = self.readonly
         exists = self.path.exists()
         if not exists and (readonly or not create):
             raise MissingDatabaseError(f"{self.path}: no such tuning database")
@@ -447,6 +460,13 @@ class TuningDB:
     def __len__(self) -> int:
         return int(self.conn.execute("SELECT count(*) FROM results").fetchone()[0])
 
+    def count(self, since: str | None = None) -> int:
+        """Results stored (created at or after `since`, a UTC ISO time, when given)."""
+        if since is None:
+            return len(self)
+        return int(self.conn.execute("SELECT count(*) FROM results WHERE created >= ?",
+                                     (since,)).fetchone()[0])
+
     # -- reading ---------------------------------------------------------------------------
     def rows(self, *, op: str | None = None, status: str | None = None,
              gpu_name: str | None = None, arch: str | None = None,
@@ -482,7 +502,7 @@ class TuningDB:
         """Winning timed row for exactly this workload on this GPU and arch, among rows that
         `accept` (the runtime passes a current-fingerprint and validity check)."""
         rows = [r for r in self.rows(status=Status.OK, gpu_name=gpu_name, arch=arch)
-                if r["workload_digest"] == problem.digest() and accept(r)]
+                if r["workload_digest"] == problem.digest() and _timing_ok(r) and accept(r)]
         return pick_winner(rows, _tie_rel(rows) if tie_rel is None else tie_rel)
 
     def environments(self) -> list[dict[str, Any]]:
@@ -490,8 +510,11 @@ class TuningDB:
 
     # -- maintenance -----------------------------------------------------------------------
     def verify(self, parse: Callable[[str, str], str | None] | None = None) -> VerifyReport:
-        """Integrity check, foreign keys, meta, row checksums, statuses and (with `parse`,
-        called as parse(kind, key_json) -> error or None) that every key still parses."""
+        """Integrity check, foreign keys, meta, row checksums, statuses, range checks of the
+        timed rows' numbers (resgen.search.record.stored_timing) and (with `parse`, called as
+        parse(kind, key_json) -> error or None) that every key still parses. Damage of any
+        kind (damaged pages, keys that are not JSON objects, text where numbers belong) is
+        reported as an error, never raised."""
         rep = VerifyReport(ok=True)
         try:
             res = [r[0] for r in self.conn.execute("PRAGMA integrity_check")]
@@ -499,34 +522,64 @@ class TuningDB:
             rep.errors.append(f"integrity_check: {e}")
             res = []
         if res and res != ["ok"]:
-            rep.errors.append("integrity_check: " + "; ".join(res[:5]))
-        fk = self.conn.execute("PRAGMA foreign_key_check").fetchall()
-        if fk:
-            rep.errors.append(f"{len(fk)} rows reference missing workloads/variants/envs")
-        for row in self.rows():
+            rep.errors.append("integrity_check: " + "; ".join(str(x) for x in res[:5]))
+        try:
+            fk = self.conn.execute("PRAGMA foreign_key_check").fetchall()
+            if fk:
+                rep.errors.append(f"{len(fk)} rows reference missing workloads/variants/envs")
+        except sqlite3.DatabaseError as e:
+            rep.errors.append(f"foreign_key_check: {e}")
+        try:
+            rows = self.rows()
+        except DatabaseError as e:
+            rep.errors.append(f"results: unreadable ({e})")
+            rows = []
+        for row in rows:
             rid = row["id"]
-            want = row_checksum(row, row["environment_digest"], row["workload_digest"],
-                                row["variant_digest"])
+            try:
+                want = row_checksum(row, row["environment_digest"], row["workload_digest"],
+                                    row["variant_digest"])
+            except (TypeError, ValueError) as e:
+                want = f"unhashable: {e}"
             if want != row["checksum"]:
                 rep.errors.append(f"result {rid}: checksum mismatch (row altered or torn)")
             if row["status"] not in Status.ALL:
-                rep.errors.append(f"result {rid}: unknown status {row['status']!r}")
-            if row["status"] == Status.OK and not (row["median_us"] or 0) > 0:
-                rep.errors.append(f"result {rid}: ok without a positive median")
-        for t, kind in (("workloads", "workload"), ("variants", "variant")):
-            for r in self.db.query(f"SELECT id, digest, key FROM {t}"):
+                rep.errors.append(f"result {rid}: unknown status {_short(row['status'])}")
+            if row["status"] == Status.OK:
                 try:
-                    if sha256_json(json.loads(r["key"])) != r["digest"]:
+                    stored_timing(row)
+                except ValueError as e:
+                    rep.errors.append(f"result {rid}: {_short(str(e), 120)}")
+        for t, kind in (("workloads", "workload"), ("variants", "variant")):
+            try:
+                keyed = list(self.db.query(f"SELECT id, digest, key FROM {t}"))
+            except sqlite3.DatabaseError as e:
+                rep.errors.append(f"{t}: unreadable ({e})")
+                continue
+            for r in keyed:
+                try:
+                    obj = json.loads(r["key"])
+                    if sha256_json(obj) != r["digest"]:
                         rep.errors.append(f"{t} {r['id']}: digest does not match its key")
-                except json.JSONDecodeError:
+                except (TypeError, ValueError, RecursionError):
                     rep.errors.append(f"{t} {r['id']}: key is not JSON")
                     continue
+                if not isinstance(obj, dict):
+                    rep.errors.append(f"{t} {r['id']}: key is a JSON {type(obj).__name__}, "
+                                      "not an object")
+                    continue
                 if parse is not None:
-                    err = parse(kind, r["key"])
+                    try:
+                        err = parse(kind, r["key"])
+                    except Exception as e:       # a parser bug is a finding, not a crash
+                        err = f"{type(e).__name__}: {e}"
                     if err:
-                        rep.warnings.append(f"{t} {r['id']}: {err}")
+                        rep.warnings.append(f"{t} {r['id']}: {_short(str(err), 200)}")
         for t in _TABLES:
-            rep.counts[t] = self.db[t].count
+            try:
+                rep.counts[t] = self.db[t].count
+            except sqlite3.DatabaseError as e:
+                rep.errors.append(f"{t}: cannot count rows ({e})")
         rep.ok = not rep.errors
         return rep
 
@@ -539,8 +592,12 @@ class TuningDB:
         added = skipped = bad = dropped = 0
         envs = {e["digest"]: e for e in other.environments()}
         for row in other.rows():
-            if row_checksum(row, row["environment_digest"], row["workload_digest"],
-                            row["variant_digest"]) != row["checksum"]:
+            try:
+                intact = row_checksum(row, row["environment_digest"], row["workload_digest"],
+                                      row["variant_digest"]) == row["checksum"]
+            except (TypeError, ValueError):      # e.g. a BLOB where text belongs
+                intact = False
+            if not intact:
                 bad += 1
                 continue
             if keep is not None and not keep(row):
@@ -615,6 +672,19 @@ class TuningDB:
         return dest
 
 
+def _short(x: Any, n: int = 60) -> str:
+    """repr of untrusted text, cut to n characters (escapes control characters)."""
+    r = repr(x)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
+def warm_start_rows(path: str, gpu_name: str | None) -> list[dict[str, Any]]:
+    """The timed rows of `path` on GPU `gpu_name` (any fingerprint): what a warm start reads
+    (resgen.search.warmstart; TuneConfig.warm_start_reader)."""
+    with TuningDB(path, readonly=True) as db:
+        return db.rows(status=Status.OK, gpu_name=gpu_name, compile_only=False)
+
+
 def _f(x: float | None) -> float | None:
     return None if x is None else float(x)
 
@@ -624,12 +694,22 @@ def _is_busy(e: sqlite3.OperationalError) -> bool:
     return "locked" in msg or "busy" in msg
 
 
+def _timing_ok(row: Mapping[str, Any]) -> bool:
+    """The row's checksum matches and its numbers pass stored_timing's range checks."""
+    try:
+        stored_timing(row)
+    except ValueError:
+        return False
+    return row_checksum(row, row["environment_digest"], row["workload_digest"],
+                        row["variant_digest"]) == row["checksum"]
+
+
 def _tie_rel(rows: Iterable[Mapping[str, Any]]) -> float:
-    """The tie band recorded in the rows' policy (the smallest if they differ)."""
+    """The tie band recorded in the rows' policy (the smallest valid one if they differ)."""
     rels = []
     for r in rows:
         try:
-            rels.append(float(json.loads(r["policy"])["tie_rel"]))
-        except (TypeError, KeyError, ValueError, json.JSONDecodeError):
+            rels.append(stored_timing(r).tie_rel)
+        except ValueError:
             pass
-    return min(rels) if rels else 0.01
+    return min(rels) if rels else DEFAULT_TIE_REL

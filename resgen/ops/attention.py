@@ -83,6 +83,8 @@ class DecodeAttention:
         whys = [f.problem_invalid(geometry) for f in fams] or [f"no family on {arch}"]
         if all(w is not None for w in whys):
             raise ValueError(f"no attention kernel for this geometry: {'; '.join(whys)}")
+        common.require_cuda_device(None, arch, what="resgen.ops.DecodeAttention",
+                                   simulated=bool(compile_fn or op_fn))
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.page_size, self.compensation, self.pv = page_size, bool(compensation), pv
         self.arch, self.family, self.variant = arch, family, variant

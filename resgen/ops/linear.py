@@ -90,10 +90,12 @@ class Linear:
             # a K-Ext weight serves plain / M-Ext through its base part
             qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
                                     qweight.input_scale, qweight.meta)
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if torch.cuda.is_available() else torch.device("cpu")
-        self.device = torch.device(device)
+        if arch is None:
+            from ..settings import settings
+
+            arch = settings().arch
+        self.device = common.require_cuda_device(
+            device, arch, what="resgen.ops.Linear", simulated=bool(compile_fn or quantizer_fn))
         self.qweight = _to_device(qweight, self.device)
         # K-Ext channel masks (uint8 [K / 8]) on the device, for the quantizer / fused kernels
         self.masks = (qweight.selection.masks.to(self.device)
@@ -103,10 +105,6 @@ class Linear:
         self.k, self.n = qweight.in_features, qweight.out_features
         # MXFP4 has no tensor scale: its workloads are keyed like static ones
         self.static_scale = self.fmt == "mxfp4" or qweight.input_scale is not None
-        if arch is None:
-            from ..settings import settings
-
-            arch = settings().arch
         self.arch = arch
         # the static NVFP4 activation scale (float32 [1]) the kernels take; None for MXFP4
         # and dynamic NVFP4

@@ -19,9 +19,16 @@ from typing import Any
 import torch
 
 from ..calibrate import QLinearWeight, Selection, prepare_weight
+from .common import require_cuda_device
 from .linear import Linear
 
 __all__ = ["FP4Linear"]
+
+
+def _default_arch() -> str:
+    from ..settings import settings
+
+    return settings().arch
 
 
 class FP4Linear(torch.nn.Module):
@@ -51,6 +58,10 @@ class FP4Linear(torch.nn.Module):
         """Quantize an nn.Linear's weight (offline): NVFP4 with a static activation scale
         (`input_scale`, e.g. amax / (6 * 448) from calibration) or dynamic scales (None),
         or MXFP4; a K-Ext ratio needs the calibrated channel `selection` of that ratio."""
+        require_cuda_device(linear_kwargs.get("device"), linear_kwargs.get("arch") or _default_arch(),
+                            what="resgen.ops.FP4Linear", simulated=bool(
+                                linear_kwargs.get("compile_fn") or
+                                linear_kwargs.get("quantizer_fn")))    # before quantizing
         w = linear.weight.detach().float().cpu()
         qw = prepare_weight(w, fmt, selection, input_scale=input_scale)
         bias = None if linear.bias is None else linear.bias.detach().float()

@@ -17,7 +17,8 @@ from ..settings import arch_of_capability  # noqa: F401  (re-exported: one defin
 from .variant import ProblemBase, VariantBase, sha256_json
 
 __all__ = ["Environment", "current_environment", "compile_only_environment", "gpu_slug",
-           "arch_of_capability", "Status", "ResultRecord", "pick_winner"]
+           "arch_of_capability", "Status", "ResultRecord", "pick_winner", "MAX_TIE_REL",
+           "MAX_MEDIAN_US", "DEFAULT_TIE_REL", "StoredTiming", "stored_timing"]
 
 
 class Status:
@@ -153,14 +154,88 @@ class ResultRecord:
             raise ValueError("an ok result needs a positive median_us")
 
 
-def pick_winner(rows: Iterable[Mapping[str, Any]], tie_rel: float = 0.01
+# Range checks on what a stored row says (a table is untrusted input): a tie band outside
+# [0, MAX_TIE_REL] would let one row decide by space order alone (1e9) or empty the tie set
+# (negative, NaN); a median must be a positive finite number of microseconds.
+DEFAULT_TIE_REL = 0.01
+MAX_TIE_REL = 0.25
+MAX_MEDIAN_US = 1e9                 # 1000 s for one launch: anything above is not a timing
+_MAX_INDEX = 1 << 31
+_MAX_POLICY_VERSION = 1 << 20
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_tie_rel(x: Any) -> float:
+    """A stored or given tie band, range-checked: a number in [0, MAX_TIE_REL]."""
+    if not _number(x) or not 0.0 <= float(x) <= MAX_TIE_REL:   # NaN fails the comparison
+        raise ValueError(f"tie_rel {x!r} is not a number in [0, {MAX_TIE_REL}]")
+    return float(x)
+
+
+@dataclass(frozen=True)
+class StoredTiming:
+    """The numbers of one stored timed row the winner rule reads, range-checked."""
+
+    median_us: float
+    space_index: int
+    tie_rel: float
+    policy: tuple[int, str]          # (version, name) of the measurement policy
+
+
+def stored_timing(row: Mapping[str, Any]) -> StoredTiming:
+    """Parse and range-check a stored "ok" row's median_us, space_index and policy (JSON text
+    or a mapping with tie_rel, version, name; missing keys take their defaults). Raises
+    ValueError naming the bad field: the caller skips the row (one bad row never decides or
+    breaks a lookup)."""
+    import json
+    import math
+
+    med = row.get("median_us")
+    if not _number(med) or not (0.0 < float(med) <= MAX_MEDIAN_US) or \
+            not math.isfinite(float(med)):
+        raise ValueError(f"median_us {med!r} is not a positive number of microseconds")
+    idx = row.get("space_index")
+    if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < _MAX_INDEX:
+        raise ValueError(f"space_index {idx!r} is not a non-negative int")
+    raw = row.get("policy")
+    if raw is None or raw == "":
+        pol: Any = {}
+    elif isinstance(raw, Mapping):
+        pol = raw
+    else:
+        try:
+            pol = json.loads(raw)
+        except (TypeError, ValueError, RecursionError):
+            raise ValueError("policy is not JSON") from None
+    if not isinstance(pol, Mapping):
+        raise ValueError(f"policy is a JSON {type(pol).__name__}, not an object")
+    tie = check_tie_rel(pol.get("tie_rel", DEFAULT_TIE_REL))
+    ver = pol.get("version", 0)
+    if isinstance(ver, bool) or not isinstance(ver, int) or not 0 <= ver < _MAX_POLICY_VERSION:
+        raise ValueError(f"policy version {ver!r} is not a non-negative int")
+    name = pol.get("name", "")
+    if not isinstance(name, str) or len(name) > 200:
+        raise ValueError("policy name is not a short string")
+    return StoredTiming(float(med), idx, tie, (ver, name))
+
+
+def pick_winner(rows: Iterable[Mapping[str, Any]], tie_rel: float = DEFAULT_TIE_REL
                 ) -> Mapping[str, Any] | None:
     """The winning row among timed rows (keys "median_us", "space_index").
 
     Lowest median; any row within `tie_rel` (relative) of it is a tie, and ties go to the
     lowest space_index (the family's fixed order), so noise never flips a near-tie winner.
+    tie_rel must lie in [0, MAX_TIE_REL] (ValueError otherwise); rows whose median is not a
+    positive finite number take no part.
     """
-    timed = [r for r in rows if r.get("median_us") is not None]
+    import math
+
+    tie_rel = check_tie_rel(tie_rel)
+    timed = [r for r in rows if _number(r.get("median_us"))
+             and math.isfinite(float(r["median_us"])) and float(r["median_us"]) > 0]
     if not timed:
         return None
     best = min(float(r["median_us"]) for r in timed)

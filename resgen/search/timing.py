@@ -63,8 +63,10 @@ class MeasurementPolicy:
             raise ValueError("max_sets, flush_factor and l2_bytes must be positive")
         if not all(0.0 <= q <= 1.0 for q in self.quantiles):
             raise ValueError("quantiles must lie in [0, 1]")
-        if not 0.0 <= self.tie_rel < 1.0:
-            raise ValueError("tie_rel must lie in [0, 1)")
+        from .record import MAX_TIE_REL
+
+        if not 0.0 <= self.tie_rel <= MAX_TIE_REL:     # what the winner rule accepts
+            raise ValueError(f"tie_rel must lie in [0, {MAX_TIE_REL}]")
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

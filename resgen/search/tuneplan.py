@@ -18,12 +18,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from .cover import covering_subset
 from .family import KernelFamily
 from .timing import MeasurementPolicy
 from .tuner import TuneConfig, compile_class, stages_of
 from .variant import ProblemBase
 
-__all__ = ["CostModel", "FamilyPlan", "RunPlan", "plan_run", "measured_costs", "table"]
+__all__ = ["CostModel", "FamilyPlan", "RunPlan", "plan_run", "measured_costs", "table",
+           "preflight_workloads"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -55,6 +57,16 @@ class CostModel:
         host = (self.n_sets + 8 + launches) * self.launch_us * 1e-6    # warm-up, probe, capture
         device = (policy.warmup_replays + policy.repetitions) * launches * self.kernel_us * 1e-6
         return host + device + self.graph_s
+
+
+def preflight_workloads(problems: Sequence[ProblemBase], mode: str) -> list[ProblemBase]:
+    """The workloads a compile-only pre-flight compiles: all of them ("full"), or a covering
+    subset ("cover": every value of every workload field, each format, compensation, bucket,
+    N and K, appears in at least one; resgen.search.cover), in their original order."""
+    if mode == "full" or not problems:
+        return list(problems)
+    keep = {p.key() for p in covering_subset(list(problems))}
+    return [p for p in problems if p.key() in keep]
 
 
 def measured_costs(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
@@ -120,6 +132,8 @@ class RunPlan:
     policy: str
     max_variants: int
     notes: list[str] = field(default_factory=list)
+    compile_only: bool = False
+    preflight: str = "full"
 
     @property
     def workloads(self) -> int:
@@ -139,8 +153,31 @@ class RunPlan:
         per = one - base
         return max(0.0, (self.budget_s - base) / per) if per > 0 else None
 
+    def _compile_only_text(self) -> str:
+        """A compile-only pre-flight holds no GPU: its plan speaks of compiles only."""
+        rows = []
+        for f in self.families:
+            models = " ".join(f"{m}:{n}" for m, n in f.per_model.items())
+            rows.append([f.family, f.workloads, models, f.classes])
+        what = ("a covering subset of each workload's variants (every axis value once)"
+                if self.preflight == "cover" else
+                f"up to {self.max_variants} variants per workload")
+        lines = [f"PLAN (compile-only pre-flight, {self.preflight}): {self.workloads} workloads, "
+                 f"{what}, {self.workers} process(es); nothing runs on a GPU",
+                 table(["family", "workloads", "per model (before dedupe)", "classes"], rows)]
+        if self.preflight != "cover":
+            lo = sum(f.compiles()[0] * f.compile_s for f in self.families) / \
+                max(self.workers, 1)
+            hi = sum(f.compiles()[1] * f.compile_s for f in self.families) / \
+                max(self.workers, 1)
+            lines.append(f"estimated compile wall seconds on {self.workers} process(es): "
+                         f"{lo:.0f} to {hi:.0f}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
     def as_dict(self) -> dict[str, Any]:
-        return {"stages": list(self.stages), "workers": self.workers, "budget_s": self.budget_s,
+        return {"stages": list(self.stages), "compile_only": self.compile_only,
+                "preflight": self.preflight, "workers": self.workers, "budget_s": self.budget_s,
                 "unique_workloads": self.unique_workloads,
                 "policy": self.policy, "max_variants": self.max_variants,
                 "workloads": self.workloads, "gpu_s_cover": self.gpu_s(1.0),
@@ -153,6 +190,8 @@ class RunPlan:
                               "compiles": f.compiles()} for f in self.families]}
 
     def text(self) -> str:
+        if self.compile_only:
+            return self._compile_only_text()
         rows = []
         for f in self.families:
             lo, hi = f.compiles()
@@ -206,7 +245,8 @@ def plan_run(problems: Mapping[str, Sequence[ProblemBase]],
             compile_s=m.get("compile", cost.compile_s), source=src))
     unique = len({p.key() for probs in problems.values() for p in probs})
     plan = RunPlan(out, unique, stages_of(config), workers, config.time_budget_s,
-                   config.policy.label, config.max_variants)
+                   config.policy.label, config.max_variants, compile_only=config.compile_only,
+                   preflight=config.preflight)
     total = plan.workloads
     if config.time_budget_s and not config.compile_only:
         cover = plan.gpu_s(1.0)

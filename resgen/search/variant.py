@@ -173,9 +173,21 @@ class VariantBase(_Keyed):
 
 
 class ProblemBase(_Keyed):
+    """Base of every workload dataclass: validated at construction with the same field rules
+    as `from_dict` (types, ranges, allowed values), so a bad format, compensation or bucket
+    is refused where it is made, never planned or tuned."""
+
     __slots__ = ()
     TAG: ClassVar[str] = "op"
     OP: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        for f in dataclasses.fields(self):
+            try:
+                _parse_field(cls, f, _to_jsonable(getattr(self, f.name)))
+            except ValueError as e:
+                raise ValueError(f"{cls.__name__}: {e}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,10 @@ key that lacks fields added to the variant since (a new axis) takes those fields
 which by this project's convention reproduce the kernel as it was; a key with fields the
 variant no longer has is skipped. Nothing read from the table is rendered or imported
 unvalidated.
+
+This layer does not open databases (resgen.db sits above it): the table's rows come from a
+`reader(path, gpu_name) -> rows` the caller passes (resgen.db.warm_start_rows; the CLI sets
+TuneConfig.warm_start_reader to it).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import json
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping, Sequence
 
 from .variant import ProblemBase, VariantBase
 
@@ -52,27 +56,25 @@ class WarmStart:
     """The timed rows of an earlier table (any fingerprint), grouped per (family, workload)
     and sorted by median; read once, on first use."""
 
-    def __init__(self, path: str | Path, gpu_name: str | None = None):
+    def __init__(self, path: str | Path, gpu_name: str | None,
+                 reader: Callable[[str, str | None], Sequence[Mapping[str, Any]]]):
         self.path = Path(path)
         self.gpu_name = gpu_name
+        self.reader = reader
         self._rows: dict[tuple[str, str], list[tuple[float, str]]] | None = None
 
     def _load(self) -> dict[tuple[str, str], list[tuple[float, str]]]:
         if self._rows is None:
-            from ..db import TuningDB
-            from .record import Status
-
             by: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)
             try:
-                with TuningDB(self.path, readonly=True) as db:
-                    rows = db.rows(status=Status.OK, gpu_name=self.gpu_name,
-                                   compile_only=False)
+                rows = list(self.reader(str(self.path), self.gpu_name))
             except Exception as e:            # a missing / corrupt / foreign table: no hint
                 log.warning("warm start: cannot read %s: %s", self.path, e)
                 rows = []
             for r in rows:
                 med = r.get("median_us")
-                if isinstance(med, (int, float)) and med > 0:
+                if isinstance(med, (int, float)) and not isinstance(med, bool) and \
+                        0 < med < float("inf"):
                     by[(str(r["family"]), str(r["workload_digest"]))].append(
                         (float(med), str(r["variant_key"])))
             self._rows = {k: sorted(v) for k, v in by.items()}

@@ -18,18 +18,19 @@ def gpu():
 
 
 def _tune(tmp_path, family_op, problems, workers=1, max_variants=3):
-    from resgen.cli import _gpu_lock_path
+    from resgen.search.device import gpu_lock_path
     from resgen.db import TuningDB
     from resgen.search.family import families_for
     from resgen.search.record import current_environment
-    from resgen.search.tuner import Job, TuneConfig, run_jobs
+    from resgen.search.orchestrate import Job, run_jobs
+    from resgen.search.tuner import TuneConfig
 
     env = current_environment()
     fams = families_for(family_op, env.arch)
     if not fams:
         pytest.skip(f"no {family_op} family for {env.arch}")
     cfg = TuneConfig(arch=env.arch, max_variants=max_variants, time_budget_s=240,
-                     gpu_lock=_gpu_lock_path())
+                     gpu_lock=gpu_lock_path())
     db = tmp_path / "t.sqlite"
     sums = run_jobs([Job(fams[0].NAME, p.key()) for p in problems],
                     functools.partial(TuningDB, db), env, cfg, workers=workers)
