@@ -242,10 +242,10 @@ def tuning_workloads(family: Any, models: Sequence[ModelSpec], *, tp: int = 1,
     of the same name. Raises ValueError for a bad format, compensation, bucket or tp."""
     import dataclasses
 
-    hook = getattr(family, "model_problems", None)
-    if hook is not None:
-        return list(hook(models, tp=tp, formats=formats, compensations=compensations,
-                         m_buckets=m_buckets))
+    own = family.model_problems(models, tp=tp, formats=formats, compensations=compensations,
+                                m_buckets=m_buckets)
+    if own is not None:        # the KernelFamilyBase default (None): derived below
+        return list(own)
     lin = linear_problems(models, tp, formats, compensations, m_buckets)
     if family.PROBLEM is LinearProblem:
         return lin
