@@ -32,7 +32,9 @@ SHARED = {
     "search/record": "result records and the winner rule",
     "search/timing": "the measurement policy and timer",
     "search/tuneplan": "planning a tuning run",
-    "search/tuner": "the tuner",
+    "search/tuner": "the tuner (the search of one workload)",
+    "search/orchestrate": "the tuner's processes: job queue, workers, Ctrl-C",
+    "search/device": "GPU locks and device health for the tuner's workers",
     "search/warmstart": "warm-starting a search from stored results",
     "search/sm90_linear": "what the two Hopper linear families share: bind (the launch path "
                           "of a layer), the runner, the layer quantizer",
