@@ -170,11 +170,22 @@ def _compressed_tensors(qc: Mapping[str, Any], src: Path) -> QuantSpec:
 
 
 def read_quant_spec(folder: Path, config: Mapping[str, Any]) -> QuantSpec | None:
-    """The folder's quantization (hf_quant_config.json first, as vLLM's modelopt loader reads
-    it, else config.json's quantization_config); None for an unquantized checkpoint."""
+    """The folder's quantization, or None for an unquantized checkpoint.
+
+    Which declaration wins follows vLLM (get_quant_config): config.json's quantization_config
+    decides the method; for "modelopt" the richer hf_quant_config.json beside it is read when
+    present (ModelOpt writes both). Without a quantization_config, hf_quant_config.json alone
+    declares a ModelOpt checkpoint. (compressed-tensors' ModelOpt converter copies the old
+    hf_quant_config.json into its output: config.json's compressed-tensors block wins there.)
+    """
     folder = Path(folder)
     hf = folder / HF_QUANT_CONFIG
-    if hf.is_file():
+    qc = config.get("quantization_config")
+    src = folder / "config.json"
+    if qc is not None and not isinstance(qc, dict):
+        raise _fail(f"quantization_config must be an object, got {type(qc).__name__}", src)
+    method = None if qc is None else qc.get("quant_method")
+    if hf.is_file() and method in (None, "modelopt"):
         try:
             doc = json.loads(hf.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -185,13 +196,8 @@ def read_quant_spec(folder: Path, config: Mapping[str, Any]) -> QuantSpec | None
         prod = doc.get("producer")
         name = prod.get("name") if isinstance(prod, dict) else None
         return _modelopt(q, str(name or "modelopt"), doc, hf, "exclude_modules")
-    qc = config.get("quantization_config")
-    src = folder / "config.json"
     if qc is None:
         return None
-    if not isinstance(qc, dict):
-        raise _fail(f"quantization_config must be an object, got {type(qc).__name__}", src)
-    method = qc.get("quant_method")
     if method == "modelopt":
         inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
         prod = qc.get("producer")
