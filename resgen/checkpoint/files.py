@@ -154,6 +154,12 @@ def discover(folder: Path) -> dict[str, TensorInfo]:
                 raise CheckpointError(f"missing shard {shard} (named by {INDEX_FILE} for "
                                       f"{len(names)} tensors, e.g. {names[0]!r})", file=path)
             infos, _ = read_header(path)
+            extra = sorted(set(infos) - set(names))
+            if extra:
+                # vLLM reads every tensor of the listed files, transformers only the listed
+                # ones: a checkpoint where they would differ is malformed.
+                raise CheckpointError(f"holds {len(extra)} tensor(s) that {INDEX_FILE} does "
+                                      "not list", file=path, tensor=extra[0])
             for name in names:
                 if name not in infos:
                     raise CheckpointError(f"{INDEX_FILE} places this tensor in {shard}, which "
