@@ -92,11 +92,13 @@ def quant_configs(fmt: str, exclude_modules: Sequence[str], kv_cache_quant_algo:
         args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
         qc["config_groups"] = {"group_0": {"input_activations": dict(args),
                                            "weights": dict(args), "targets": ["Linear"]}}
-    qc.update({"ignore": list(exclude_modules), "quant_algo": algo, "producer": dict(producer),
-               "quant_method": "modelopt"})
-    if kv_cache_quant_algo is not None:
-        qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8 if kv_cache_quant_algo == "FP8"
-                                 else 4, "type": "float"}
+    qc.update({"ignore": list(exclude_modules), "quant_algo": algo})
+    # as ModelOpt 0.47 writes it: an FP8 KV cache as arguments, an NVFP4 one by name
+    if kv_cache_quant_algo == "FP8":
+        qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    elif kv_cache_quant_algo is not None:
+        qc["kv_cache_scheme"] = kv_cache_quant_algo
+    qc.update({"producer": dict(producer), "quant_method": "modelopt"})
     return hf, qc
 
 
@@ -104,19 +106,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _unshare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share storage (views of one buffer, one selection mask
+    used by q/k/v, tied weights handed in twice): every later sharer gets its own copy."""
+    seen: set[int] = set()
+    out = dict(tensors)
+    for name, t in out.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        if ptr and ptr in seen:
+            out[name] = t.clone()
+        seen.add(ptr)
+    return out
+
+
 def _write_shards(out: Path, tensors: Mapping[str, torch.Tensor], max_bytes: int,
                   progress: Any = None) -> list[Path]:
     from safetensors.torch import save_file
 
-    # safetensors refuses tensors that share storage (views of one buffer, tied weights
-    # handed in twice): give every later sharer its own copy.
-    seen: set[int] = set()
-    tensors = dict(tensors)
-    for name, t in tensors.items():
-        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
-        if ptr and ptr in seen:
-            tensors[name] = t.clone()
-        seen.add(ptr)
+    tensors = _unshare(tensors)
     groups: list[list[str]] = [[]]
     size = 0
     for name, t in tensors.items():
@@ -223,5 +230,5 @@ def save_checkpoint(out: str | Path, *, config: Mapping[str, Any],
         doc = {"format_version": RESGEN_FORMAT_VERSION, "fmt": fmt, **doc, "layers": layers}
         (out / RESGEN_JSON).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         if fields:
-            save_file(fields, str(out / RESGEN_FIELDS), metadata={"format": "pt"})
+            save_file(_unshare(fields), str(out / RESGEN_FIELDS), metadata={"format": "pt"})
     return paths
