@@ -14,7 +14,15 @@ it wrote: tests/fixtures/modelopt/)
                       (get_activation_scaling_factor, maxbound 6): resgen's static activation
                       alpha. vLLM (modelopt.py, ModelOptNvFp4LinearMethod) quantizes x with
                       1 / input_scale and multiplies the GEMM by input_scale * weight_scale_2:
-                      the same numbers.
+                      the same numbers. For q/k/v and gate/up it takes max(weight_scale_2)
+                      without requantizing; ModelOpt's export makes them equal
+                      (preprocess_linear_fusion), which the fixtures show.
+    Checked on the fixtures: formats.dequantize of the import equals ModelOpt's own
+    NVFP4QTensor / MXFP4QTensor.dequantize bit for bit, and resgen's quantization of the source
+    weights with the same weight_scale_2 reproduces ModelOpt's NVFP4 codes and scales bit for
+    bit (MXFP4 exponent rules differ: ModelOpt ceil(log2(amax / 6)), OCP / resgen
+    floor(log2(amax)) - 2; decoding is the same). KV cache scales (m = ...k_proj / v_proj):
+    m.k_scale / m.v_scale, amax / 448 for FP8 and NVFP4 KV caches alike.
 compressed-tensors (layout "compressed-tensors"; compressed-tensors' NVFP4PackedCompressor and
 its ModelOpt converter, entrypoints/convert/converters/modelopt_nvfp4.py)
     m.weight_packed        uint8 [N, K/2], same packing (pack_fp4_to_uint8: low nibble first)
