@@ -305,3 +305,41 @@ def test_resgen_quantizes_the_source_weights_as_modelopt_did(name):
                 float(theirs.q.global_scale) > float(formats.nvfp4_global_scale(src))
         else:
             assert not same and err[0] < err[1], (m, err)
+
+
+def test_compressed_tensors_mxfp4_layout(tmp_path):
+    """compressed-tensors' MXFP4PackedCompressor layout (weight_packed + uint8 E8M0
+    weight_scale, no global scale, format mxfp4-pack-quantized), built field by field from the
+    ModelOpt MXFP4 fixture: the same codes and scales read back."""
+    src = MO / "llama_mxfp4_sharded"
+    dst = tmp_path / "ct"
+    shutil.copytree(src, dst)
+    (dst / "hf_quant_config.json").unlink()
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    for f in sorted(dst.glob("model-*.safetensors")):
+        t = load_file(str(f))
+        for m in LINEARS:
+            if f"{m}.weight" in t:
+                t[f"{m}.weight_packed"] = t.pop(f"{m}.weight")
+                index["weight_map"][f"{m}.weight_packed"] = index["weight_map"].pop(
+                    f"{m}.weight")
+        from safetensors.torch import save_file
+        save_file(t, str(f), metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+            "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"},
+            "input_activations": {"num_bits": 4, "type": "float", "strategy": "group",
+                                  "group_size": 32, "dynamic": True}}},
+        "ignore": ["lm_head"], "quantization_status": "compressed"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    a, b = load_checkpoint(src), load_checkpoint(dst)
+    assert b.quant.layout == "compressed-tensors" and b.quant.fmt == "mxfp4"
+    assert sorted(a.linears) == sorted(b.linears)
+    for m in LINEARS:
+        assert torch.equal(a.linears[m].q.codes, b.linears[m].q.codes)
+        assert torch.equal(a.linears[m].q.scales, b.linears[m].q.scales)
+        assert b.linears[m].q.global_scale is None

@@ -217,13 +217,14 @@ def _decoder_linears(model) -> dict[str, torch.nn.Linear]:
     return out
 
 
-def _group_of(name: str) -> tuple[str, str]:
-    """'model.layers.3.self_attn.k_proj' -> ('model.layers.3.self_attn.qkv', site)."""
+def _group_of(name: str) -> str:
+    """'model.layers.3.self_attn.k_proj' -> 'model.layers.3.self_attn.qkv': its fusion group,
+    which is also its input site (the members of a group read one tensor)."""
     prefix, _, rest = name.partition(".layers.")
     idx, _, proj = rest.partition(".")
     for g, members in GROUPS.items():
         if proj in members:
-            return f"{prefix}.layers.{idx}.{g}", f"{prefix}.layers.{idx}.{g}"
+            return f"{prefix}.layers.{idx}.{g}"
     raise ValueError(f"not a decoder projection: {name!r}")
 
 
@@ -256,7 +257,7 @@ def _calibrate(model, linears: Mapping[str, torch.nn.Linear], seqs: torch.Tensor
     stats: dict[str, SiteStats] = {}
     handles = []
     for name, mod in linears.items():
-        site = _group_of(name)[1]
+        site = _group_of(name)
         if site in stats:
             continue
         stats[site] = SiteStats(ChannelStats(mod.in_features))
@@ -303,7 +304,7 @@ def _plan(source: _Source, seqs: torch.Tensor, opts: QuantizeOptions,
     shapes: dict[str, LayerCost] = {}
     members: dict[str, list[str]] = {}
     for name, mod in linears.items():
-        g = _group_of(name)[0]
+        g = _group_of(name)
         s = per_layer[name.removeprefix("model.")]
         acc = scores.setdefault(g, {r: 0.0 for r in s})
         for r, v in s.items():
@@ -395,7 +396,7 @@ def quantize_checkpoint(model: str | Path, calib: str | Path, out: str | Path,
     weights = {n: m.weight.detach().float() for n, m in linears.items()}
     groups: dict[str, list[str]] = {}
     for n in linears:
-        groups.setdefault(_group_of(n)[0], []).append(n)
+        groups.setdefault(_group_of(n), []).append(n)
     alpha: dict[str, torch.Tensor | None] = {}
     selection: dict[str, Any] = {}
     for g, names in groups.items():
@@ -413,7 +414,7 @@ def quantize_checkpoint(model: str | Path, calib: str | Path, out: str | Path,
 
     qlinears = {}
     for name in bar(list(linears), "quantize", "layer"):
-        g, site = _group_of(name)
+        g = _group_of(name)
         w = weights[name]
         if name in fallback:
             continue
@@ -424,7 +425,7 @@ def quantize_checkpoint(model: str | Path, calib: str | Path, out: str | Path,
                 continue
             errors.append(f"{name} (N={w.shape[0]}, K={w.shape[1]}): {why}")
             continue
-        st = stats[site]
+        st = stats[g]
         sel = selection.get(g)
         qlinears[name] = wmethods.prepare(
             w, opts.fmt, opts.weights, selection=sel, importance=st.channel.mean_sq(),
@@ -438,12 +439,11 @@ def quantize_checkpoint(model: str | Path, calib: str | Path, out: str | Path,
 
     from .files import LazyTensors
 
+    # the source's tensors minus the quantized weights (a fallback layer's weight stays, as
+    # stored), read when the files are written
     drop = {f"{n}.weight" for n in qlinears}
-    sources = {n: (lambda n=n: src.tensors[n]) for n in src.tensors if n not in drop}
-    for name in fallback:
-        sources.setdefault(f"{name}.weight", lambda name=name: linears[name].weight.detach().to(
-            _DTYPES[opts.dtype] or torch.bfloat16))
-    tensors = LazyTensors(sources)
+    tensors = LazyTensors({n: (lambda n=n: src.tensors[n]) for n in src.tensors
+                           if n not in drop})
     layer_comp = {n: comp[n] for n in qlinears}
     text = calib.read_bytes()
     meta = {"source": src.describe,
