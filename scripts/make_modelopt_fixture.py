@@ -18,6 +18,8 @@ export_hf_checkpoint, exactly as a user exports a real model:
   llama_nvfp4_sharded  Llama, NVFP4_DEFAULT_CFG + NVFP4_KV_CFG, max_shard_size 60KB
                        (two shards + model.safetensors.index.json)
   llama_mxfp4_sharded  Llama, MXFP4_DEFAULT_CFG, two shards + index
+  llama_nvfp4_partial  Llama, NVFP4_DEFAULT_CFG with layer 1's MLP and layer 0's o_proj left
+                       unquantized: exclude_modules as ModelOpt's wildcard summary writes it
 and, when compressed-tensors is installed (pip install --no-deps compressed-tensors==0.20.1
 loguru psutil), ../compressed_tensors/qwen3_nvfp4_fp8kv: the first one converted by
 compressed-tensors' own ModelOpt converter (llm-compressor's NVFP4 layout);
@@ -61,7 +63,8 @@ def _calibrate(model) -> None:
             model(torch.randint(0, 128, (2, 16), generator=g))
 
 
-def make(out: Path, name: str, kind: str, base: str, kv: str | None, shard: str) -> None:
+def make(out: Path, name: str, kind: str, base: str, kv: str | None, shard: str,
+         disable: tuple[str, ...] = ()) -> None:
     import modelopt
     import modelopt.torch.quantization as mtq
     import transformers
@@ -74,6 +77,8 @@ def make(out: Path, name: str, kind: str, base: str, kv: str | None, shard: str)
     cfg = copy.deepcopy(getattr(mtq, base))
     if kv:
         cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(getattr(mtq, kv)["quant_cfg"])
+    cfg["quant_cfg"] = list(cfg["quant_cfg"]) + [{"quantizer_name": p, "enable": False}
+                                                 for p in disable]
     model = mtq.quantize(model, cfg, _calibrate)
     folder = out / name
     if folder.exists():
@@ -83,7 +88,7 @@ def make(out: Path, name: str, kind: str, base: str, kv: str | None, shard: str)
     for f in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     ref = {}
-    for m in LAYERS:
+    for m in LAYERS if not disable else ():
         w, s = tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"]
         shape = torch.Size((w.shape[0], w.shape[1] * 2))
         if base.startswith("NVFP4"):
@@ -95,12 +100,14 @@ def make(out: Path, name: str, kind: str, base: str, kv: str | None, shard: str)
                 dtype=torch.float32, scale=s, block_sizes={-1: 32})
         ref[f"{m}.modelopt_dequant"] = deq.contiguous()
         ref[f"{m}.source"] = source[m].contiguous()
-    save_file(ref, str(out / f"{name}.reference.safetensors"))
+    if ref:
+        save_file(ref, str(out / f"{name}.reference.safetensors"))
     (folder / "FIXTURE.json").write_text(json.dumps({
         "written_by": "scripts/make_modelopt_fixture.py", "modelopt": modelopt.__version__,
         "transformers": transformers.__version__, "torch": torch.__version__,
         "model": kind, "quant_cfg": base, "kv_cfg": kv, "max_shard_size": shard,
-        "reference_layers": list(LAYERS)}, indent=1) + "\n")
+        "disabled_quantizers": list(disable),
+        "reference_layers": [] if disable else list(LAYERS)}, indent=1) + "\n")
     print(f"{folder}: {sorted(p.name for p in folder.iterdir())}")
 
 
@@ -134,6 +141,8 @@ def main(argv: list[str]) -> int:
     make(out, "qwen3_nvfp4_fp8kv", "qwen3", "NVFP4_DEFAULT_CFG", "FP8_KV_CFG", "10GB")
     make(out, "llama_nvfp4_sharded", "llama", "NVFP4_DEFAULT_CFG", "NVFP4_KV_CFG", "60KB")
     make(out, "llama_mxfp4_sharded", "llama", "MXFP4_DEFAULT_CFG", None, "60KB")
+    make(out, "llama_nvfp4_partial", "llama", "NVFP4_DEFAULT_CFG", None, "10GB",
+         disable=("*layers.1.mlp*", "*layers.0.self_attn.o_proj*"))
     try:
         import compressed_tensors  # noqa: F401
     except ImportError:

@@ -343,3 +343,24 @@ def test_compressed_tensors_mxfp4_layout(tmp_path):
         assert torch.equal(a.linears[m].q.codes, b.linears[m].q.codes)
         assert torch.equal(a.linears[m].q.scales, b.linears[m].q.scales)
         assert b.linears[m].q.global_scale is None
+
+
+def test_partially_quantized_export_and_modelopt_wildcards():
+    """ModelOpt left layer 1's MLP and layer 0's o_proj unquantized and summarised them as
+    exclude_modules wildcards; those weights are ordinary tensors, the rest linears."""
+    ck = load_checkpoint(MO / "llama_nvfp4_partial")
+    excluded = {"model.layers.0.self_attn.o_proj", "model.layers.1.mlp.gate_proj",
+                "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"}
+    assert "model.layers.1.mlp*" in ck.quant.exclude_modules
+    assert sorted(ck.linears) == sorted(set(LINEARS) - excluded)
+    for m in excluded:
+        assert ck.quant.is_excluded(m)
+        w = ck.tensors[f"{m}.weight"]
+        assert w.dtype == torch.bfloat16 and w.dim() == 2
+        assert f"{m}.weight_scale" not in ck.tensors
+    for m in ck.linears:
+        assert not ck.quant.is_excluded(m)
+    spec = ck.quant
+    assert spec.is_excluded("lm_head") and not spec.is_excluded("lm_head2")
+    assert not spec.is_excluded("model.layers.10.mlp.up_proj")     # layers.1 is not layers.10
+    assert spec.is_excluded("model.layers.1.mlpx")                 # a prefix glob, as vLLM reads it
