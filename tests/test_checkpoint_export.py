@@ -305,7 +305,11 @@ def test_cli_refuses_quantized_missing_and_nonempty(tmp_path, calib, capsys):
     rc, _, se = quantize(["--model", str(bad), "--calib", str(calib), "--out",
                           str(tmp_path / "o2")], capsys)
     assert rc == 2 and "config.json" in se and "not JSON" in se
-    with pytest.raises(SystemExit) as e:       # argparse's own checks also exit 2
-        main(["quantize", "--model", "x", "--calib", str(calib), "--out", "o",
-              "--compensation", "0.3"])
-    assert e.value.code == 2
+    for bad in (["--compensation", "0.3"], ["--budget", "9"], ["--fmt", "fp8"],
+                ["--seq-len", "0"], []):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:       # argparse's own checks: one line, exit 2
+            main(["quantize", "--model", "x", *([] if not bad else ["--calib", str(calib)]),
+                  "--out", "o", *bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("resgen quantize")

@@ -89,6 +89,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
     q.add_argument("--out", required=True, type=Path)
+
+    def one_line_error(message: str):          # argparse prints the whole usage otherwise
+        print(f"resgen quantize: {message} (see resgen quantize --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+    q.error = one_line_error
     return q
 
 
