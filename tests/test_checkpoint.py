@@ -118,6 +118,16 @@ def test_kv_cache_scales_and_modelopt_shared_scales(name):
             assert len(ws) == 1 and len(xs) == 1
 
 
+def test_kv_cache_alphas_are_the_nvfp4_cache_global_scales():
+    ck = load_checkpoint(MO / "llama_nvfp4_sharded")            # NVFP4 KV, amax / 448
+    al = ck.kv_cache_alphas()
+    for i, (ks, vs) in ck.kv_scales.items():
+        assert al[i] == (float(torch.tensor(ks) / 6), float(torch.tensor(vs) / 6))
+        # alpha * 6 * 448 is the calibrated amax, as formats.nvfp4_global_scale defines alpha
+        amax = torch.tensor(ks) * 448
+        assert al[i][0] == pytest.approx(float(formats.nvfp4_global_scale(amax)), rel=1e-6)
+
+
 def test_mxfp4_has_no_kv_scales_and_qwen3_keeps_its_norms():
     assert load_checkpoint(MO / "llama_mxfp4_sharded").kv_scales == {}
     ck = load_checkpoint(MO / "qwen3_nvfp4_fp8kv")

@@ -109,6 +109,15 @@ class Checkpoint:
     def fmt(self) -> str | None:
         return None if self.quant is None else self.quant.fmt
 
+    def kv_cache_alphas(self) -> dict[int, tuple[float, float]]:
+        """layer -> (k, v) NVFP4 global scales for resgen.kvcache.PagedKVCache (its k_scale /
+        v_scale: alpha = amax / (6 * 448)), from the stored kv_scales, which ModelOpt writes as
+        amax / 448 for FP8 and NVFP4 KV caches alike (unified_export_hf.py,
+        kv_cache_max_bound = 448): alpha = k_scale / 6, an FP32 division."""
+        six = torch.tensor(6.0)
+        return {i: tuple(float(torch.tensor(v, dtype=torch.float32) / six) for v in kv)
+                for i, kv in self.kv_scales.items()}
+
     def compensation(self, module: str) -> str | None:
         """resgen's recorded compensation of a module ("none" | "full" | a K-Ext ratio string),
         or None when the checkpoint does not say (not written by resgen)."""
