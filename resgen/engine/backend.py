@@ -177,11 +177,15 @@ def _ref_append(check_contract: bool) -> Callable[..., None]:
 class SimBackend(Backend):
     name = "sim"
 
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.dispatcher = _empty_dispatcher()       # one: the default is warned once per bucket
+
     def linear(self, qweight, compensation):
         from ..ops import Linear
 
         return Linear(qweight, compensation, device=self.device,
-                      family="linear_sm90_wgmma", dispatcher=_empty_dispatcher(),
+                      family="linear_sm90_wgmma", dispatcher=self.dispatcher,
                       compile_fn=_sim_compile, quantizer_fn=_sim_quantizer)
 
     def attention(self, q_heads, kv_heads, head_dim, page_size, compensation):
@@ -190,7 +194,7 @@ class SimBackend(Backend):
         # the op's planning runs (geometry check, dispatch per batch / KV class); the
         # reference stands in for the compiled kernel
         op = DecodeAttention(q_heads, kv_heads, head_dim, page_size,
-                             compensation=compensation, dispatcher=_empty_dispatcher(),
+                             compensation=compensation, dispatcher=self.dispatcher,
                              compile_fn=lambda f, v, p, a: None,
                              op_fn=lambda c, v, p: _RefAttention(p.compensation,
                                                                  torch.bfloat16, True))

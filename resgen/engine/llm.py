@@ -233,6 +233,7 @@ class LLM:
             m.attn = self.backend.attention(c.heads, c.kv_heads, c.head_dim, o.page_size,
                                             o.attn == "resattn")
             m.append = self.backend.append(c.head_dim, c.kv_heads, o.page_size)
+            m.attn_io = self.backend.io_dtype
         else:
             dt = torch.bfloat16 if kind == "bf16" else torch.float32
             m.kv = DenseKV.create(c.layers, c.kv_heads, c.head_dim, budget, o.max_batch,
@@ -359,57 +360,82 @@ class LLM:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _generate_batch(self, seqs: list[list[int]], max_new: int, params: SamplingParams,
-                        gen: torch.Generator | None, stop_ids: set[int], stop_strs: list[str],
-                        on_token: Callable[[int, int], None] | None, stats: dict,
-                        t_start: float) -> list[Completion]:
-        m, st, n = self.model, self.runner.state, len(seqs)
-        lens = [len(s) for s in seqs]
-        totals = [ln + max_new for ln in lens]
+    def _reserve(self, totals: list[int]) -> list[list[int]] | None:
+        """KV room for sequences of these total lengths (raises KVBudgetError); their block
+        table rows written (rows 0..n-1; the rest point to the scratch page)."""
+        m, st = self.model, self.runner.state
+        if len(totals) > self.options.max_batch:
+            raise ValueError(f"{len(totals)} sequences exceed max_batch "
+                             f"{self.options.max_batch}")
         pages: list[list[int]] | None = None
         if m.kv.kind == "nvfp4":
             pages = m.kv.allocate(totals)
         else:
             m.kv.check(totals)
+        bt = torch.zeros(st.block_tables.shape, dtype=torch.int32)
+        if pages is not None:
+            if max(len(p) for p in pages) > bt.shape[1]:
+                m.kv.release(pages)
+                raise ValueError("a sequence is longer than max_seq_len")
+            for r, p in enumerate(pages):
+                bt[r, :len(p)] = torch.tensor(p, dtype=torch.int32)
+        st.block_tables.copy_(bt)
+        return pages
+
+    def _release(self, pages: list[list[int]] | None) -> None:
+        if pages is not None:
+            self.model.kv.release(pages)
+
+    def _prefill_rows(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Prefill rows 0..n-1 (groups of at most prefill_tokens tokens) -> the last tokens'
+        logits float32 [n, V]."""
+        m, st = self.model, self.runner.state
+        lens = [len(s) for s in seqs]
+        tens = [torch.tensor(s, dtype=torch.int64) for s in seqs]
+        out, i, n = [], 0, len(seqs)
+        while i < n:
+            j, tok = i, 0
+            while j < n and (j == i or tok + lens[j] <= self.options.prefill_tokens):
+                tok += lens[j]
+                j += 1
+            out.append(m.prefill(tens[i:j], list(range(i, j)), st.block_tables))
+            i = j
+        return torch.cat(out)
+
+    def _start_decode(self, lens: list[int], first: torch.Tensor) -> None:
+        """Decode state: row r feeds first[r] (device int64 [n]) at position lens[r]; rows
+        past n are padding."""
+        st, n = self.runner.state, len(lens)
+        rows = torch.arange(st.tokens.shape[0])
+        live = rows < n
+        pos = torch.zeros_like(rows)
+        pos[:n] = torch.tensor(lens)
+        st.tokens.fill_(self.model.pad_id)
+        st.tokens[:n].copy_(first)
+        st.pos.copy_(pos)
+        st.seq_lens.copy_(torch.where(live, pos + 1, 0).to(torch.int32))
+        st.app_pos[:, 1].copy_(pos.to(torch.int32))
+        st.active.copy_(live.to(torch.int32))
+
+    def _generate_batch(self, seqs: list[list[int]], max_new: int, params: SamplingParams,
+                        gen: torch.Generator | None, stop_ids: set[int], stop_strs: list[str],
+                        on_token: Callable[[int, int], None] | None, stats: dict,
+                        t_start: float) -> list[Completion]:
+        st, n = self.runner.state, len(seqs)
+        lens = [len(s) for s in seqs]
+        pages = self._reserve([ln + max_new for ln in lens])
         try:
             b = self.runner.bucket(n)
-            bt = torch.zeros(st.block_tables.shape, dtype=torch.int32)
-            if pages is not None:
-                for r, p in enumerate(pages):
-                    bt[r, :len(p)] = torch.tensor(p, dtype=torch.int32)
-            st.block_tables.copy_(bt)
-            # ---- prefill, in groups of at most prefill_tokens tokens
             self._sync()
             t0 = time.perf_counter()
-            first = torch.empty(n, dtype=torch.int64, device=self.device)
-            tens = [torch.tensor(s, dtype=torch.int64) for s in seqs]
-            i = 0
-            while i < n:
-                j, tok = i, 0
-                while j < n and (j == i or tok + lens[j] <= self.options.prefill_tokens):
-                    tok += lens[j]
-                    j += 1
-                logits = m.prefill(tens[i:j], list(range(i, j)), st.block_tables)
-                first[i:j] = sample(logits, params, gen)
-                i = j
-            first_host = first.tolist()             # the step's one sync: the first tokens
+            first = sample(self._prefill_rows(seqs), params, gen)
+            first_host = first.tolist()             # the one sync: the first tokens
             t1 = time.perf_counter()
             stats["prefill_tokens"] += sum(lens)
             stats["prefill_s"] += t1 - t0
             if stats["ttft_s"] is None:
                 stats["ttft_s"] = t1 - t_start
-            # ---- decode state: row r feeds its first token at position lens[r]
-            rows = torch.arange(st.tokens.shape[0])
-            live = rows < n
-            pos = torch.zeros_like(rows)
-            pos[:n] = torch.tensor(lens)
-            tokens = torch.full_like(rows, m.pad_id)
-            tokens[:n] = torch.tensor(first_host)
-            st.tokens.copy_(tokens)
-            st.pos.copy_(pos)
-            st.seq_lens.copy_(torch.where(live, pos + 1, 0).to(torch.int32))
-            st.app_pos[:, 1].copy_(pos.to(torch.int32))
-            st.active.copy_(live.to(torch.int32))
+            self._start_decode(lens, first)
             gen_ids: list[list[int]] = [[] for _ in range(n)]
             done = [False] * n
             reason = ["length"] * n
@@ -459,8 +485,7 @@ class LLM:
             stats["decode_steps"] += steps
             stats["decode_tokens"] += steps * n
         finally:
-            if pages is not None:
-                m.kv.release(pages)
+            self._release(pages)
         outs = []
         for r in range(n):
             ids = gen_ids[r]
@@ -480,6 +505,63 @@ class LLM:
             ev.synchronize()
         for r, t in enumerate(buf.tolist()):
             take(r, t)
+
+    # ------------------------------------------------------------------ teacher forcing
+    @torch.no_grad()
+    def forced_decode(self, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                      reduce: str = "nll") -> list[Any]:
+        """Teacher forcing through the DECODE path: each sequence's first prompt_lens[i]
+        tokens are prefilled, the rest fed one per decode step (the KV cache, the decode
+        attention and the CUDA graphs of generation). reduce "logits": per sequence float32
+        [n_i - p_i, V] (CPU), the logits predicting tokens p_i .. n_i - 1; "nll": per
+        sequence (sum of -log p(token), count) over those tokens, reduced on the device."""
+        import torch.nn.functional as F
+
+        if reduce not in ("nll", "logits"):
+            raise ValueError(f"reduce must be 'nll' or 'logits', got {reduce!r}")
+        seqs = [list(s) for s in seqs]
+        plen = [int(p) for p in prompt_lens]
+        if len(plen) != len(seqs) or any(not 1 <= p < len(s) for p, s in zip(plen, seqs)):
+            raise ValueError("every prompt length must lie in [1, len(sequence))")
+        n = len(seqs)
+        steps = max(len(s) - p for s, p in zip(seqs, plen)) - 1
+        pages = self._reserve([p + steps + 1 for p in plen])
+        dev = self.device
+        try:
+            b = self.runner.bucket(n)
+            pad = [s + [0] * (p + steps + 1 - len(s)) for s, p in zip(seqs, plen)]
+            feed = torch.tensor([row[p:p + steps + 1] for row, p in zip(pad, plen)],
+                                dtype=torch.int64, device=dev)          # [n, steps + 1]
+            want = torch.tensor([[1.0 if p + j < len(s) else 0.0 for j in range(steps + 1)]
+                                 for s, p in zip(seqs, plen)], device=dev)
+            nll = torch.zeros(n, dtype=torch.float64, device=dev)
+            kept: list[list[torch.Tensor]] = [[] for _ in range(n)]
+
+            def account(j: int, logits: torch.Tensor) -> None:
+                if reduce == "nll":
+                    lp = F.log_softmax(logits, dim=-1).gather(-1, feed[:, j:j + 1])[:, 0]
+                    nll.sub_(lp.double() * want[:, j])
+                else:
+                    for r in range(n):
+                        if want[r, j] > 0:
+                            kept[r].append(logits[r].to("cpu", copy=True))
+            first_logits = self._prefill_rows([s[:p] for s, p in zip(seqs, plen)])
+            account(0, first_logits)
+            self._start_decode(plen, feed[:, 0])
+            max_len = max(plen) + 1
+            st = self.runner.state
+            for j in range(1, steps + 1):
+                logits = self.runner.step(b, max_len)[:n]
+                account(j, logits)
+                st.tokens[:n].copy_(feed[:, j])
+                max_len += 1
+            self._sync()
+        finally:
+            self._release(pages)
+        if reduce == "logits":
+            return [torch.stack(k) for k in kept]
+        counts = want.sum(1).tolist()
+        return [(float(x), int(c)) for x, c in zip(nll.tolist(), counts)]
 
     # ------------------------------------------------------------------ scoring
     @torch.no_grad()

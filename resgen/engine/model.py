@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DecoderConfig
-from .rope import apply_rope, rope_tables
+from .rope import apply_rope, rope_tables, signed_sin
 
 __all__ = ["rms_norm", "Proj", "DenseLinear", "LayerOps", "DecoderModel", "DecodeState",
            "DenseDecodeAttention", "prefill_attention", "rows_bucket", "GLUE"]
@@ -282,11 +282,13 @@ class DecoderModel:
         self.final_norm = final_norm.to(device, self.glue)
         self.lm_head = lm_head.to(device, self.glue).contiguous()
         self.scale = cfg.head_dim ** -0.5
-        self.cos, self.sin = rope_tables(cfg.rope, cfg.head_dim, cfg.max_positions, device)
+        cos, sin = rope_tables(cfg.rope, cfg.head_dim, cfg.max_positions, device)
+        self.cos, self.sin = cos.to(self.glue), signed_sin(sin).to(self.glue)
         # prefill row padding (rows_bucket) for the kernels' plan reuse; the reference backend
         # runs the exact row count (FP32 GEMMs round differently with more rows)
         self.pad_rows = backend_io == torch.bfloat16
         self.kv: Any = None
+        self.attn_io = backend_io       # q / k / v dtype of the paged append and attention
         self.attn: Any = None
         self.append: Callable[..., None] | None = None
 
@@ -301,13 +303,13 @@ class DecoderModel:
         if record is not None:
             record("attn_in", a)
         qkv = L.qkv(a)
-        q = qkv[:, : c.q_size].reshape(t, c.heads, c.head_dim)
-        k = qkv[:, c.q_size: c.q_size + c.kv_size].reshape(t, c.kv_heads, c.head_dim)
-        v = qkv[:, c.q_size + c.kv_size:].reshape(t, c.kv_heads, c.head_dim)
+        qk = qkv[:, : c.q_size + c.kv_size].unflatten(1, (c.heads + c.kv_heads, c.head_dim))
+        v = qkv[:, c.q_size + c.kv_size:].unflatten(1, (c.kv_heads, c.head_dim))
         if L.q_norm is not None:
-            q = rms_norm(q, L.q_norm, c.rms_eps)
-            k = rms_norm(k, L.k_norm, c.rms_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat([rms_norm(qk[:, : c.heads], L.q_norm, c.rms_eps),
+                            rms_norm(qk[:, c.heads:], L.k_norm, c.rms_eps)], dim=1)
+        qk = apply_rope(qk, cos, sin)          # q and k heads in one pass
+        q, k = qk[:, : c.heads], qk[:, c.heads:]
         if store is not None:
             store(k, v)
         o = attend(q, k, v).reshape(t, c.q_size)
@@ -350,13 +352,14 @@ class DecoderModel:
         t = sum(lens)
         tp = rows_bucket(t) if self.pad_rows else t
         dev = self.device
-        ids = torch.full((tp,), self.pad_id, dtype=torch.int64, device=dev)
-        ids[:t] = torch.cat([s.to(dev, torch.int64) for s in seqs])
-        bad = (ids[:t] < 0) | (ids[:t] >= self.cfg.vocab_size)
-        if bool(bad.any()):
+        flat = torch.cat([s.reshape(-1).to("cpu", torch.int64) for s in seqs])
+        if bool(((flat < 0) | (flat >= self.cfg.vocab_size)).any()):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        pos = torch.zeros(tp, dtype=torch.int64, device=dev)
-        pos[:t] = torch.cat([torch.arange(n, device=dev) for n in lens])
+        ids = torch.full((tp,), self.pad_id, dtype=torch.int64)
+        ids[:t] = flat
+        pos = torch.zeros(tp, dtype=torch.int64)
+        pos[:t] = torch.cat([torch.arange(n) for n in lens])
+        ids, pos = ids.to(dev), pos.to(dev)
         h = self.embed[ids]
         cos, sin = self.cos[pos], self.sin[pos]
         row_of = torch.cat([torch.full((n,), r, dtype=torch.int64) for n, r in
@@ -393,8 +396,8 @@ class DecoderModel:
         def store(k: torch.Tensor, v: torch.Tensor) -> None:
             k, v = k[:t], v[:t]
             if kv.kind == "nvfp4":
-                self.append(kv.caches[i], k.to(self.io_dtype).contiguous(),
-                            v.to(self.io_dtype).contiguous(), block_tables, app)
+                self.append(kv.caches[i], k.to(self.attn_io).contiguous(),
+                            v.to(self.attn_io).contiguous(), block_tables, app)
             else:
                 r, p = app[:, 0].long(), app[:, 1].long()
                 kv.k[i][r, p] = k.to(kv.k[i].dtype)
@@ -418,12 +421,12 @@ class DecoderModel:
                 cache, bt, app = kv.caches[i], st.block_tables[:b], st.app_pos[:b]
 
                 def store(k: torch.Tensor, v: torch.Tensor, _c=cache, _bt=bt, _a=app) -> None:
-                    self.append(_c, k.to(self.io_dtype).contiguous(),
-                                v.to(self.io_dtype).contiguous(), _bt, _a)
+                    self.append(_c, k.to(self.attn_io).contiguous(),
+                                v.to(self.attn_io).contiguous(), _bt, _a)
 
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _c=cache,
                            _bt=bt) -> torch.Tensor:
-                    o = self.attn(q.to(self.io_dtype).contiguous(), _c, _bt, lens,
+                    o = self.attn(q.to(self.attn_io).contiguous(), _c, _bt, lens,
                                   max_kv_len=kv_len)
                     return o.to(self.glue)
             else:

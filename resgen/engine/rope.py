@@ -17,7 +17,7 @@ import torch
 
 from .config import RopeConfig
 
-__all__ = ["inv_freq", "rope_tables", "apply_rope"]
+__all__ = ["inv_freq", "rope_tables", "signed_sin", "apply_rope"]
 
 
 def inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -89,13 +89,17 @@ def rope_tables(rope: RopeConfig, head_dim: int, max_positions: int,
     return ((emb.cos() * att).to(device), (emb.sin() * att).to(device))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == roll(x, D / 2) * signed_sin
+    element for element (IEEE negation is exact), one roll instead of a negation and a cat."""
+    h = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :h], sin[..., h:]], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D] (the rows of x's positions) -> x rotated, in x's dtype
-    (the tables cast to it first, as transformers does)."""
-    c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
-    return x * c + _rotate_half(x) * s
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin_signed: [T, D] in x's dtype (the rows of x's positions; the
+    caller casts the tables once per step, as transformers casts them to x's dtype) -> x
+    rotated: x * cos + rotate_half(x) * sin, the products rounded separately and added (the
+    order transformers uses, so FP32 results match it bit for bit)."""
+    c, s = cos[:, None, :], sin_signed[:, None, :]
+    return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
