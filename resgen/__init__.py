@@ -6,3 +6,11 @@ formats -> calibrate / kvcache -> reference -> kernels (templates) -> search -> 
 """
 
 __version__ = "0.1.0"
+
+
+def load(model, **kwargs):
+    """Load a model for generation on resgen's kernels: resgen.engine.load (its docstring
+    lists the options), e.g. ``resgen.load("dir", compensation="full", kv="nvfp4")``."""
+    from .engine import load as _load
+
+    return _load(model, **kwargs)
