@@ -14,3 +14,12 @@ def load(model, **kwargs):
     from .engine import load as _load
 
     return _load(model, **kwargs)
+
+
+def autotune(**kwargs):
+    """``with resgen.autotune():`` record the shapes resgen's custom ops run inside the block
+    and tune them into the user's database on exit: resgen.autotuning.autotune (its docstring
+    lists the options)."""
+    from .autotuning import autotune as _autotune
+
+    return _autotune(**kwargs)

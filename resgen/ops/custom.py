@@ -46,7 +46,9 @@ serves shorter sequences (the batch's shorter rows are served the same way).
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,7 +60,8 @@ from .kv_append import KVAppend
 from .linear import Linear
 from .quantizer import LayerQuantizer
 
-__all__ = ["register", "resolve", "unregister", "handles", "cache_args", "NAMESPACE", "OPS"]
+__all__ = ["register", "resolve", "unregister", "handles", "cache_args", "NAMESPACE", "OPS",
+           "Recorder", "recording", "push_recorder", "pop_recorder"]
 
 NAMESPACE = "resgen"
 OPS = ("linear", "quantize", "decode_attention", "kv_append")
@@ -107,11 +110,50 @@ def resolve(handle: str, kind: str | None = None) -> Any:
     return obj
 
 
+@dataclass
+class Recorder:
+    """The distinct problems the ops looked up while it was active, per op name, in first-
+    seen order (resgen.autotune tunes them)."""
+
+    problems: dict[str, list] = field(default_factory=dict)
+    summary: list = field(default_factory=list)
+    db: Any = None
+
+    def add(self, op: str, problem: Any) -> None:
+        seen = self.problems.setdefault(op, [])
+        if problem not in seen:
+            seen.append(problem)
+
+    def count(self) -> int:
+        return sum(len(v) for v in self.problems.values())
+
+
+_LOCAL = threading.local()
+
+
+def push_recorder() -> Recorder:
+    """Start recording on this thread (nested recorders: the innermost records)."""
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    rec = Recorder()
+    stack.append(rec)
+    return rec
+
+
+def pop_recorder(rec: Recorder) -> None:
+    _LOCAL.stack.remove(rec)
+
+
+def recording() -> Recorder | None:
+    """The innermost active recorder of this thread, or None."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
 def _record(op: str, obj: Any, *shape: int) -> None:
     """Tell an active `resgen.autotune()` which problem this call looks up (cheap no-op
     otherwise; stand-ins without a `problem` method are not recorded)."""
-    from ..autotune import recording
-
     rec = recording()
     if rec is not None and hasattr(obj, "problem"):
         try:

@@ -24,45 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["autotune", "Recorder", "recording", "record"]
+from .ops.custom import Recorder, pop_recorder, push_recorder, recording
 
-_LOCAL = threading.local()
-
-
-@dataclass
-class Recorder:
-    """The distinct problems seen, per op name, in first-seen order."""
-
-    problems: dict[str, list] = field(default_factory=dict)
-    summary: list = field(default_factory=list)
-    db: Path | None = None
-
-    def add(self, op: str, problem: Any) -> None:
-        seen = self.problems.setdefault(op, [])
-        if problem not in seen:
-            seen.append(problem)
-
-    def count(self) -> int:
-        return sum(len(v) for v in self.problems.values())
-
-
-def recording() -> Recorder | None:
-    """The innermost active recorder of this thread, or None (the ops' fast path)."""
-    stack = getattr(_LOCAL, "stack", None)
-    return stack[-1] if stack else None
-
-
-def record(op: str, problem: Any) -> None:
-    """Record one problem with the active recorder (no-op without one)."""
-    rec = recording()
-    if rec is not None:
-        rec.add(op, problem)
-
+__all__ = ["autotune", "tune_recorded", "Recorder", "recording"]
 
 def _jobs(rec: Recorder, arch: str) -> list:
     from .search.family import families_for
@@ -145,15 +112,11 @@ def autotune(*, db: str | Path | None = None, max_variants: int = 8,
              tune: bool = True) -> Iterator[Recorder]:
     """Record the problems resgen's custom ops run inside the block; on a normal exit tune
     them (see the module docstring). tune=False only records (the Recorder is yielded)."""
-    rec = Recorder()
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    stack.append(rec)
+    rec = push_recorder()
     try:
         yield rec
     finally:
-        stack.remove(rec)
+        pop_recorder(rec)
     if tune:
         rec.summary = tune_recorded(rec, db=db, max_variants=max_variants,
                                     compile_only=compile_only, time_budget_s=time_budget_s,
