@@ -51,7 +51,8 @@ from .ops.nn import FP4Linear
 
 __all__ = ["quantize", "ResgenCache", "ResgenConfig", "ResgenHfQuantizer", "new_cache",
            "cache_kwargs",
-           "resgen_attention", "ATTN_IMPLEMENTATION", "kernel_support", "quantized_layers"]
+           "resgen_attention", "ATTN_IMPLEMENTATION", "kernel_support", "quantized_layers",
+           "ModelOptConfig", "ModelOptResgenQuantizer", "load_backend"]
 
 ATTN_IMPLEMENTATION = "resgen"
 PAGE_SIZE = 32
@@ -202,6 +203,7 @@ def quantize(model: torch.nn.Module, fmt: str = "nvfp4", compensation: str | flo
                      "bias": lin.bias is not None}
     cfg = ResgenConfig(fmt=fmt, compensation=comp, ratio=ratio, static_scale=static, kv=kv,
                        kv_compensation=kv_compensation, pv=pv, backend=backend,
+                       load_backend="auto",
                        modules_to_not_convert=list(exclude) + sorted(skipped),
                        layers=sorted(layers), skipped=skipped)
     model.config.quantization_config = cfg
@@ -209,6 +211,22 @@ def quantize(model: torch.nn.Module, fmt: str = "nvfp4", compensation: str | flo
     if kv == "nvfp4":
         _install_attention(model, cfg, attention_kwargs or {}, append_kwargs or {})
     return model
+
+
+def load_backend(requested: str = "auto") -> str:
+    """The backend a loaded checkpoint runs on: "auto" is the kernels with a CUDA GPU, the
+    reference operators without one (a CPU has no resgen kernels)."""
+    if requested != "auto":
+        return requested
+    return "kernels" if torch.cuda.is_available() else "reference"
+
+
+def _with_backend(cfg, backend: str):
+    import copy
+
+    out = copy.copy(cfg)
+    out.backend = backend
+    return out
 
 
 # ----------------------------------------------------------------------------- attention
@@ -616,12 +634,15 @@ def _define_quantizer():
                      ratio: float | None = None, static_scale: bool = False,
                      kv: str | None = "nvfp4", kv_compensation: bool = True, pv: str = "f16",
                      backend: str = "kernels", modules_to_not_convert: list | None = None,
-                     layers: list | None = None, skipped: dict | None = None, **kwargs):
+                     layers: list | None = None, skipped: dict | None = None,
+                     load_backend: str = "auto", **kwargs):
             self.quant_method = "resgen"
             self.fmt, self.compensation, self.ratio = fmt, compensation, ratio
             self.static_scale, self.kv, self.kv_compensation, self.pv = \
                 static_scale, kv, kv_compensation, pv
-            self.backend = backend
+            # backend: what quantize() ran; load_backend: what from_pretrained builds ("auto":
+            # the kernels with a GPU, else the reference operators)
+            self.backend, self.load_backend = backend, load_backend
             self.modules_to_not_convert = list(modules_to_not_convert or ["lm_head"])
             self.layers = list(layers or [])
             self.skipped = dict(skipped or {})
@@ -632,7 +653,7 @@ def _define_quantizer():
                     "compensation": self.compensation, "ratio": self.ratio,
                     "static_scale": self.static_scale, "kv": self.kv,
                     "kv_compensation": self.kv_compensation, "pv": self.pv,
-                    "backend": self.backend,
+                    "backend": self.backend, "load_backend": self.load_backend,
                     "modules_to_not_convert": self.modules_to_not_convert,
                     "layers": self.layers, "skipped": self.skipped}
 
@@ -651,6 +672,7 @@ def _define_quantizer():
 
         def _process_model_before_weight_loading(self, model, **kwargs):
             cfg = self.quantization_config
+            backend = load_backend(cfg.load_backend)
             mods = dict(model.named_modules())
             for name in cfg.layers:
                 lin = mods.get(name)
@@ -660,7 +682,7 @@ def _define_quantizer():
                 new = FP4Linear.empty(lin.in_features, lin.out_features, cfg.fmt,
                                       cfg.compensation, ratio=cfg.ratio,
                                       static_scale=cfg.static_scale,
-                                      bias=lin.bias is not None, backend=cfg.backend,
+                                      bias=lin.bias is not None, backend=backend,
                                       name=name, device="meta")
                 _set_module(model, name, new)
             return model
@@ -668,8 +690,9 @@ def _define_quantizer():
         def _process_model_after_weight_loading(self, model, **kwargs):
             for m in quantized_layers(model).values():
                 m._rebuild()
-            if self.quantization_config.kv == "nvfp4":
-                _install_attention(model, self.quantization_config)
+            cfg = self.quantization_config
+            if cfg.kv == "nvfp4":
+                _install_attention(model, _with_backend(cfg, load_backend(cfg.load_backend)))
             return model
 
         def get_new_dtype(self, converter, param, dtype):
@@ -690,4 +713,106 @@ try:
     ResgenConfig, ResgenHfQuantizer = _define_quantizer()
 except ImportError:
     ResgenConfig = ResgenHfQuantizer = None
+
+
+_MODELOPT_ALGOS = {"NVFP4": "nvfp4", "MXFP4": "mxfp4"}
+
+
+def _wildcard(pattern: str, name: str) -> bool:
+    """ModelOpt's exclude pattern: '*' is the only special character, matched against the
+    whole module name (vLLM's re.fullmatch(re.escape(p).replace('\\*', '.*')))."""
+    import re
+
+    return re.fullmatch(re.escape(pattern).replace("\\*", ".*"), name) is not None
+
+
+def _define_modelopt_quantizer():
+    from transformers.quantizers import HfQuantizer, register_quantization_config, \
+        register_quantizer
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    if "modelopt" in AUTO_QUANTIZER_MAPPING:      # transformers reads ModelOpt itself
+        return None, None
+
+    @register_quantization_config("modelopt")
+    class ModelOptConfig(QuantizationConfigMixin):
+        """A ModelOpt NVFP4 / MXFP4 export's quantization_config (quant_method "modelopt",
+        quant_algo, ignore), served by resgen: compensation (default "full") and kv are
+        resgen's choices, not the checkpoint's."""
+
+        def __init__(self, quant_algo: str = "NVFP4", ignore: list | None = None,
+                     compensation: str = "full", kv: str | None = "nvfp4",
+                     load_backend: str = "auto", **kwargs):
+            self.quant_method = "modelopt"
+            algo = str(quant_algo).upper()
+            if algo not in _MODELOPT_ALGOS:
+                raise ValueError(f"ModelOpt quant_algo {quant_algo!r}: resgen serves NVFP4 and "
+                                 "MXFP4 (W4A4) only")
+            self.quant_algo, self.fmt = algo, _MODELOPT_ALGOS[algo]
+            self.ignore = list(ignore or kwargs.get("exclude_modules") or ["lm_head"])
+            self.compensation, self.kv, self.load_backend = compensation, kv, load_backend
+            self.kv_compensation, self.pv, self.ratio = True, "f16", None
+            self.extra = {k: v for k, v in kwargs.items() if k != "exclude_modules"}
+
+        def to_dict(self) -> dict:
+            return {"quant_method": "modelopt", "quant_algo": self.quant_algo,
+                    "ignore": self.ignore, **self.extra}
+
+    @register_quantizer("modelopt")
+    class ModelOptResgenQuantizer(HfQuantizer):
+        """from_pretrained of a ModelOpt HF export: every nn.Linear outside `ignore` becomes
+        an empty FP4Linear (on the meta device) whose buffers are ModelOpt's tensor names
+        (weight, weight_scale, weight_scale_2, input_scale), so the checkpoint loads into
+        them as stored; q/k/v and gate/up stay separate modules (each with its own global
+        scale, served unfused); the KV cache scales ModelOpt writes are not used (resgen's
+        paged cache runs with global scale 1)."""
+
+        requires_calibration = True
+
+        def validate_environment(self, *args, **kwargs):
+            if not self.pre_quantized:
+                raise ValueError("quant_method 'modelopt' loads ModelOpt checkpoints")
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            cfg = self.quantization_config
+            backend = load_backend(cfg.load_backend)
+            for name, lin in list(model.named_modules()):
+                if type(lin) is not torch.nn.Linear or any(_wildcard(p, name)
+                                                           for p in cfg.ignore):
+                    continue
+                new = FP4Linear.empty(lin.in_features, lin.out_features, cfg.fmt,
+                                      cfg.compensation, static_scale=cfg.fmt == "nvfp4",
+                                      bias=lin.bias is not None, backend=backend, name=name,
+                                      device="meta")
+                _set_module(model, name, new)
+            return model
+
+        def _process_model_after_weight_loading(self, model, **kwargs):
+            for m in quantized_layers(model).values():
+                m._rebuild()
+            cfg = self.quantization_config
+            if cfg.kv == "nvfp4":
+                cfg.backend = load_backend(cfg.load_backend)
+                _install_attention(model, cfg)
+            return model
+
+        def get_new_dtype(self, converter, param, dtype):
+            return dtype
+
+        @property
+        def is_serializable(self) -> bool:
+            return True
+
+        @property
+        def is_trainable(self) -> bool:
+            return False
+
+    return ModelOptConfig, ModelOptResgenQuantizer
+
+
+try:
+    ModelOptConfig, ModelOptResgenQuantizer = _define_modelopt_quantizer()
+except ImportError:
+    ModelOptConfig = ModelOptResgenQuantizer = None
 

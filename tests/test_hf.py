@@ -326,3 +326,50 @@ def test_smollm2_generates_on_the_reference_operators(smollm2):
         assert torch.equal(st.pages.k_codes[page, :, slot], want.codes)
     text = tok.batch_decode(out.sequences[:, -3:])
     assert all(isinstance(t, str) and t for t in text)
+
+
+# ----------------------------------------------------------------------------- ModelOpt
+
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "modelopt"
+
+
+@pytest.mark.parametrize("name", ["llama_nvfp4_sharded", "llama_mxfp4_sharded",
+                                  "llama_nvfp4_partial"])
+def test_from_pretrained_of_a_modelopt_export_builds_resgen_modules(name):
+    """The ModelOpt fixtures (nvidia-modelopt 0.47 exports): from_pretrained builds FP4Linear
+    modules holding the stored tensors as stored (field by field against
+    resgen.checkpoint.load_checkpoint), keeps the excluded layers (wildcards) as nn.Linear,
+    and generates; its logits stay near those of the same FP4 weights dequantized (only the
+    activation quantization, with full residue, differs)."""
+    pytest.importorskip("resgen.checkpoint")
+    from resgen.checkpoint import load_checkpoint
+    from resgen.quality.model import _load_checkpoint_model, resolve_model
+
+    if H.ModelOptResgenQuantizer is None:
+        pytest.skip("this transformers reads ModelOpt checkpoints itself")
+    folder = FIX / name
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ck = load_checkpoint(folder, serve_check=False)
+    q = H.quantized_layers(model)
+    assert set(q) == set(ck.linears)
+    for n, m in q.items():
+        qw = ck.linears[n]
+        assert m.fmt == ck.fmt and m.backend == "reference"           # no GPU here
+        assert torch.equal(m.weight, qw.q.codes)
+        assert torch.equal(m.weight_scale.view(torch.uint8), qw.q.scales.view(torch.uint8))
+        if ck.fmt == "nvfp4":
+            assert float(m.weight_scale_2) == float(qw.q.global_scale)
+            assert float(m.input_scale) == float(qw.input_scale)
+    for n, mod in model.named_modules():
+        if n.endswith("_proj") and n not in q:
+            assert type(mod) is torch.nn.Linear                       # excluded by ModelOpt
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    assert out.sequences.shape == (1, 9)
+    deq = _load_checkpoint_model(resolve_model(folder))
+    with torch.no_grad():
+        want = deq(input_ids=ids).logits[:, -1].float()
+    rel = float((out.logits[0].float() - want).norm() / want.norm())
+    assert rel < 0.1, rel
