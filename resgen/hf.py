@@ -750,7 +750,9 @@ def _define_modelopt_quantizer():
                 raise ValueError(f"ModelOpt quant_algo {quant_algo!r}: resgen serves NVFP4 and "
                                  "MXFP4 (W4A4) only")
             self.quant_algo, self.fmt = algo, _MODELOPT_ALGOS[algo]
-            self.ignore = list(ignore or kwargs.get("exclude_modules") or ["lm_head"])
+            # ModelOpt never quantizes the lm_head; an export may leave it off the list
+            self.ignore = list(dict.fromkeys(list(ignore or kwargs.get("exclude_modules")
+                                                  or []) + ["lm_head"]))
             self.compensation, self.kv, self.load_backend = compensation, kv, load_backend
             self.kv_compensation, self.pv, self.ratio = True, "f16", None
             self.extra = {k: v for k, v in kwargs.items() if k != "exclude_modules"}
