@@ -30,6 +30,12 @@ What `quantize` does, in place:
   its own quantizers are): the FP4 modules are built on the meta device before the weights
   load, the tensors keep their stored dtypes, and the ops are built after loading.
 
+ModelOpt exports (quant_method "modelopt", NVFP4 / MXFP4) load the same way once resgen.hf is
+imported (ModelOptResgenQuantizer, registered only when the installed transformers has no
+"modelopt" quantizer of its own): the stored tensors fill FP4Linear buffers of the same names;
+they are served with full residue compensation and the NVFP4 KV cache (the config's
+compensation / kv fields; a ModelOpt export does not carry them).
+
 backend="reference" runs resgen.ops.cpu's exact reference operators instead of the kernels
 (CPU, or any device): the CPU tests run SmolLM2 that way.
 
