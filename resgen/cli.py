@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, required=True)
     e.add_argument("--format", choices=["json", "sqlite"], default=None,
                    help="default: from the --out suffix")
+    e.add_argument("--winners", action="store_true",
+                   help="only the winning timed row per workload and GPU (a small SQLite "
+                        "database to share; `resgen db merge` imports it)")
+    e.add_argument("--fresh-only", action="store_true",
+                   help="with --winners: choose among rows tuned with this checkout's "
+                        "templates and versions only")
 
     from .checkpoint import cli as checkpoint_cli       # `resgen quantize`
     checkpoint_cli.add_parser(sub)
@@ -1079,6 +1085,12 @@ def cmd_db(args: argparse.Namespace) -> int:
                     with TuningDB(src, readonly=True) as s:
                         counts = dst.merge_from(s, keep=keep)
                     print(f"{src} -> {args.into}: {counts}")
+            return 0
+        if args.dbcmd == "export" and args.winners:
+            with TuningDB(args.path, readonly=True) as db:
+                counts = db.export_winners(args.out, _fresh_filter() if args.fresh_only
+                                           else None)
+            print(f"{args.path} -> {args.out} (winners): {counts}")
             return 0
         if args.dbcmd == "export":
             fmt = args.format or ("sqlite" if args.out.name.endswith(

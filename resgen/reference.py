@@ -16,8 +16,8 @@ from .calibrate import QLinearWeight
 from .formats import QuantizedTensor
 from .kvcache import PagedKVCache
 
-__all__ = ["Compensation", "linear", "decode_attention", "nmse", "attention_fp32",
-           "quantize_query", "check_compensation"]
+__all__ = ["Compensation", "linear", "linear_w4a16", "decode_attention", "nmse",
+           "attention_fp32", "quantize_query", "check_compensation"]
 
 Compensation = Union[Literal["none", "full"], float]
 
@@ -54,7 +54,7 @@ def _global(q: QuantizedTensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation = "none",
-           ) -> torch.Tensor:
+           *, weight_unit: torch.Tensor | None = None) -> torch.Tensor:
     """Reference FP4 linear layer. x: [..., K] float -> float32 [..., N].
 
     compensation:
@@ -64,6 +64,9 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
       ratio   K-Ext:       Y = [X_hat | R_hat_S] [W_hat | W_hat_S]^T, one reduction over K + ext
     Activations are quantized with qweight.input_scale (static NVFP4 alpha) when set, else
     dynamically. Global scales alpha_x * alpha_w (FP32) are applied once per product.
+    weight_unit: dequantize(qweight.q) without the global scale, [N, K (+ ext)] float (exact in
+    FP32), when the caller keeps it across calls (resgen.ops.cpu.ReferenceLinear); computed
+    here otherwise.
     """
     check_compensation(compensation, qweight)
     fmt = qweight.fmt
@@ -82,14 +85,39 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
                                               global_scale=qweight.input_scale)
     w = qweight.q.to(x.device)
     ab = _global(base) * _global(w)
-    wb = _unit(w)[:, :k]
+    wu = _unit(w) if weight_unit is None else weight_unit.to(x.device).double()
+    wb = wu[:, :k]
     if compensation == "none":
         y = (_unit(base) @ wb.T).float() * ab
     elif compensation == "full":
         y = (_unit(base) @ wb.T).float() * ab + (_unit(res) @ wb.T).float() * ab
     else:
         xe = torch.cat([_unit(base), _unit(res)], dim=-1)
-        y = (xe @ _unit(w).T).float() * ab
+        y = (xe @ wu.T).float() * ab
+    return y.reshape(*lead, -1)
+
+
+def linear_w4a16(x: torch.Tensor, qweight: QLinearWeight, *,
+                 weight_unit: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference W4A16 linear layer (FP4 weights, BF16 activations). x: [..., K] float ->
+    float32 [..., N].
+
+        Y = bf16(X) W_hat^T
+
+    The activations are rounded to BF16 (round to nearest even) and never quantized to FP4;
+    the weight is the base FP4 weight (a K-Ext weight's extension is unused) with its global
+    scale applied once; the product is exact (float64) and returned in FP32. This is the
+    Hopper-native W4A16 mode (what Marlin computes) and the one definition of its numerics:
+    the quality study's fake-quant path is checked against it. weight_unit: as for linear.
+    """
+    k = qweight.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"input has K={x.shape[-1]}, the weight expects K={k}")
+    lead = x.shape[:-1]
+    xb = x.reshape(-1, k).to(torch.bfloat16).double()
+    w = qweight.q.to(x.device)
+    wu = _unit(w) if weight_unit is None else weight_unit.to(x.device).double()
+    y = (xb @ wu[:, :k].T).float() * _global(w)
     return y.reshape(*lead, -1)
 
 
