@@ -496,3 +496,64 @@ def test_served_attention_is_the_tuned_call_bit_for_bit(compensation, monkeypatc
     runner_op, served_op = _EmulatedDecodeAttention.made
     assert served_op.fn is runner_op.fn is compiled
     assert (served_op.shape, served_op.num_splits) == (runner_op.shape, runner_op.num_splits)
+
+
+class _TiledQuantizer(_ReferenceQuantizer):
+    """The reference quantizer with the real quant_sm90's K rule: it refuses a K that its
+    warps (32 lanes x 8 values) cannot tile, and records the K it was given."""
+
+    def __init__(self, p, *args):
+        from resgen.kernels.quant_sm90 import QuantConfig
+
+        alpha = "none" if p.fmt == "mxfp4" else ("static" if p.static_scale else "dynamic")
+        cfg = QuantConfig(fmt=p.fmt, compensation=p.compensation, k=p.k,
+                          layout="row_pair" if p.compensation == "full" else "plain",
+                          write_codes=False, write_xop=True, alpha=alpha, kp_align=256)
+        assert cfg.why_invalid() is None, cfg.why_invalid()
+        super().__init__(p.fmt, p.compensation, alpha)
+        self.k = p.k
+
+    def __call__(self, x, outs, alpha=None, masks=None):
+        assert x.shape[1] == self.k
+        return super().__call__(x, outs, alpha=alpha, masks=masks)
+
+
+@pytest.mark.parametrize("fam", ["linear_sm90_mma", "linear_sm90_wgmma"])
+@pytest.mark.parametrize("fmt, static", [("nvfp4", True), ("nvfp4", False), ("mxfp4", True)])
+@pytest.mark.parametrize("comp", ["none", "full"])
+def test_a_k_the_quantizer_cannot_tile_is_served_through_zero_columns(fam, fmt, static, comp,
+                                                                       monkeypatch):
+    """K = 576 (SmolLM2's hidden size; 896 for Qwen2.5-0.5B): the real layer quantizer tiles
+    K by 256, so the family pads the activations with zero columns up to 768 before it, and
+    the result equals the reference on the real K (zero columns add nothing and leave the
+    NVFP4 amax alone)."""
+    from resgen.kernels.quant_sm90 import QuantConfig
+
+    alpha = "static" if static else "dynamic"
+    bad = QuantConfig(fmt=fmt, compensation=comp, k=576, write_codes=False, write_xop=True,
+                      layout="row_pair" if comp == "full" else "plain",
+                      alpha="none" if fmt == "mxfp4" else alpha, kp_align=256)
+    assert bad.why_invalid() is not None          # the real quantizer refuses K = 576
+    qw = _qweight(fmt, n=64, k=576, static=static)
+    made = []
+    registry = _record_launcher_pointers(monkeypatch) if fam == "linear_sm90_mma" else None
+    layer = Linear(qw, comp, device="cpu", family=fam, dispatcher=_empty_dispatcher(),
+                   compile_fn=_Compiles(registry), quantizer_fn=lambda p, a: made.append(
+                       _TiledQuantizer(p)) or made[-1])
+    g = torch.Generator().manual_seed(5)
+    for m in (1, 7, 40):
+        x = (torch.randn(m, 576, generator=g) * 3).to(torch.bfloat16)
+        y = layer(x)
+        assert layer.plan(m).family == fam and layer.plan(m).source == "default"
+        ref = R.linear(x.float(), qw, comp)
+        assert not bool(y.isnan().any()) and _rel(y, ref) <= 3e-3
+    assert made and all(q.k == 768 for q in made)
+
+
+def test_kext_where_the_quantizer_cannot_tile_k_is_a_clear_error():
+    qw = _qweight("nvfp4", n=64, k=576, ratio=0.25)
+    layer = Linear(qw, 0.25, device="cpu", family="linear_sm90_wgmma",
+                   dispatcher=_empty_dispatcher(), compile_fn=_Compiles(),
+                   quantizer_fn=_quantizers([]))
+    with pytest.raises(ValueError, match="K-Ext at K = 576 needs the layer quantizer"):
+        layer((torch.randn(40, 576) * 3).to(torch.bfloat16))

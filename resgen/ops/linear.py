@@ -163,7 +163,8 @@ class Linear:
         compiled = self._compile(fam, v, p, self.arch)
         quantizer = None
         if self._quantizer is not None and fam.needs_quantizer(v):
-            quantizer = self._quantizer(p, self.arch)
+            # at the quantizer's K (rounded up to its tiling where needed: the family pads)
+            quantizer = self._quantizer(fam.quantizer_problem(p), self.arch)
         run = fam.bind(compiled, v, p, self._weight(fam, v), self.device, quantizer=quantizer,
                        alpha=self.alpha, masks=self.masks if p.ratio is not None else None)
         return LayerPlan(p, fam.NAME, v, source, run)

@@ -235,6 +235,10 @@ class LinearFamily(Protocol):
     def needs_quantizer(self, variant: VariantBase) -> bool:
         """True where the variant reads a prepared operand (a layer quantizer in front)."""
 
+    def quantizer_problem(self, problem: ProblemBase) -> ProblemBase:
+        """The problem the layer quantizer in front of `problem`'s GEMM is built for (e.g. K
+        rounded up to the quantizer's tiling); raises ValueError if none can serve it."""
+
     def bind(self, compiled: Any, variant: VariantBase, problem: ProblemBase, weight: Any,
              device: Any, *, quantizer: Any = None, alpha: Any = None, masks: Any = None
              ) -> Callable[[Any, Any], Any]:

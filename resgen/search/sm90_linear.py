@@ -37,7 +37,8 @@ from .family import compare as family_compare
 from .variant import Choice, LinearProblem, VariantBase
 
 __all__ = ["Packing", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensation_of",
-           "layer_quantizer", "random_layer", "cached_weight_sets", "clone_tensors",
+           "quantizer_k", "QUANT_K_ALIGN", "layer_quantizer", "random_layer",
+           "cached_weight_sets", "clone_tensors",
            "LinearBinding", "Sm90LinearFamily", "Sm90LinearRunner"]
 
 TOLERANCE = 3e-3          # BF16 output rounding
@@ -69,6 +70,27 @@ def compensation_of(problem: LinearProblem) -> str | float:
     return problem.ratio if problem.ratio is not None else problem.compensation
 
 
+QUANT_K_ALIGN = 256      # quant_sm90 tiles K by warps of 32 lanes x 8 values
+
+
+def quantizer_k(problem: LinearProblem) -> int:
+    """The K the layer quantizer runs at: problem.k, or, where quant_sm90 cannot tile it
+    (K % 256 != 0, e.g. SmolLM2's 576 or Qwen2.5-0.5B's 896), K rounded up to 256 with the
+    activations copied into zero columns first. That is exact for plain, M-Ext and dynamic or
+    static scales: zero columns quantize to zero codes in whole zero blocks (K is a multiple
+    of the block), leave the NVFP4 amax unchanged, and the operand's columns K..Kp are the
+    zeros the GEMM's Kp padding expects anyway. K-Ext is refused there: its extension columns
+    start at K in the weight's layout. The GEMM kernel and weight layout are unchanged (both
+    already pad to Kp = K rounded up to 256)."""
+    if problem.k % QUANT_K_ALIGN == 0:
+        return problem.k
+    if problem.ratio is not None:
+        raise ValueError(f"K-Ext at K = {problem.k} needs the layer quantizer, which tiles K "
+                         f"by {QUANT_K_ALIGN}: serve this layer with a fused variant (static "
+                         "NVFP4 or MXFP4, decode-sized M) or plain / M-Ext")
+    return pad_to(problem.k, QUANT_K_ALIGN)
+
+
 _LAYER_QUANT: dict[tuple, Any] = {}
 
 
@@ -83,9 +105,10 @@ def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a") -> Any:
     comp = problem.compensation
     alpha = "none" if problem.fmt == "mxfp4" else ("static" if problem.static_scale
                                                    else "dynamic")
-    key = (problem.fmt, comp, problem.k, alpha, arch)
+    kq = quantizer_k(problem)
+    key = (problem.fmt, comp, kq, alpha, arch)
     if key not in _LAYER_QUANT:
-        cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=problem.k,
+        cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=kq,
                           layout="row_pair" if comp == "full" else "plain",
                           write_codes=False, write_xop=True, alpha=alpha, kp_align=256)
         _LAYER_QUANT[key] = compile_config(cfg, arch)[0]
@@ -178,6 +201,7 @@ class LinearBinding:
         self.launcher, self.problem, self.weight = launcher, problem, weight
         self.m, self.rows = problem.m, problem.rows
         self.fused, self.masks = fused, masks
+        self.xpad: torch.Tensor | None = None
         if fused:
             if quantizer is not None:
                 raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
@@ -191,6 +215,11 @@ class LinearBinding:
             raise ValueError("a variant that reads a prepared operand needs the layer "
                              "quantizer in front")
         self.quantizer = quantizer
+        kq = quantizer_k(problem)
+        if kq != problem.k:
+            # the activations copied into zero columns up to the quantizer's K (exact: see
+            # quantizer_k); allocated once here, so the bound layer stays capturable
+            self.xpad = torch.zeros(problem.m, kq, dtype=torch.bfloat16, device=device)
         self.outs = quantizer.outputs(problem.m, row_multiple=row_multiple, device=device)
         static = quantizer.config.alpha == "static"
         if static and alpha is None:
@@ -203,6 +232,9 @@ class LinearBinding:
         if self.fused:
             return self.launcher(self.weight, xb, self.m, self.rows, self.alpha, out,
                                  self.masks)
+        if self.xpad is not None:
+            self.xpad[:, : self.problem.k].copy_(xb)
+            xb = self.xpad
         op = self.quantizer(xb, self.outs, alpha=self.alpha, **self._qkw)
         return self.launcher(self.weight, op.xop, self.m, self.rows, op.alpha, out)
 
@@ -241,6 +273,10 @@ class Sm90LinearFamily(KernelFamilyBase):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ shared
+    def quantizer_problem(self, problem: LinearProblem) -> LinearProblem:
+        """`problem` at the K the layer quantizer runs at (quantizer_k)."""
+        return replace(problem, k=quantizer_k(problem))
+
     def default_quantizer(self, problem: LinearProblem) -> Any:
         """The layer quantizer `bind` puts in front when given none (layer_quantizer for this
         family's arch)."""
