@@ -189,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="copy every result whose checksum holds, parseable or not (forensics; "
                         "by default only rows the runtime could accept are merged: registered "
                         "family, keys that parse, numbers in range, valid for the workload)")
+    m.add_argument("--on-conflict", choices=["refuse", "first", "union"], default="refuse",
+                   help="when sources rank the variants they both measured differently for a "
+                        "workload (its winner would depend on which timings the table keeps): "
+                        "refuse (default: nothing is written), first (that workload's rows "
+                        "come from the first source that has any; the existing --into rows "
+                        "count first), union (keep all; the runtime's rule picks over them); "
+                        "see resgen/db/consistency.py")
     m.add_argument("--import", dest="imports", action="append", default=[])
     e = dsub.add_parser("export", help="to JSON, or a compact read-only-friendly SQLite copy "
                         "(xz-compressed when --out ends in .xz, as tuned/ ships it)")
@@ -1121,6 +1128,44 @@ def _servable_filter(fresh_only: bool) -> Callable[[Any], bool]:
     return keep
 
 
+def _merge_rule(args: argparse.Namespace, keep: Callable[[Any], bool] | None
+                ) -> list[Callable[[Any], bool] | None] | None:
+    """The rank-consistency check of `db merge` (resgen.db.consistency): one row filter per
+    source, or None (after printing the conflicts) when they are refused."""
+    from .db import TuningDB
+    from .db.consistency import conflict_groups
+
+    sources, offset = [], 0
+    if args.into.exists():
+        with TuningDB(args.into, readonly=True) as db:
+            sources.append((f"{args.into} (its rows before the merge)", db.rows()))
+        offset = 1
+    for src in args.sources:
+        with TuningDB(src, readonly=True) as db:
+            sources.append((str(src), db.rows()))
+    conflicts, first = conflict_groups(sources, _servable_filter(True))
+    if conflicts and args.on_conflict == "refuse":
+        print(f"resgen db merge: {len(conflicts)} workload(s) would get a winner that depends "
+              f"on which source's timings are kept; nothing was merged into {args.into} "
+              "(--on-conflict first|union picks a rule)", file=sys.stderr)
+        for c in conflicts[:20]:
+            print(f"  conflict: {_printable(c.text(), 400)}", file=sys.stderr)
+        return None
+    if not conflicts or args.on_conflict == "union":
+        return [keep] * len(args.sources)
+    bad = {(c.workload_digest, c.gpu_name, c.arch) for c in conflicts}
+
+    def only_first(i: int) -> Callable[[Any], bool]:
+        def k(row: Any) -> bool:
+            g = (str(row["workload_digest"]), str(row["gpu_name"]), str(row["arch"]))
+            if g in bad and first[g] != i:
+                return False
+            return keep is None or keep(row)
+        return k
+
+    return [only_first(offset + i) for i in range(len(args.sources))]
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from .db import DatabaseError, TuningDB
 
@@ -1139,10 +1184,13 @@ def cmd_db(args: argparse.Namespace) -> int:
         if args.dbcmd == "merge":
             _import_all(args.imports)
             keep = None if args.all_rows else _servable_filter(args.fresh_only)
+            keeps = _merge_rule(args, keep)
+            if keeps is None:
+                return 1
             with TuningDB(args.into) as dst:
-                for src in args.sources:
+                for src, keep_src in zip(args.sources, keeps):
                     with TuningDB(src, readonly=True) as s:
-                        counts = dst.merge_from(s, keep=keep)
+                        counts = dst.merge_from(s, keep=keep_src)
                     print(f"{src} -> {args.into}: {counts}")
             return 0
         if args.dbcmd == "export":

@@ -311,3 +311,31 @@ def test_hosts_share_one_study_a_killed_host_is_re_run_and_the_merge_is_one_proc
     assert set(per_host.values()) == {1}         # each outcome in one host's database
     assert sum(1 for i in range(3) if i != killed
                for _ in _rows(tmp_path / f"h{i}.sqlite")) > 0
+
+
+# -- the planner reads the tuner's fixed candidate lists without evaluating ----------------------
+@pytest.mark.parametrize("case", ["exhaustive", "ranked", "spread", "cover-preflight", "optuna"])
+def test_the_planner_lists_exactly_what_the_tuner_evaluates(tmp_path, monkeypatch, case):
+    from resgen.search.distributed import _Planner
+    from resgen.search.tuner import Tuner
+
+    compile_only = case in ("spread", "cover-preflight")
+    if case == "ranked":
+        monkeypatch.setattr(fakefam.FakeFamily, "prior", fakefam.fake_prior, raising=False)
+    env = make_env(gpu_name="none (compile-only)", compile_only=True) if compile_only \
+        else make_env()
+    cfg = TuneConfig(arch="sm_90a", seeds=0, compile_only=compile_only,
+                     max_variants={"exhaustive": 64, "ranked": 4, "spread": 9,
+                                   "cover-preflight": 4, "optuna": 6}[case],
+                     preflight="cover" if case == "cover-preflight" else "full")
+    p = FakeProblem(m=64, k=4096)
+    _, planned = _Planner(env, cfg).plan(fakefam.FAMILY, p, "full")
+    if case == "optuna":
+        assert planned is None                 # depends on the timings: searched by its owner
+        return
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        s = Tuner(db, env, cfg, fakefam.fake_timer).tune(fakefam.FAMILY, p, stage="full")
+        order = [(r["variant_key"], r["space_index"]) for r in sorted(db.rows(),
+                                                                      key=lambda r: r["id"])]
+    assert s.search == case
+    assert [(v.key(), i) for v, i in planned] == order and len(order) > 1
