@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import os
 import signal
 import socket
@@ -18,7 +17,8 @@ import time
 import pytest
 
 import fakefam
-from fakefam import FakeProblem, FakeVariant, Pack, isolated_cache, make_env, subprocess_env  # noqa: F401
+from fakefam import (FakeProblem, FakeVariant, Pack, isolated_cache, make_env,  # noqa: F401
+                     subprocess_env)
 from pgfixture import pg_server, pg_url  # noqa: F401
 from resgen.cli import main
 from resgen.db import TuningDB
@@ -204,7 +204,7 @@ def test_the_registry_is_shared_and_one_study_per_environment(pg_url):
         _coord(pg_url, env=env)
 
 
-# -- several hosts, one killed mid-trial ------------------------------------------------------------
+# -- several hosts, one killed mid-trial ---------------------------------------------------------
 def _single_process(tmp_path, problem_keys):
     """What one process tunes for the same jobs without a coordinator (seeds off, as a
     distributed run has them)."""

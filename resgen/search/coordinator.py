@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import hashlib
 import inspect
 import json
