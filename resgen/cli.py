@@ -143,6 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timer", default=None, metavar="MODULE:FUNCTION",
                    help="replace resgen.search.timing.measure (alternative measurement tools; "
                         "the tests' fake timings)")
+    t.add_argument("--coordinator", default=None, metavar="URL",
+                   help="tune together with every other `resgen tune` given the same URL (one "
+                        "per GPU, on one or many hosts): work is drawn from one optuna study "
+                        "on this PostgreSQL server (postgresql://USER@HOST:PORT/DB), results "
+                        "go to each host's --db as always (`resgen db merge` gathers them); "
+                        "default: RESGEN_COORDINATOR, 'none' for no coordinator; needs "
+                        "pip install 'resgen[dist]' (docs/distributed_tuning.md)")
+    t.add_argument("--coordinator-run", default=None, metavar="TAG",
+                   help="with --coordinator and --no-resume: names this re-measure run (the "
+                        "same on every host): only its own timings count")
+    t.add_argument("--coordinator-grace", type=_pos_int, default=30, metavar="S",
+                   help="with --coordinator: a trial whose process sent no heartbeat for S "
+                        "seconds (killed, host down) is failed and re-queued (default 30)")
 
     s = sub.add_parser("show", help="winners per workload as a table")
     s.add_argument("--db", type=Path, default=None)
@@ -176,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="copy every result whose checksum holds, parseable or not (forensics; "
                         "by default only rows the runtime could accept are merged: registered "
                         "family, keys that parse, numbers in range, valid for the workload)")
+    m.add_argument("--on-conflict", choices=["refuse", "first", "union"], default="refuse",
+                   help="when sources rank the variants they both measured differently for a "
+                        "workload (its winner would depend on which timings the table keeps): "
+                        "refuse (default: nothing is written), first (that workload's rows "
+                        "come from the first source that has any; the existing --into rows "
+                        "count first), union (keep all; the runtime's rule picks over them); "
+                        "see resgen/db/consistency.py")
     m.add_argument("--import", dest="imports", action="append", default=[])
     e = dsub.add_parser("export", help="to JSON, or a compact read-only-friendly SQLite copy "
                         "(xz-compressed when --out ends in .xz, as tuned/ ships it)")
@@ -365,6 +385,44 @@ def _check_warm_start(path: Path | None) -> None:
         raise _Usage(f"--warm-start {path} fails verification: {'; '.join(rep.errors[:3])}")
 
 
+def _coordinator_config(args: argparse.Namespace) -> Any:
+    """--coordinator (or RESGEN_COORDINATOR) as a CoordinatorConfig, None without one; the
+    URL and the flags that go with it are checked here, before anything is created."""
+    from .settings import settings
+
+    url = args.coordinator if args.coordinator is not None else settings().coordinator
+    if not url or url.strip().lower() in ("none", "off"):
+        if args.coordinator_run:
+            raise _Usage("--coordinator-run needs --coordinator")
+        return None
+    from .search.coordinator import CoordinatorConfig, CoordinatorError, check_url
+
+    if args.shard is not None:
+        raise _Usage("--shard and --coordinator both split the work: use one of them")
+    if not args.resume and not args.coordinator_run:
+        raise _Usage("--no-resume with --coordinator needs --coordinator-run TAG (the same on "
+                     "every host) so that the hosts agree on which timings are this run's")
+    try:
+        check_url(url)
+        grace = args.coordinator_grace
+        return CoordinatorConfig(url=url, grace_s=max(2, grace),
+                                 heartbeat_s=max(1, min(10, grace // 6)),
+                                 run_tag=args.coordinator_run)
+    except CoordinatorError as e:
+        raise _Usage(str(e)) from None
+    except ValueError as e:
+        raise _Usage(f"--coordinator-grace: {e}") from None
+
+
+def _probe_coordinator(cfg: Any, env: Any) -> None:
+    from .search.coordinator import CoordinatorError, probe
+
+    try:
+        probe(cfg, env)
+    except CoordinatorError as e:
+        raise _Usage(str(e)) from None
+
+
 def _preflight_note(arch: str, preflight: str, max_variants: int) -> str:
     what = ("a covering subset of the workloads and of each one's variants: every format, "
             "mode, bucket, shape and axis value compiled at least once; --full-preflight "
@@ -403,6 +461,7 @@ def _tune(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.hard_stop) and args.hard_stop >= 0):
         raise _Usage(f"--hard-stop {args.hard_stop}: need a non-negative number of seconds")
     _import_all(args.imports)
+    coordinator = _coordinator_config(args)
     try:
         models = get_models(args.model)
     except ValueError as e:
@@ -449,6 +508,8 @@ def _tune(args: argparse.Namespace) -> int:
             preflight=preflight or "full")
     except ValueError as e:
         raise _Usage(str(e)) from None
+    if coordinator is not None and not args.plan:
+        _probe_coordinator(coordinator, env)     # unreachable: one line, before anything runs
     workers = args.jobs or config.default_workers(
         plan_gpu_host=args.plan and not gpu and not compile_only)
     measured = None
@@ -478,15 +539,27 @@ def _tune(args: argparse.Namespace) -> int:
     print(f"resgen tune: {label}, arch {arch}, {len(jobs)} workloads, stages "
           f"{'+'.join(stages)}, {workers} process(es), budget {budget or 'none'} s, policy "
           f"{config.policy.label}, database {db_path}", file=sys.stderr)
-    progress = _TuneProgress(len(jobs) * len(stages), compile_only)
+    progress = _TuneProgress(len(jobs) * (1 if coordinator else len(stages)), compile_only)
     modules = list(args.imports) + sorted({type(f).__module__ for f in fams})
     interrupted = False
     try:
         # On a GPU the tuning always runs in worker processes: one whose CUDA context a
         # broken variant poisons is replaced, and the run goes on.
-        summaries = run_jobs(jobs, functools.partial(TuningDB, db_path), env, config,
-                             workers=workers, isolate=not compile_only, modules=modules,
-                             on_event=progress.on_event)
+        if coordinator is not None:
+            from .search.coordinator import CoordinatorError
+            from .search.distributed import run_distributed
+
+            try:
+                summaries = run_distributed(
+                    jobs, functools.partial(TuningDB, db_path), env, config, coordinator,
+                    workers=workers, isolate=not compile_only, modules=modules,
+                    on_event=progress.on_event)
+            except CoordinatorError as e:
+                raise _Usage(str(e)) from None
+        else:
+            summaries = run_jobs(jobs, functools.partial(TuningDB, db_path), env, config,
+                                 workers=workers, isolate=not compile_only, modules=modules,
+                                 on_event=progress.on_event)
     except TuneInterrupted as e:
         summaries, interrupted = e.summaries, True
     progress.close()
@@ -544,6 +617,8 @@ class _TuneProgress:
             self.bar.write(f"replacing a tuner process: {obj}")
         elif kind == "disabled":
             self.disabled.append(str(obj))
+            self.bar.write(str(obj))
+        elif kind == "note":                   # the coordinator's progress lines
             self.bar.write(str(obj))
 
     def close(self) -> None:
@@ -1062,6 +1137,44 @@ def _servable_filter(fresh_only: bool) -> Callable[[Any], bool]:
     return keep
 
 
+def _merge_rule(args: argparse.Namespace, keep: Callable[[Any], bool] | None
+                ) -> list[Callable[[Any], bool] | None] | None:
+    """The rank-consistency check of `db merge` (resgen.db.consistency): one row filter per
+    source, or None (after printing the conflicts) when they are refused."""
+    from .db import TuningDB
+    from .db.consistency import conflict_groups
+
+    sources, offset = [], 0
+    if args.into.exists():
+        with TuningDB(args.into, readonly=True) as db:
+            sources.append((f"{args.into} (its rows before the merge)", db.rows()))
+        offset = 1
+    for src in args.sources:
+        with TuningDB(src, readonly=True) as db:
+            sources.append((str(src), db.rows()))
+    conflicts, first = conflict_groups(sources, _servable_filter(True))
+    if conflicts and args.on_conflict == "refuse":
+        print(f"resgen db merge: {len(conflicts)} workload(s) would get a winner that depends "
+              f"on which source's timings are kept; nothing was merged into {args.into} "
+              "(--on-conflict first|union picks a rule)", file=sys.stderr)
+        for c in conflicts[:20]:
+            print(f"  conflict: {_printable(c.text(), 400)}", file=sys.stderr)
+        return None
+    if not conflicts or args.on_conflict == "union":
+        return [keep] * len(args.sources)
+    bad = {(c.workload_digest, c.gpu_name, c.arch) for c in conflicts}
+
+    def only_first(i: int) -> Callable[[Any], bool]:
+        def k(row: Any) -> bool:
+            g = (str(row["workload_digest"]), str(row["gpu_name"]), str(row["arch"]))
+            if g in bad and first[g] != i:
+                return False
+            return keep is None or keep(row)
+        return k
+
+    return [only_first(offset + i) for i in range(len(args.sources))]
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from .db import DatabaseError, TuningDB
 
@@ -1080,10 +1193,13 @@ def cmd_db(args: argparse.Namespace) -> int:
         if args.dbcmd == "merge":
             _import_all(args.imports)
             keep = None if args.all_rows else _servable_filter(args.fresh_only)
+            keeps = _merge_rule(args, keep)
+            if keeps is None:
+                return 1
             with TuningDB(args.into) as dst:
-                for src in args.sources:
+                for src, keep_src in zip(args.sources, keeps):
                     with TuningDB(src, readonly=True) as s:
-                        counts = dst.merge_from(s, keep=keep)
+                        counts = dst.merge_from(s, keep=keep_src)
                     print(f"{src} -> {args.into}: {counts}")
             return 0
         if args.dbcmd == "export" and args.winners:

@@ -107,7 +107,8 @@ class _Row:
     policy: tuple[int, str] = (0, "")      # (version, name) of the measurement policy
 
     def as_pick(self) -> dict[str, Any]:
-        return {"median_us": self.median_us, "space_index": self.space_index, "row": self}
+        return {"median_us": self.median_us, "space_index": self.space_index, "row": self,
+                "tiebreak": f"{self.family}\0{self.variant.key()}"}
 
 
 @dataclass

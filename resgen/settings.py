@@ -5,6 +5,8 @@ RESGEN_DB          an explicit tuning database to consult first
 RESGEN_ARCH        compile target when no GPU is present (default sm_90a)
 RESGEN_TUNED_DIR   the shipped dispatch tables, one per GPU (default: the package's copy,
                    <package>/_tuned, in an installed wheel; <repo>/tuned in a source checkout)
+RESGEN_COORDINATOR the PostgreSQL URL `resgen tune` coordinates through by default (its
+                   --coordinator; unset: no coordinator; resgen.search.coordinator)
 
 The compile target (`settings().arch`, the default of resgen.ops and the compile-only CLI) is
 this machine's GPU's arch when a CUDA GPU is present (compute capability 9.0 -> sm_90a), else
@@ -64,6 +66,7 @@ class Settings:
     db_path: Path | None
     no_gpu_arch: str                 # RESGEN_ARCH, else DEFAULT_ARCH
     tuned_dir: Path = _REPO_TUNED
+    coordinator: str | None = None   # RESGEN_COORDINATOR
 
     @property
     def user_db(self) -> Path:
@@ -84,4 +87,5 @@ def settings() -> Settings:
     tuned = os.environ.get("RESGEN_TUNED_DIR")
     return Settings(cache_dir=Path(cache), db_path=Path(db) if db else None,
                     no_gpu_arch=os.environ.get("RESGEN_ARCH") or DEFAULT_ARCH,
-                    tuned_dir=Path(tuned) if tuned else default_tuned_dir())
+                    tuned_dir=Path(tuned) if tuned else default_tuned_dir(),
+                    coordinator=os.environ.get("RESGEN_COORDINATOR") or None)

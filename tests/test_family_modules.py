@@ -35,6 +35,8 @@ SHARED = {
     "search/tuner": "the tuner (the search of one workload)",
     "search/orchestrate": "the tuner's processes: job queue, workers, Ctrl-C",
     "search/device": "GPU locks and device health for the tuner's workers",
+    "search/coordinator": "the coordinator's optuna study on PostgreSQL (distributed tuning)",
+    "search/distributed": "a tuning run's processes drawing work from the coordinator",
     "search/warmstart": "warm-starting a search from stored results",
     "search/sm90_linear": "what the two Hopper linear families share: bind (the launch path "
                           "of a layer), the runner, the layer quantizer",

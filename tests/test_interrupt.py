@@ -15,7 +15,7 @@ import pytest
 import fakefam
 from fakefam import FakeVariant, Pack, isolated_cache, make_env, subprocess_env  # noqa: F401
 from resgen.cli import main
-from resgen.db import TuningDB
+from resgen.db import DatabaseError, TuningDB
 from resgen.search.record import Status
 from resgen.search.tuner import INTERRUPTED
 
@@ -54,9 +54,12 @@ def test_ctrl_c_stops_the_workers_and_says_how_to_resume(tmp_path, monkeypatch):
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:      # wait until a worker hangs in the variant
-            if db.exists() and any(r["variant_key"] == HUNG.key() and r["error"]
-                                   for r in _rows(db)):
-                break
+            try:
+                if db.exists() and any(r["variant_key"] == HUNG.key() and r["error"]
+                                       for r in _rows(db)):
+                    break
+            except DatabaseError:               # caught while `resgen tune` creates it
+                pass
             time.sleep(0.3)
         else:
             pytest.fail("the hanging variant never started")

@@ -588,8 +588,11 @@ class TuningDB:
         """Copy every result of `other` not already here (same workload, variant, fingerprint
         and environment), one transaction per result; rows failing their checksum are skipped,
         and so are rows for which `keep` (if given) returns False (counted as "dropped": e.g.
-        results tuned with templates this checkout no longer has)."""
-        added = skipped = bad = dropped = 0
+        results tuned with templates this checkout no longer has). A row here that only says
+        a variant was started and never finished (its process was killed) or interrupted is
+        replaced by `other`'s finished outcome of it ("finished_marker": a distributed run
+        re-runs such a variant on another host; resgen.search.distributed)."""
+        added = skipped = bad = dropped = finished = 0
         envs = {e["digest"]: e for e in other.environments()}
         for row in other.rows():
             try:
@@ -625,13 +628,33 @@ class TuningDB:
                     f"INSERT OR IGNORE INTO results ({', '.join(cols)}) "
                     f"VALUES ({', '.join('?' * len(cols))})",
                     [wl_id, var_id, env_id, *vals.values()])
-                return cur.rowcount > 0
-            if self._write(tx):
+                if cur.rowcount > 0:
+                    return "added"
+                if _is_marker(row):
+                    return "already_present"
+                here = self.conn.execute(
+                    "SELECT status, error FROM results WHERE workload_id = ? AND variant_id = ? "
+                    "AND fingerprint = ? AND environment_id = ?",
+                    (wl_id, var_id, row["fingerprint"], env_id)).fetchone()
+                if here is None or not _is_marker({"status": here[0], "error": here[1]}):
+                    return "already_present"
+                new = {k: v for k, v in vals.items() if k != "phase_s"}
+                new["phase_s"] = vals.get("phase_s")      # the checksum covers it if present
+                sets = ", ".join(f"{c} = ?" for c in new)
+                self.conn.execute(
+                    f"UPDATE results SET {sets} WHERE workload_id = ? AND variant_id = ? AND "
+                    "fingerprint = ? AND environment_id = ?",
+                    [*new.values(), wl_id, var_id, row["fingerprint"], env_id])
+                return "finished_marker"
+            got = self._write(tx)
+            if got == "added":
                 added += 1
+            elif got == "finished_marker":
+                finished += 1
             else:
                 skipped += 1
         return {"added": added, "already_present": skipped, "bad_checksum": bad,
-                "dropped": dropped}
+                "dropped": dropped, "finished_marker": finished}
 
     def winner_ids(self, keep: Callable[[Mapping[str, Any]], bool] | None = None) -> set[int]:
         """Result ids of the winning timed row per (workload, GPU name, arch): among the "ok"
@@ -711,6 +734,15 @@ class TuningDB:
             finally:
                 plain.unlink()
         return dest
+
+
+def _is_marker(row: Mapping[str, Any]) -> bool:
+    """A row that records no outcome: the variant's process died while running it, or Ctrl-C
+    stopped it (resgen.search.tuner writes these; resume tries an interrupted one again)."""
+    from ..search.tuner import INTERRUPTED, UNFINISHED
+
+    return row.get("status") == Status.RUN_FAILED and row.get("error") in (UNFINISHED,
+                                                                           INTERRUPTED)
 
 
 def _short(x: Any, n: int = 60) -> str:

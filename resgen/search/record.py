@@ -227,7 +227,11 @@ def pick_winner(rows: Iterable[Mapping[str, Any]], tie_rel: float = DEFAULT_TIE_
     """The winning row among timed rows (keys "median_us", "space_index").
 
     Lowest median; any row within `tie_rel` (relative) of it is a tie, and ties go to the
-    lowest space_index (the family's fixed order), so noise never flips a near-tie winner.
+    lowest space_index (the family's fixed order), so noise never flips a near-tie winner;
+    then the lower median; last the row's content (its "tiebreak" text, else family and
+    variant key), so that the answer depends only on which rows there are, never on their
+    order (every rank of a tensor-parallel group must dispatch the same variant: rows of two
+    families of one op can share a space index and a median).
     tie_rel must lie in [0, MAX_TIE_REL] (ValueError otherwise); rows whose median is not a
     positive finite number take no part.
     """
@@ -240,4 +244,12 @@ def pick_winner(rows: Iterable[Mapping[str, Any]], tie_rel: float = DEFAULT_TIE_
         return None
     best = min(float(r["median_us"]) for r in timed)
     near = [r for r in timed if float(r["median_us"]) <= best * (1.0 + tie_rel)]
-    return min(near, key=lambda r: (int(r["space_index"]), float(r["median_us"])))
+    return min(near, key=lambda r: (int(r["space_index"]), float(r["median_us"]),
+                                    _content(r)))
+
+
+def _content(row: Mapping[str, Any]) -> str:
+    t = row.get("tiebreak")
+    if t is not None:
+        return str(t)
+    return f"{row.get('family', '')}\0{row.get('variant_key', row.get('key', ''))}"

@@ -71,7 +71,8 @@ from .variant import ProblemBase, VariantBase, canonical_json, _to_jsonable
 
 __all__ = ["TuneConfig", "ResultStore", "WorkloadSummary", "Tuner", "working_set_bytes",
            "gpu_lock", "DeviceLost", "compile_class", "stages_of", "merge_summaries",
-           "Interrupted", "SEARCHES", "STAGES", "PHASES", "PREFLIGHTS", "GPU_HOST_CORES"]
+           "Interrupted", "SEARCHES", "STAGES", "PHASES", "PREFLIGHTS", "GPU_HOST_CORES",
+           "INTERRUPTED", "UNFINISHED"]
 
 log = logging.getLogger("resgen.tuner")
 
@@ -681,6 +682,7 @@ class Tuner:
 _UNFINISHED = ("started, never finished: the process hung, crashed or was killed while "
                "running this variant")
 INTERRUPTED = "interrupted (Ctrl-C) while running this variant: a resumed run tries it again"
+UNFINISHED = _UNFINISHED      # the marker's public name (db merge, resgen.search.distributed)
 
 
 class Interrupted(BaseException):
