@@ -9,7 +9,7 @@ the resgen sm_100a kernels use those as NVIDIA's blockscaled examples do. What t
                                   shape "32x32b" (rep registers), "16x256b" (4 rep), "16x128b"
                                   (2 rep), from TMEM address taddr (lane << 16 | column). Which
                                   accumulator element lands in which register is
-                                  resgen.kernels.linear_sm100_geom.tmem_frag (the PTX ISA's
+                                  resgen.kernels.linear_sm100_tc_geom.tmem_frag (the PTX ISA's
                                   fragment layouts, the same maps CUTLASS's SM100_TMEM_LOAD
                                   traits encode); the epilogue's fold plan is built from it. The
                                   load is side-effecting so it stays after the accumulator

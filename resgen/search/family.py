@@ -122,7 +122,8 @@ def register(family: KernelFamily) -> KernelFamily:
 
 
 _BUILTIN = ("resgen.search.linear_sm90", "resgen.search.quant_sm90",
-            "resgen.search.attention_sm90", "resgen.search.linear_sm90_wgmma")
+            "resgen.search.attention_sm90", "resgen.search.linear_sm90_wgmma",
+            "resgen.search.linear_sm100_tc", "resgen.search.quant_sm100")
 
 
 def _load_builtin() -> None:

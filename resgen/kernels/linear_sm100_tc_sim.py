@@ -2,7 +2,7 @@
 tests (there is no Blackwell GPU here: this and the sm_100a compiles are what exists).
 
 What it follows from the kernel, with the same index functions
-(resgen.kernels.linear_sm100_geom, which the template imports):
+(resgen.kernels.linear_sm100_tc_geom, which the template imports):
   - the grid: CTA (x, y, z) -> its A rows (a 2-SM pair's 128-row halves), B rows and K tiles;
   - the TMA tiles as the kernel requests them: codes rows of the tile (rows past the tensor
     read as zeros, as TMA fills them), and the tile's scale factors from the flat atom-layout
@@ -14,7 +14,7 @@ What it follows from the kernel, with the same index functions
   - the accumulator as a TMEM image [128 lanes, tile_n columns] per CTA (NaN outside the
     accumulator columns), read by each epilogue warp w (lanes 32 w .. + 31) with the TMEM
     load shape's fragment map taken from CUTLASS's SM100_TMEM_LOAD_* traits (their DstLayout
-    shapes and strides, evaluated here independently of linear_sm100_geom.tmem_frag);
+    shapes and strides, evaluated here independently of linear_sm100_tc_geom.tmem_frag);
   - the fold plan (Sm100Geometry.ld_plan: register pairs), mul.rn / add.rn in FP32 and
     cvt.rn.bf16 exactly as the template issues them, and the store path: predicated global
     stores, or the shared-memory staging tile and one bulk copy per existing token row;
@@ -30,8 +30,10 @@ import random
 
 import torch
 
-from .linear_sm100 import Sm100Operand, Sm100Weight, unit_values
-from .linear_sm100_geom import SF_ATOM_ROWS, Sm100Geometry, round_up, sf_offset, tmem_span
+from .linear_sm100_tc import Sm100Weight
+from .sm100_operand import Sm100Operand, unit_values
+from .linear_sm100_tc_geom import Sm100Geometry
+from .sm100_layout import SF_ATOM_ROWS, round_up, sf_offset, tmem_span
 
 __all__ = ["simulate_kernel", "traits_frag"]
 

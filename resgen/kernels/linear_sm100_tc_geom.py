@@ -1,6 +1,5 @@
 """Geometry and index math of the linear_sm100_tc kernels (Blackwell, tcgen05 block-scaled FP4
-MMA), shared by the kernel template, the host-side layouts, the quantizer and the CPU
-simulation.
+MMA), shared by the kernel template, the host side and the CPU simulation.
 
 Every function here is pure integer math on Python ints; the ones the kernel calls with device
 values (tmem_frag, the epilogue's output coordinates) use only +, *, //, % with a Python-int
@@ -14,36 +13,18 @@ Operand swap (host side: which tensor the launcher passes as A):
     swap = True   A = weights [N, Kp], B = activation rows [R, Kp]: TMEM lane = output channel,
                   TMEM column = activation row (the few decode rows on the MMA's narrow N)
     swap = False  A = activation rows, B = weights: lane = activation row, column = channel
-Activation rows (what the quantizer writes; R rows for T tokens):
-    plain     row t = token t (plain W4A4 and K-Ext, whose extension is extra K columns)
-    row_pair  row 2t = base of token t, 2t + 1 = its residue (M-Ext)
-    tile8     per 16 rows: 8 base rows (tokens 8b..8b+7), then their 8 residue rows (M-Ext)
+Activation rows and scale-factor layout: resgen.kernels.sm100_layout (shared with quant_sm100).
 M-Ext fold (the paper's semantics): y[t, c] = bf16(C[base(t), c] * f + C[residue(t), c] * f),
 two FP32 products and one FP32 add, after the TMEM load, in one thread's registers;
 f = alpha_x alpha_w (NVFP4; MXFP4: 1, its scales are inside the MMA). That is
 resgen.reference.linear's formula term by term.
 
-Scale factors (SF) live in the tcgen05 block-scaled layout (CUTLASS BlockScaledBasicChunk, the
-layout CUTLASS's tile_atom_to_shape_SF builds): 512-byte atoms of 128 rows x 4 SF columns,
-    offset(r, b) = ((r // 128) * (SFC // 4) + b // 4) * 512 + (r % 32) * 16
-                   + ((r // 32) % 4) * 4 + b % 4
-for row r and SF column b = k // V (SFC = SF columns, a multiple of 4). The MMA's scale-factor
-tile is always 128 rows, so an operand whose MMA tile has fewer rows (the B operand with a
-tile of 8..64 activation rows) is stored "tile-padded": the rows of tile z start at SF row
-128 z (sf_row). The weights as A (swap) or as B with a channel tile of 128 / 256 rows need no
-padding.
-
-TMEM loads (tcgen05.ld.sync.aligned.<shape>.x<rep>.b32; a warp reaches only the 32 lanes
-32 (warp % 4) .. + 31 of its sub-partition): register r of thread t holds, relative to the
-instruction's (lane, column) address (tmem_frag; the PTX ISA fragment layouts, CUTLASS
-SM100_TMEM_LOAD_* traits, checked against CuTe DSL's own partition in the tests):
-    32x32b   lane t,               column r                         (rep columns, 32 lanes)
-    16x256b  lane t//4 + 8 h,      column 8 q + 2 (t % 4) + j       (r = j + 2 h + 4 q)
-    16x128b  lane t//4 + 8 h,      column 4 q + t % 4               (r = h + 2 q)
-so the M-Ext pair of a swapped row_pair tile (adjacent columns) is thread-local with .32x32b
+TMEM load fragments (which register of which thread holds which accumulator element):
+resgen.kernels.sm100_layout.tmem_frag. From them,
+the M-Ext pair of a swapped row_pair tile (adjacent columns) is thread-local with .32x32b
 (rep >= 2) and .16x256b but not .16x128b; a swapped tile8 pair (columns c, c + 8) with
 .32x32b x16+, .16x256b x2+, .16x128b x4+; an unswapped tile8 pair (lanes l, l + 8) with the
-two .16x shapes only; an unswapped row_pair pair (lanes 2u, 2u + 1) never. fold_plan builds the
+two .16x shapes only; an unswapped row_pair pair (lanes 2u, 2u + 1) never. ld_plan builds the
 register pairs and proves them for all 32 threads, or says why it cannot.
 
 Work decomposition: grid (x, y, z) = (A tiles x cta_group, B tiles, split_k), clusters of
@@ -56,8 +37,14 @@ issues the MMAs, warp 5 the TMA loads.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
+
+from .sm100_layout import (MMA_K, ROW_LAYOUTS, SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS,
+                           SMEM_BYTES, TMEM_COLS, TMEM_SHAPES, act_row, act_rows, pow2_ceil,
+                           round_up, sf_cols, sf_offset, sf_row, sf_rows, sf_vec, tmem_frag,
+                           tmem_span, token_of_row)
 
 __all__ = ["MMA_K", "SF_ATOM_ROWS", "SF_ATOM_COLS", "SF_ATOM_BYTES", "ROW_LAYOUTS",
            "TMEM_SHAPES", "EPI_WARPS", "THREADS", "TMEM_COLS", "SMEM_BYTES", "sf_vec",
@@ -65,125 +52,11 @@ __all__ = ["MMA_K", "SF_ATOM_ROWS", "SF_ATOM_COLS", "SF_ATOM_BYTES", "ROW_LAYOUT
            "token_of_row", "tmem_frag", "tmem_span", "Sm100Geometry", "FoldPlanError",
            "pow2_ceil", "round_up"]
 
-MMA_K = 64                 # K of one block-scaled FP4 MMA instruction
-SF_ATOM_ROWS = 128
-SF_ATOM_COLS = 4
-SF_ATOM_BYTES = SF_ATOM_ROWS * SF_ATOM_COLS
-ROW_LAYOUTS = ("plain", "row_pair", "tile8")
-TMEM_SHAPES = ("32x32b", "16x256b", "16x128b")
 EPI_WARPS = 4              # warps 0..3: epilogue (one TMEM sub-partition each)
 MMA_WARP = 4
 TMA_WARP = 5
 THREADS = 32 * 6
-TMEM_COLS = 512            # tensor memory columns per SM (128 lanes x 512 x 32 bit)
-SMEM_BYTES = 227 * 1024    # dynamic shared memory per CTA (sm_100)
 _BARRIER_BYTES = 1024      # mbarriers, TMEM address slot, split-K flag (rounded up)
-
-
-def pow2_ceil(v: int) -> int:
-    """The smallest power of two >= v (v >= 1)."""
-    return 1 << max(0, int(v) - 1).bit_length()
-
-
-def round_up(v: int, m: int) -> int:
-    return -(-int(v) // m) * m
-
-
-def sf_vec(fmt: str) -> int:
-    """Elements per scale factor: 16 (NVFP4, E4M3) or 32 (MXFP4, E8M0)."""
-    if fmt not in ("nvfp4", "mxfp4"):
-        raise ValueError(f"unknown FP4 format {fmt!r}")
-    return 16 if fmt == "nvfp4" else 32
-
-
-def sf_cols(kp: int, fmt: str) -> int:
-    """SF columns of a row of kp elements (a multiple of 4: whole atoms)."""
-    return round_up(kp // sf_vec(fmt), SF_ATOM_COLS)
-
-
-def sf_offset(r: Any, b: Any, cols: int) -> Any:
-    """Byte offset of the scale factor of row r, SF column b, in an SF tensor of `cols` SF
-    columns (tcgen05 block-scaled atom layout, see the module docstring)."""
-    return (((r // SF_ATOM_ROWS) * (cols // SF_ATOM_COLS) + b // SF_ATOM_COLS) * SF_ATOM_BYTES
-            + (r % 32) * 16 + ((r // 32) % 4) * 4 + b % SF_ATOM_COLS)
-
-
-def sf_row(row: Any, tile_rows: int) -> Any:
-    """The SF row of operand row `row` for an MMA tile of tile_rows rows (tile-padded when the
-    tile has fewer than 128 rows: tile z's rows start at SF row 128 z)."""
-    if tile_rows >= SF_ATOM_ROWS:
-        return row
-    return (row // tile_rows) * SF_ATOM_ROWS + row % tile_rows
-
-
-def sf_rows(rows: int, tile_rows: int) -> int:
-    """Rows an SF tensor must have for `rows` operand rows (whole 128-row atoms)."""
-    if tile_rows >= SF_ATOM_ROWS:
-        return round_up(max(rows, 1), SF_ATOM_ROWS)
-    return -(-max(rows, 1) // tile_rows) * SF_ATOM_ROWS
-
-
-def act_rows(tokens: int, layout: str) -> int:
-    """Activation operand rows for `tokens` tokens in `layout`."""
-    if layout == "plain":
-        return tokens
-    if layout == "row_pair":
-        return 2 * tokens
-    if layout == "tile8":
-        return 16 * -(-tokens // 8)
-    raise ValueError(f"unknown activation row layout {layout!r}; known: {ROW_LAYOUTS}")
-
-
-def act_row(token: Any, residue: bool, layout: str) -> Any:
-    """The operand row of token's base (residue=False) or residue row."""
-    if layout == "plain":
-        if residue:
-            raise ValueError("the plain layout has no residue rows")
-        return token
-    if layout == "row_pair":
-        return 2 * token + (1 if residue else 0)
-    if layout == "tile8":
-        return (token // 8) * 16 + token % 8 + (8 if residue else 0)
-    raise ValueError(f"unknown activation row layout {layout!r}")
-
-
-def token_of_row(row: Any, layout: str) -> tuple[Any, Any]:
-    """(token, is_residue 0/1) of operand row `row`."""
-    if layout == "plain":
-        return row, 0
-    if layout == "row_pair":
-        return row // 2, row % 2
-    if layout == "tile8":
-        return (row // 16) * 8 + row % 8, (row % 16) // 8
-    raise ValueError(f"unknown activation row layout {layout!r}")
-
-
-def tmem_frag(shape: str, t: Any, r: int) -> tuple[Any, Any]:
-    """(lane, column) offsets of register r of thread t (0..31) of one tcgen05.ld.<shape>
-    relative to its TMEM address (the repetition count only sets how many registers exist)."""
-    if shape == "32x32b":
-        return t, r
-    if shape == "16x256b":
-        j, h, q = r % 2, (r // 2) % 2, r // 4
-        return t // 4 + 8 * h, 8 * q + 2 * (t % 4) + j
-    if shape == "16x128b":
-        h, q = r % 2, r // 2
-        return t // 4 + 8 * h, 4 * q + t % 4
-    raise ValueError(f"unknown TMEM load shape {shape!r}; known: {TMEM_SHAPES}")
-
-
-_REGS_PER_REP = {"32x32b": 1, "16x256b": 4, "16x128b": 2}
-
-
-def tmem_span(shape: str, rep: int) -> tuple[int, int, int]:
-    """(lanes, columns, registers per thread) one tcgen05.ld.<shape>.x<rep> covers."""
-    if shape == "32x32b":
-        return 32, rep, rep
-    if shape == "16x256b":
-        return 16, 8 * rep, 4 * rep
-    if shape == "16x128b":
-        return 16, 4 * rep, 2 * rep
-    raise ValueError(f"unknown TMEM load shape {shape!r}; known: {TMEM_SHAPES}")
 
 
 class FoldPlanError(ValueError):
@@ -198,6 +71,64 @@ class LdInstr:
     lane: int
     col: int
     pairs: tuple[tuple[int, int], ...]   # (base register, residue register or -1)
+
+
+def _out_coord(swap: bool, layout: str, i: Any, j: Any) -> tuple[Any, Any, Any]:
+    """C element (row i, column j) of a tile -> (token, channel, is_residue) in the tile."""
+    if swap:
+        tok, res = token_of_row(j, layout)
+        return tok, i, res
+    tok, res = token_of_row(i, layout)
+    return tok, j, res
+
+
+@functools.lru_cache(maxsize=1024)
+def _ld_plan(mode: str, layout: str, swap: bool, tile_n: int, shape: str, rep: int
+             ) -> tuple[LdInstr, ...]:
+    lanes, cols, nreg = tmem_span(shape, rep)
+    if tile_n % cols:
+        raise ValueError(f".{shape}.x{rep} loads {cols} columns; the accumulator tile has "
+                         f"{tile_n}, not a multiple")
+    return tuple(LdInstr(lane0, col0, _pairs(mode, layout, swap, shape, rep, lane0, col0))
+                 for lane0 in range(0, 32, lanes) for col0 in range(0, tile_n, cols))
+
+
+def _pairs(mode: str, layout: str, swap: bool, shape: str, rep: int, lane0: int, col0: int
+           ) -> tuple[tuple[int, int], ...]:
+    """Register pairs (base, residue) of one load, the same for every thread, proven for all
+    32 threads and every sub-partition; residue -1 without M-Ext."""
+    nreg = tmem_span(shape, rep)[2]
+    if mode != "mext":
+        return tuple((r, -1) for r in range(nreg))
+    step = 1 if layout == "row_pair" else 8          # base row -> its residue row
+    pairs = []
+    for rb in range(nreg):
+        dl, dc = tmem_frag(shape, 0, rb)
+        i, j = lane0 + dl, col0 + dc
+        if _out_coord(swap, layout, i, j)[2]:
+            continue
+        pi, pj = (i, j + step) if swap else (i + step, j)
+        hit = [r for r in range(nreg)
+               if (lane0 + tmem_frag(shape, 0, r)[0], col0 + tmem_frag(shape, 0, r)[1])
+               == (pi, pj)]
+        if not hit:
+            raise FoldPlanError(
+                f"{'swapped' if swap else 'unswapped'} {layout} tile: the residue of "
+                f"C[{i}, {j}] is not in the same thread's registers of .{shape}.x{rep}")
+        pairs.append((rb, hit[0]))
+    for t in range(32):
+        for q in range(EPI_WARPS):
+            for rb, rr in pairs:
+                bl, bc = tmem_frag(shape, t, rb)
+                rl, rc = tmem_frag(shape, t, rr)
+                tb = _out_coord(swap, layout, 32 * q + lane0 + bl, col0 + bc)
+                tr = _out_coord(swap, layout, 32 * q + lane0 + rl, col0 + rc)
+                if tb[:2] != tr[:2] or (tb[2], tr[2]) != (0, 1):
+                    raise FoldPlanError(f".{shape}.x{rep}: thread {t} pairs {tb} with {tr}")
+    if 2 * len(pairs) != nreg:
+        raise FoldPlanError(f".{shape}.x{rep}: {nreg} registers do not split into "
+                            "base-residue pairs")
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)
@@ -345,70 +276,16 @@ class Sm100Geometry:
 
     # ------------------------------------------------------------------ epilogue
     def out_coord(self, i: Any, j: Any) -> tuple[Any, Any, Any]:
-        """C element (row i, column j) -> (token, channel, is_residue)."""
-        if self.swap:
-            tok, res = token_of_row(j, self.layout)
-            return tok, i, res
-        tok, res = token_of_row(i, self.layout)
-        return tok, j, res
+        """C element (row i, column j) of the CTA's tile -> (token, channel, is_residue),
+        token and channel relative to the tile's first."""
+        return _out_coord(self.swap, self.layout, i, j)
 
     def ld_plan(self) -> tuple[LdInstr, ...]:
         """The TMEM loads of one epilogue warp, covering its 32 lanes x tile_n columns, each
         with the register pairs it folds; raises FoldPlanError / ValueError when the shape
-        cannot."""
-        lanes, cols, nreg = tmem_span(self.tmem_shape, self.tmem_rep)
-        if self.tile_n % cols:
-            raise ValueError(f".{self.tmem_shape}.x{self.tmem_rep} loads {cols} columns; the "
-                             f"accumulator tile has {self.tile_n}, not a multiple")
-        out = []
-        for lane0 in range(0, 32, lanes):
-            for col0 in range(0, self.tile_n, cols):
-                out.append(LdInstr(lane0, col0, self._pairs(lane0, col0, nreg)))
-        return tuple(out)
-
-    def _pairs(self, lane0: int, col0: int, nreg: int) -> tuple[tuple[int, int], ...]:
-        """Register pairs (base, residue) of one load, the same for every thread, proven for
-        all 32 threads and every sub-partition; residue -1 without M-Ext."""
-        if self.mode != "mext":
-            return tuple((r, -1) for r in range(nreg))
-        pairs = []
-        for rb in range(nreg):
-            dl, dc = tmem_frag(self.tmem_shape, 0, rb)
-            i, j = lane0 + dl, col0 + dc
-            _, _, res = self.out_coord(i, j)
-            if res:
-                continue
-            # the partner element of thread 0's register rb
-            pi, pj = (i, j + self._partner_step(j)) if self.swap else \
-                (i + self._partner_step(i), j)
-            hit = [r for r in range(nreg)
-                   if (lane0 + tmem_frag(self.tmem_shape, 0, r)[0],
-                       col0 + tmem_frag(self.tmem_shape, 0, r)[1]) == (pi, pj)]
-            if not hit:
-                raise FoldPlanError(
-                    f"{'swapped' if self.swap else 'unswapped'} {self.layout} tile: the "
-                    f"residue of C[{i}, {j}] is not in the same thread's registers of "
-                    f".{self.tmem_shape}.x{self.tmem_rep}")
-            pairs.append((rb, hit[0]))
-        for t in range(32):
-            for q in range(EPI_WARPS):
-                for rb, rr in pairs:
-                    bl, bc = tmem_frag(self.tmem_shape, t, rb)
-                    rl, rc = tmem_frag(self.tmem_shape, t, rr)
-                    tb = self.out_coord(32 * q + lane0 + bl, col0 + bc)
-                    tr = self.out_coord(32 * q + lane0 + rl, col0 + rc)
-                    if tb[:2] != tr[:2] or (tb[2], tr[2]) != (0, 1):
-                        raise FoldPlanError(
-                            f".{self.tmem_shape}.x{self.tmem_rep}: thread {t} pairs "
-                            f"{tb} with {tr}")
-        if 2 * len(pairs) != nreg:
-            raise FoldPlanError(f".{self.tmem_shape}.x{self.tmem_rep}: {nreg} registers do "
-                                f"not split into base-residue pairs")
-        return tuple(pairs)
-
-    def _partner_step(self, idx: int) -> int:
-        """Offset from a base row of the activation tile to its residue row."""
-        return 1 if self.layout == "row_pair" else 8
+        cannot (cached per (mode, layout, swap, tile_n, shape, rep): nothing else enters)."""
+        return _ld_plan(self.mode, self.layout, self.swap, self.tile_n, self.tmem_shape,
+                        self.tmem_rep)
 
     # ------------------------------------------------------------------ check
     def check(self) -> None:

@@ -1,0 +1,515 @@
+"""Kernel family linear_sm100_tc: Blackwell (sm_100a) FP4 linear layers on tcgen05 block-scaled
+MMA (NVFP4: kind::mxf4nvf4, E4M3 scales per 16; MXFP4: E8M0 scales per 32), accumulators in
+tensor memory, operand swap, the M-Ext fold after the TMEM load, K-Ext, split-K.
+Design and numbers: docs/linear_sm100.md. Nothing of this family has run on a GPU: there is
+no Blackwell machine here; it compiles for sm_100a on the CPU and its tile math is simulated
+(resgen.kernels.linear_sm100_tc_sim).
+
+The variant axes (LinearSm100Variant) and what they change in the kernel
+(resgen/templates/linear_sm100_tc.py.j2, geometry in resgen.kernels.linear_sm100_tc_geom):
+    tile_m      MMA M: 128 (one SM) or 256 (a 2-SM CTA pair, tcgen05 cta_group::2)
+    tile_n      MMA N (8..256, a power of two): with swap, activation rows per tile (the
+                narrow side: decode rows fit a tile of 8-32); without, channels (128 / 256)
+    tile_k      K per pipeline stage: 128 or 256 (2 or 4 MMAs of K = 64)
+    cluster_m, cluster_n   CTAs per cluster along M / N (TMA multicast of the shared operand;
+                a 2-SM tile needs cluster_m even)
+    stages      depth of the TMA -> MMA shared-memory ring
+    swap        weights as the MMA's A operand (True) or B (False): a host-side choice of which
+                tensor is passed as A
+    layout      activation rows: plain (none / K-Ext), row_pair or tile8 (M-Ext: where the
+                base and residue rows sit, which decides which TMEM load shapes keep each
+                base-residue pair in one thread)
+    tmem_shape, tmem_rep   the epilogue's tcgen05.ld: .32x32b / .16x256b / .16x128b and its
+                repetition count .x<rep> (registers per load: rep, 4 rep, 2 rep)
+    store       "direct" (st.global from registers) or "tma" (a bf16 shared-memory tile, one
+                bulk copy per token row)
+    split_k, reduce   CTAs along K and how they meet: "workspace" (partials + per-tile
+                semaphore, the last CTA sums in split order: deterministic) or "atomic"
+                (red.global.add, the last CTA converts and re-zeroes; not deterministic)
+Not implemented (no field, so no key pretends otherwise): a persistent tile scheduler, PDL,
+activation quantization fused into the GEMM (the layer is quant_sm100 + this kernel, as in the
+paper: its quantizer writes the layout the GEMM reads).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from ..kernels.linear_sm100_tc_geom import FoldPlanError, Sm100Geometry
+from ..kernels.sm100_layout import act_rows, pow2_ceil, round_up, tmem_span
+from .family import CheckResult, register
+from .family import compare as family_compare
+from .variant import Choice, IntRange, LinearProblem, VariantBase
+
+__all__ = ["RowLayout", "TmemShape", "Store", "Reduction", "LinearSm100Variant",
+           "LinearSm100Family", "FAMILY", "TOLERANCE", "ARCH", "geometry_of", "kp_of",
+           "mode_of", "LinearSm100Runner"]
+
+TOLERANCE = 3e-3
+ARCH = "sm_100a"
+_WS_MAX = 256 << 20          # split-K workspace bytes
+_SMS = 148                   # B200 SMs (NVIDIA's published figure; the space's wave rule)
+K_ALIGN = 256
+
+
+class RowLayout(Choice):
+    PLAIN = "plain"
+    ROW_PAIR = "row_pair"
+    TILE8 = "tile8"
+
+
+class TmemShape(Choice):
+    S32X32B = "32x32b"
+    S16X256B = "16x256b"
+    S16X128B = "16x128b"
+
+
+class Store(Choice):
+    DIRECT = "direct"
+    TMA = "tma"
+
+
+class Reduction(Choice):
+    NONE = "none"
+    WORKSPACE = "workspace"
+    ATOMIC = "atomic"
+
+
+@dataclass(frozen=True, slots=True)
+class LinearSm100Variant(VariantBase):
+    FAMILY: ClassVar[str] = "linear_sm100_tc"
+    tile_m: int = field(default=128, metadata={"range": IntRange(128, 256, pow2=True),
+                                               "short": "m"})
+    tile_n: int = field(default=8, metadata={"range": IntRange(8, 256, pow2=True),
+                                             "short": "n"})
+    tile_k: int = field(default=256, metadata={"range": IntRange(128, 256, pow2=True),
+                                               "short": "k"})
+    cluster_m: int = field(default=1, metadata={"range": IntRange(1, 4, pow2=True),
+                                                "short": "cm"})
+    cluster_n: int = field(default=1, metadata={"range": IntRange(1, 4, pow2=True),
+                                                "short": "cn"})
+    stages: int = field(default=4, metadata={"range": IntRange(2, 12), "short": "st"})
+    swap: bool = field(default=True, metadata={"short": "sw"})
+    layout: RowLayout = field(default=RowLayout.PLAIN, metadata={"short": "L"})
+    tmem_shape: TmemShape = field(default=TmemShape.S32X32B, metadata={"short": "t"})
+    tmem_rep: int = field(default=8, metadata={"range": IntRange(1, 128, pow2=True),
+                                               "short": "x"})
+    store: Store = field(default=Store.DIRECT, metadata={"short": "s"})
+    split_k: int = field(default=1, metadata={"range": IntRange(1, 16), "short": "sk"})
+    reduce: Reduction = field(default=Reduction.NONE, metadata={"short": "red"})
+
+    @property
+    def cta_group(self) -> int:
+        return self.tile_m // 128
+
+    @property
+    def deterministic(self) -> bool:
+        return self.reduce != Reduction.ATOMIC
+
+
+def mode_of(problem: LinearProblem) -> str:
+    if problem.compensation == "none":
+        return "plain"
+    return "mext" if problem.compensation == "full" else "kext"
+
+
+def kp_of(problem: LinearProblem) -> int:
+    """Kp: the MMA's reduction length (K, or K + ext, rounded up to one 256-wide K tile)."""
+    block = 16 if problem.fmt == "nvfp4" else 32
+    return round_up(problem.k_ext(block), K_ALIGN)
+
+
+def geometry_of(variant: LinearSm100Variant, problem: LinearProblem) -> Sm100Geometry:
+    v = variant
+    return Sm100Geometry(fmt=problem.fmt, mode=mode_of(problem), layout=v.layout.value,
+                         swap=bool(v.swap), n=problem.n, kp=kp_of(problem), tile_m=v.tile_m,
+                         tile_n=v.tile_n, tile_k=v.tile_k, cta_group=v.cta_group,
+                         cluster_m=v.cluster_m, cluster_n=v.cluster_n, stages=v.stages,
+                         tmem_shape=v.tmem_shape.value, tmem_rep=v.tmem_rep,
+                         store=v.store.value, split_k=v.split_k, reduce=v.reduce.value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_error(g: Sm100Geometry) -> str | None:
+    """Why the geometry's TMEM load plan cannot run (cached: the plan proves every pair for
+    every thread)."""
+    try:
+        g.ld_plan()
+    except (FoldPlanError, ValueError) as e:
+        return str(e)
+    return None
+
+
+class LinearSm100Family:
+    NAME: ClassVar[str] = "linear_sm100_tc"
+    VARIANT: ClassVar[type] = LinearSm100Variant
+    PROBLEM: ClassVar[type] = LinearProblem
+    TEMPLATE: ClassVar[str] = "linear_sm100_tc.py.j2"
+    ARCHS: ClassVar[tuple[str, ...]] = (ARCH,)
+    ENTRY: ClassVar[str] = "entry"
+
+    # ------------------------------------------------------------------ validity
+    def why_invalid(self, variant: LinearSm100Variant, problem: LinearProblem,
+                    arch: str) -> str | None:
+        v, p = variant, problem
+        if arch not in self.ARCHS:
+            return f"linear_sm100_tc runs on {self.ARCHS}, not {arch}"
+        if not isinstance(v, LinearSm100Variant) or not isinstance(p, LinearProblem):
+            return "not a LinearSm100Variant / LinearProblem"
+        mext = p.compensation == "full"
+        if mext and v.layout == RowLayout.PLAIN:
+            return "M-Ext needs base and residue rows: layout row_pair or tile8"
+        if not mext and v.layout != RowLayout.PLAIN:
+            return f"layout {v.layout.value} is for M-Ext; {p.compensation} uses plain rows"
+        if p.n % 8:
+            return f"N={p.n} is not a multiple of 8 (16-byte output rows)"
+        if v.cta_group == 2 and v.tile_n < 16:
+            return "a 2-SM MMA (tile_m 256) needs tile_n >= 16"
+        if not v.swap and v.tile_n < 128:
+            return ("without swap the weights are the B operand: a channel tile of 128 or 256 "
+                    "(whole 128-row scale-factor atoms)")
+        if mext and v.layout == RowLayout.TILE8:
+            a_tile = v.tile_n if v.swap else 128
+            if a_tile % 16:
+                return f"tile8 rows come in groups of 16; the activation tile has {a_tile}"
+        if v.cluster_m % v.cta_group:
+            return "a 2-SM MMA needs cluster_m to be a multiple of 2 (the CTA pair)"
+        if v.cluster_m * v.cluster_n > 16:
+            return f"a cluster of {v.cluster_m * v.cluster_n} CTAs (at most 16)"
+        kp = kp_of(p)
+        kt = kp // v.tile_k
+        if kt % v.split_k:
+            return f"Kp/{v.tile_k} = {kt} K tiles do not split evenly over split_k = {v.split_k}"
+        if (v.split_k > 1) != (v.reduce != Reduction.NONE):
+            return ("split_k > 1 needs reduce workspace/atomic" if v.split_k > 1
+                    else f"reduce={v.reduce.value} without split_k > 1")
+        if v.split_k > 1 and v.store == Store.TMA:
+            return "split-K's last CTA stores from registers: store tma needs split_k = 1"
+        if v.stages > kt // v.split_k:
+            return f"{v.stages} stages for {kt // v.split_k} K tiles per CTA"
+        lanes, cols, regs = tmem_span(v.tmem_shape.value, v.tmem_rep)
+        if regs > 128:
+            return f".{v.tmem_shape.value}.x{v.tmem_rep} loads {regs} registers (at most 128)"
+        if v.tile_n % cols:
+            return (f".{v.tmem_shape.value}.x{v.tmem_rep} loads {cols} columns; the "
+                    f"accumulator tile has {v.tile_n}")
+        g = geometry_of(v, p)
+        if v.store == Store.TMA and p.n % g.channels_per_cta:
+            return (f"the tma store writes whole channel tiles of {g.channels_per_cta}; "
+                    f"N={p.n} is not a multiple")
+        why = _plan_error(g)
+        if why is not None:
+            return why
+        if g.tmem_alloc > 512:
+            return f"{g.tmem_alloc} TMEM columns per CTA (at most 512)"
+        if g.smem_bytes > 227 * 1024:
+            return f"{g.smem_bytes} bytes of shared memory per CTA (at most 227 KB)"
+        if v.reduce == Reduction.WORKSPACE and v.split_k * p.m * p.n * 4 > _WS_MAX:
+            return "split-K workspace over 256 MB"
+        try:
+            g.check()
+        except ValueError as e:          # every rule above should have caught it first
+            return str(e)
+        return None
+
+    # ------------------------------------------------------------------ space
+    def _layouts(self, problem: LinearProblem) -> list[RowLayout]:
+        if problem.compensation == "full":
+            return [RowLayout.ROW_PAIR, RowLayout.TILE8]
+        return [RowLayout.PLAIN]
+
+    @staticmethod
+    def _token_tiles(rows: int) -> list[int]:
+        """Tile widths for `rows` activation rows: the one covering them all (8..256) and half
+        of it (twice the tiles along N)."""
+        full = min(256, max(8, pow2_ceil(rows)))
+        return [full] + ([full // 2] if full > 8 else [])
+
+    @staticmethod
+    def _tmem_options(tile_n: int) -> list[tuple[TmemShape, int]]:
+        """Per shape, the loads covering min(tile_n, 16) and min(tile_n, 64) columns."""
+        out = []
+        for shape in TmemShape:
+            per = tmem_span(shape.value, 1)[1]
+            for cols in dict.fromkeys((min(tile_n, 16), min(tile_n, 64))):
+                if cols % per == 0:
+                    out.append((shape, cols // per))
+        return out
+
+    def space(self, problem: LinearProblem, arch: str) -> Sequence[LinearSm100Variant]:
+        """The candidates worth timing, in a fixed order (every one valid): per activation
+        row layout, swapped tiles covering the rows in one or two tiles (and, from 64 rows,
+        unswapped 128 / 256-channel tiles), 1-SM and 2-SM MMAs (clusters of 1 and 2 CTAs
+        along M), K tiles of 256, 3 / 4 / 6 stages, every TMEM load shape at two repetition
+        counts, both store paths, and split-K by 2 / 4 (workspace and atomic) where the
+        tiles alone leave the 148 SMs of a B200 short."""
+        out = []
+        m = problem.m
+        kt = kp_of(problem) // 256
+        for layout in self._layouts(problem):
+            rows = act_rows(m, layout.value)
+            shapes = [(True, tn) for tn in self._token_tiles(rows)]
+            if rows >= 64:
+                shapes += [(False, 128), (False, 256)]
+            for swap, tn in shapes:
+                for tm, cms in ((128, (1, 2)), (256, (2,))):
+                    for cm in cms:
+                        a_rows = problem.n if swap else rows
+                        b_rows = rows if swap else problem.n
+                        tiles = -(-a_rows // tm) * -(-b_rows // tn)
+                        splits = [(1, Reduction.NONE)]
+                        if tiles < _SMS:
+                            splits += [(s, r) for s in (2, 4) if kt % s == 0
+                                       for r in (Reduction.WORKSPACE, Reduction.ATOMIC)]
+                        for st in (3, 4, 6):
+                            for sk, red in splits:
+                                for store in (Store.DIRECT, Store.TMA):
+                                    for shape, rep in self._tmem_options(tn):
+                                        v = LinearSm100Variant(tm, tn, 256, cm, 1, st, swap,
+                                                               layout, shape, rep, store, sk,
+                                                               red)
+                                        if self.why_invalid(v, problem, arch) is None:
+                                            out.append(v)
+        d = self.default(problem, arch)
+        if d not in out:
+            out.insert(0, d)
+        return list(dict.fromkeys(out))
+
+    def default(self, problem: LinearProblem, arch: str) -> LinearSm100Variant:
+        """The runtime's fallback: swapped 128-channel tiles covering up to 256 activation rows
+        (row_pair for M-Ext), 256-wide K tiles, the deepest ring of at most 4 stages that fits,
+        .32x32b loads of up to 32 columns, direct stores, no split, no cluster."""
+        layout = RowLayout.ROW_PAIR if problem.compensation == "full" else RowLayout.PLAIN
+        rows = act_rows(problem.m, layout.value)
+        tn = min(256, max(8, pow2_ceil(rows)))
+        kt = kp_of(problem) // 256
+        for st in (4, 3, 2):
+            v = LinearSm100Variant(128, tn, 256, 1, 1, min(st, max(2, kt)), True, layout,
+                                   TmemShape.S32X32B, min(tn, 32), Store.DIRECT, 1,
+                                   Reduction.NONE)
+            if self.why_invalid(v, problem, arch) is None:
+                return v
+        v = replace(v, tile_k=128, stages=2)
+        why = self.why_invalid(v, problem, arch)
+        if why is not None:
+            raise ValueError(f"linear_sm100_tc cannot run {problem.key()}: {why}")
+        return v
+
+    def prior(self, variant: LinearSm100Variant, problem: LinearProblem) -> float:
+        """The analytical B200 latency model's prediction in microseconds (lower first;
+        resgen.search.linear_sm100_tc_model, docs/linear_sm100.md): the tuner's order on
+        Blackwell until measurements exist. Never measured: there is no Blackwell GPU here."""
+        from .linear_sm100_tc_model import predict
+
+        return predict(variant, problem).total_us
+
+    # ------------------------------------------------------------------ codegen
+    def template_params(self, variant: LinearSm100Variant, problem: LinearProblem) -> dict:
+        g = geometry_of(variant, problem)
+        return {"fmt": g.fmt, "mode": g.mode, "layout": g.layout, "swap": bool(g.swap),
+                "n": int(g.n), "kp": int(g.kp), "tile_m": int(g.tile_m),
+                "tile_n": int(g.tile_n), "tile_k": int(g.tile_k),
+                "cta_group": int(g.cta_group), "cluster_m": int(g.cluster_m),
+                "cluster_n": int(g.cluster_n), "stages": int(g.stages),
+                "tmem_shape": g.tmem_shape, "tmem_rep": int(g.tmem_rep), "store": g.store,
+                "split_k": int(g.split_k), "reduce": g.reduce}
+
+    def compile_key(self, variant: LinearSm100Variant, problem: LinearProblem) -> LinearProblem:
+        """M is a run-time argument (tokens and operand rows; the grid and the TMA descriptors
+        follow it): one compile per (format, mode, N, K(+ext)); the activation tensor scale
+        is read from memory either way, so static_scale plays no part either."""
+        return replace(problem, m=1, static_scale=True)
+
+    def compile_args(self, variant: LinearSm100Variant, problem: LinearProblem) -> list[Any]:
+        import cuda.bindings.driver as cuda
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_ptr
+
+        gm = cute.AddressSpace.gmem
+        sf = cutlass.Float8E4M3FN if problem.fmt == "nvfp4" else cutlass.Float8E8M0FNU
+        return [make_ptr(cutlass.Float4E2M1FN, 0, gm, 32),
+                make_ptr(cutlass.Float4E2M1FN, 0, gm, 32), make_ptr(sf, 0, gm, 32),
+                make_ptr(sf, 0, gm, 32), make_ptr(cutlass.BFloat16, 0, gm, 16),
+                make_ptr(cutlass.Float32, 0, gm, 4), make_ptr(cutlass.Float32, 0, gm, 4),
+                make_ptr(cutlass.Float32, 0, gm, 16), make_ptr(cutlass.Int32, 0, gm, 4),
+                cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)]
+
+    # ------------------------------------------------------------------ running
+    def working_set_bytes(self, variant: LinearSm100Variant, problem: LinearProblem) -> int:
+        """Bytes of one input set (weights + scale factors + activation operand + output)."""
+        kp = kp_of(problem)
+        per_w = 0.5 + (1 / 16 if problem.fmt == "nvfp4" else 1 / 32)
+        rows = act_rows(problem.m, variant.layout.value)
+        return int(round_up(problem.n, 128) * kp * per_w + rows * kp * per_w * 2
+                   + problem.m * problem.n * 2 + problem.m * problem.k * 2)
+
+    def runner(self, compiled: Any, variant: LinearSm100Variant, problem: LinearProblem,
+               device: Any, n_sets: int = 1, seed: int = 0) -> "LinearSm100Runner":
+        return LinearSm100Runner(compiled, variant, problem, device, n_sets, seed)
+
+
+FAMILY = register(LinearSm100Family())
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float = TOLERANCE) -> CheckResult:
+    """resgen.search.family.compare at the linear tolerance (BF16 output rounding)."""
+    return family_compare(out, ref, tol)
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def random_layer(problem: LinearProblem, device, gen: torch.Generator):
+    """A random weight (heavy-tailed rows) prepared for `problem`."""
+    from .. import calibrate as C
+
+    n, k = problem.n, problem.k
+    w = torch.randn(n, k, generator=gen, device=device)
+    w = w * torch.exp(0.5 * torch.randn(n, 1, generator=gen, device=device))
+    sel = None
+    if problem.ratio is not None:
+        xc = torch.randn(64, k, generator=gen, device=device)
+        st = C.ChannelStats(k)
+        st.update(xc)
+        sel = C.select_channels(st.mean_abs(), problem.ratio)
+    isc = None
+    if problem.fmt == "nvfp4" and problem.static_scale:
+        isc = torch.tensor(4.0 / (6 * 448))          # activations ~ N(0, 1): amax about 4
+    return C.prepare_weight(w, problem.fmt, sel, input_scale=isc)
+
+
+def _compensation(problem: LinearProblem) -> Any:
+    return problem.ratio if problem.ratio is not None else problem.compensation
+
+
+_WEIGHTS: dict[tuple, list] = {}
+_WEIGHTS_KEEP = 3
+
+
+def _weight_sets(problem: LinearProblem, device, n_sets: int, seed: int) -> list:
+    """[(qweight, Sm100Weight)] * n_sets for the problem's layer (M plays no part), the first
+    random, the others copies in their own memory (cold-L2 rotation reads distinct memory);
+    cached for the few most recent layers."""
+    import dataclasses
+
+    from ..kernels.linear_sm100_tc import prepare_sm100_weight
+
+    key = (replace(problem, m=1).key(), str(device), seed)
+    sets = _WEIGHTS.get(key)
+    if sets is None:
+        while len(_WEIGHTS) >= _WEIGHTS_KEEP:
+            _WEIGHTS.pop(next(iter(_WEIGHTS)))
+        gen = torch.Generator(device=device).manual_seed(seed)
+        qw = random_layer(problem, device, gen)
+        sets = [(qw, prepare_sm100_weight(qw))]
+    sets = list(sets)
+    while len(sets) < max(1, n_sets):
+        w0 = sets[0][1]
+        sets.append((sets[0][0], dataclasses.replace(w0, codes=w0.codes.clone(),
+                                                     sf=w0.sf.clone(), alpha=w0.alpha.clone())))
+    _WEIGHTS[key] = sets
+    return sets[:max(1, n_sets)]
+
+
+class LinearSm100Runner:
+    """n_sets input sets (weights + activations), one compiled variant.
+
+    The timed call is the GEMM on a prepared operand (make_operand, torch) unless a quantizer
+    is attached (attach_quantizer / as_layer: quant_sm100 + GEMM, two launches, the whole layer
+    as the paper times it)."""
+
+    def __init__(self, compiled, variant, problem, device, n_sets, seed):
+        from ..kernels.linear_sm100_tc import LinearSm100Launcher
+
+        from .build import COMPILE_KEY_ATTR
+
+        made_for = getattr(compiled, COMPILE_KEY_ATTR, None)
+        if made_for is not None and made_for != FAMILY.compile_key(variant, problem).key():
+            raise ValueError(f"{variant.name()} was compiled for {made_for}, not for "
+                             f"{FAMILY.compile_key(variant, problem).key()}")
+        self.variant, self.problem = variant, problem
+        self.geom = geometry_of(variant, problem)
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.comp = _compensation(problem)
+        self.m = problem.m
+        self.rows = act_rows(problem.m, variant.layout.value)
+        xgen = torch.Generator(device=self.device).manual_seed(seed * 1000003 + problem.m)
+        self.sets = [(qw, wt, torch.randn(self.m, problem.k, generator=xgen,
+                                          device=self.device), None)
+                     for qw, wt in _weight_sets(problem, self.device, n_sets, seed)]
+        self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
+        self.launcher = LinearSm100Launcher(compiled, self.geom, max(self.rows, 16),
+                                            self.device)
+        self.quantizer = None
+        self.qsets: list = []
+        self.cur = 0
+
+    def operand(self, i: int):
+        """The torch-made operand of input set i (built on first use)."""
+        from ..kernels.sm100_operand import make_operand
+
+        qw, wt, x, op = self.sets[i]
+        if op is None:
+            op = make_operand(x, qw, self.comp, self.geom.layout, self.geom.act_sf_tile)
+            self.sets[i] = (qw, wt, x, op)
+        return op
+
+    def rotate(self, i: int) -> None:
+        self.cur = i % len(self.sets)
+
+    def attach_quantizer(self, qkernel: Any) -> None:
+        """Time the whole layer: qkernel (a compiled quant_sm100 kernel writing this variant's
+        operand layout) on bf16 activations, then the GEMM; two launches per call."""
+        self.quantizer = qkernel
+        self.qsets = [(x.to(torch.bfloat16).contiguous(), qkernel.outputs(self.m, self.device))
+                      for _, _, x, _ in self.sets]
+
+    def as_layer(self) -> None:
+        """The tuner's whole-layer hook: the layer quantizer in front (quant_sm100's default
+        for this operand layout)."""
+        from .quant_sm100 import layer_quantizer
+
+        self.attach_quantizer(layer_quantizer(self.problem, self.variant))
+
+    def __call__(self) -> torch.Tensor:
+        qw, wt, _, _ = self.sets[self.cur]
+        if self.quantizer is not None:
+            xb, outs = self.qsets[self.cur]
+            return self.launcher(wt, self.quantizer(xb, outs, qw), self.out)
+        return self.launcher(wt, self.operand(self.cur), self.out)
+
+    def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
+        """The layer on x: [m', K] with set `set_index`'s weight (torch operand, or the
+        attached quantizer on x rounded to bf16); NaN-poisoned output."""
+        from ..kernels.sm100_operand import make_operand
+
+        qw, wt, _, _ = self.sets[set_index]
+        out = torch.full((x.shape[0], self.problem.n), float("nan"), dtype=torch.bfloat16,
+                         device=self.device)
+        if self.quantizer is not None:
+            xb = x.to(torch.bfloat16).contiguous()
+            op = self.quantizer(xb, self.quantizer.outputs(x.shape[0], self.device), qw)
+        else:
+            op = make_operand(x, qw, self.comp, self.geom.layout, self.geom.act_sf_tile)
+        self.launcher(wt, op, out)
+        return out
+
+    def check(self) -> CheckResult:
+        """Fresh random activations (bf16-valued when a quantizer reads them), NaN-poisoned
+        output, vs resgen.reference.linear."""
+        from .. import reference
+
+        qw = self.sets[0][0]
+        x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
+        if self.quantizer is not None:
+            x = x.to(torch.bfloat16).float()
+        out = self.run_on(x)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return compare(out, reference.linear(x, qw, self.comp))
