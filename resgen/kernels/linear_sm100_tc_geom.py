@@ -191,8 +191,9 @@ class Sm100Geometry:
 
     @property
     def act_sf_tile(self) -> int:
-        """Rows of the MMA tile the activation's SF tensor is tile-padded for."""
-        return self.tile_n if self.swap else SF_ATOM_ROWS
+        """Rows of the MMA tile the activation's SF tensor is tile-padded for (128: whole
+        atoms, no padding)."""
+        return min(self.tile_n, SF_ATOM_ROWS) if self.swap else SF_ATOM_ROWS
 
     @property
     def w_rows(self) -> int:

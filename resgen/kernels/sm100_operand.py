@@ -26,7 +26,7 @@ from .sm100_layout import (act_row, act_rows, round_up, sf_cols, sf_offset, sf_r
                            sf_vec)
 
 __all__ = ["K_ALIGN_SM100", "Sm100Operand", "make_operand", "pack_sf", "unpack_sf",
-           "sf_bytes", "unit_values", "layout_for"]
+           "sf_bytes", "unit_values", "layout_for", "operand_reference"]
 
 K_ALIGN_SM100 = 256          # Kp granularity: one 256-wide K tile (4 MMAs of K = 64)
 
@@ -103,33 +103,45 @@ class Sm100Operand:
 
 def make_operand(x: torch.Tensor, qweight: QLinearWeight, compensation: Any = "none",
                  layout: str | None = None, sf_tile: int = 128) -> Sm100Operand:
-    """Quantize activations x: [M, K] float into the tcgen05 activation operand, in torch (the
-    same quantization as resgen.reference.linear: formats.quantize_with_residue with the
-    weight's static input scale when set).
+    """Quantize activations x: [M, K] float into the tcgen05 activation operand, in torch, with
+    the weight's static input scale (when set) and K-Ext selection: the same quantization as
+    resgen.reference.linear (formats.quantize_with_residue).
 
     compensation: "none" (rows = tokens), "full" (M-Ext, rows in `layout`: row_pair or tile8)
     or a K-Ext ratio (columns: K base, then the residue extension of the weight's selection).
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
-    fmt = qweight.fmt
-    k = qweight.in_features
-    if x.shape[1] != k:
-        raise ValueError(f"x has K={x.shape[1]}, the weight expects {k}")
-    lay = layout_for(compensation, layout)
-    channels = None
+    if x.shape[1] != qweight.in_features:
+        raise ValueError(f"x has K={x.shape[1]}, the weight expects {qweight.in_features}")
+    selection = None
     if compensation not in ("none", "full"):
         sel = qweight.selection
         if sel is None or float(compensation) != sel.ratio:
             raise ValueError(f"compensation {compensation!r} needs a weight prepared with that "
                              "K-Ext ratio")
-        channels = sel
-    base, res = formats.quantize_with_residue(x, fmt, channels=channels,
-                                              global_scale=qweight.input_scale)
-    m = x.shape[0]
-    kw = k if channels is None else k + res.shape[-1]
+        selection = sel
+    return operand_reference(x, qweight.fmt, compensation, layout, sf_tile,
+                             qweight.input_scale, selection)
+
+
+def operand_reference(x: torch.Tensor, fmt: str, compensation: Any = "none",
+                      layout: str | None = None, sf_tile: int = 128, global_scale=None,
+                      selection: Any = None, slots: int | None = None) -> Sm100Operand:
+    """Every byte of the sm_100a activation operand, from resgen.formats (the definition the
+    quant_sm100 kernel is checked against). x: [m, K]; global_scale: NVFP4 static alpha or
+    None (dynamic, from x); selection: the K-Ext channels (calibrate.Selection) or None;
+    slots: token slots written (>= m; default: those the layout needs), the ones past m
+    quantized as zero tokens (all-zero bytes)."""
+    lay = layout_for(compensation, layout)
+    m, k = x.shape
+    base, res = formats.quantize_with_residue(x, fmt, channels=selection,
+                                              global_scale=global_scale)
+    kw = k if selection is None else k + res.shape[-1]
     kp = round_up(kw, K_ALIGN_SM100)
     rows = act_rows(m, lay)
+    if slots is not None:
+        rows = max(rows, act_rows(slots, lay))
     dev = x.device
     codes = torch.zeros(rows, kp // 2, dtype=torch.uint8, device=dev)
     sfb = torch.zeros(rows, sf_cols(kp, fmt), dtype=torch.uint8, device=dev)
@@ -138,7 +150,7 @@ def make_operand(x: torch.Tensor, qweight: QLinearWeight, compensation: Any = "n
     if lay == "plain":
         codes[:m, : k // 2] = base.codes
         sfb[:m, : bsf.shape[1]] = bsf
-        if channels is not None:
+        if selection is not None:
             codes[:m, k // 2: kw // 2] = res.codes
             sfb[:m, bsf.shape[1]: bsf.shape[1] + rsf.shape[1]] = rsf
     else:
