@@ -101,6 +101,10 @@ def simulate_kernel(g: Sm100Geometry, wt: Sm100Weight, op: Sm100Operand, out: to
         (op.alpha.cpu().float().reshape(()) * wt.alpha.cpu().float().reshape(()))
     plan = g.ld_plan()
     frag = traits_frag(g.tmem_shape, g.tmem_rep)
+    th = torch.arange(128)
+    th_w, th_t = th // 32, th % 32
+    fr_l = torch.tensor([[lc[0] for lc in frag[t]] for t in range(32)])[th_t]
+    fr_c = torch.tensor([[lc[1] for lc in frag[t]] for t in range(32)])[th_t]
     a_is_w = g.swap
     a_rows_ext = wt.rows if a_is_w else rows        # tensor extents (TMA zero-fills past them)
     b_rows_ext = rows if a_is_w else wt.rows
@@ -118,7 +122,10 @@ def simulate_kernel(g: Sm100Geometry, wt: Sm100Weight, op: Sm100Operand, out: to
         if live:
             rr = torch.arange(live).reshape(-1, 1)
             bb = torch.arange(kp // v).reshape(1, -1)
-            sfv_ = sfbytes[sf_offset(sf_base + rr, bb, cols)]
+            offs = sf_offset(sf_base + rr, bb, cols)
+            if int(offs.max()) >= sfbytes.numel():
+                raise AssertionError("a scale-factor tile read past the end of its buffer")
+            sfv_ = sfbytes[offs]
             vals[:live] = unit_values(codes[r0: r0 + live], sfv_, g.fmt)
         return vals
 
@@ -144,69 +151,67 @@ def simulate_kernel(g: Sm100Geometry, wt: Sm100Weight, op: Sm100Operand, out: to
             stage = torch.full((g.tokens_per_tile, g.channels_per_cta), float("nan"),
                                dtype=torch.bfloat16)
             staged = torch.zeros(g.tokens_per_tile, g.channels_per_cta, dtype=torch.int32)
-        results = []                      # (tok, ch, fp32 value) of this CTA
-        for w in range(4):
-            for t in range(32):
-                for ins in plan:
-                    regs = []
-                    for lane, col in frag[t]:
-                        li, cj = 32 * w + ins.lane + lane, ins.col + col
-                        if not (0 <= li < SF_ATOM_ROWS and 0 <= cj < g.tile_n):
-                            raise AssertionError(f"TMEM read outside the accumulator "
-                                                 f"({li}, {cj})")
-                        regs.append(tm[li, cj])
-                    for rb, rr in ins.pairs:
-                        lane, col = frag[t][rb]
-                        tl, cl, res = g.out_coord(32 * w + ins.lane + lane, ins.col + col)
-                        if res:
-                            raise AssertionError("a fold result taken from a residue element")
-                        val = regs[rb] * fac
-                        if rr >= 0:
-                            pl, pc = frag[t][rr]
-                            ptl, pcl, pres = g.out_coord(32 * w + ins.lane + pl, ins.col + pc)
-                            if (ptl, pcl, pres) != (tl, cl, 1):
-                                raise AssertionError("fold pairs the wrong elements")
-                            val = val + regs[rr] * fac        # mul.rn, mul.rn, add.rn (FP32)
-                        results.append((tl, cl, val))
-        for tl, cl, val in results:
-            tok, ch = tok0 + tl, ch0 + cl
-            if g.split_k > 1:
-                if tok < m and ch < g.n:
-                    if g.reduce == "workspace":
-                        ws[(z * m + tok) * g.n + ch] = val
-                    else:
-                        ws[tok * g.n + ch] += val
-                continue
-            if stage is not None:
-                staged[tl, cl] += 1
-                stage[tl, cl] = _bf16(val)
-            elif tok < m and ch < g.n:
-                out[tok, ch] = _bf16(val)
-                written[tok, ch] += 1
-        if stage is not None:
+        # every epilogue thread at once: thread T = 32 w + t of warp w (TMEM lanes 32 w ..)
+        tl_all, cl_all, val_all = [], [], []
+        for ins in plan:
+            lanes = 32 * th_w.reshape(-1, 1) + ins.lane + fr_l
+            colsj = ins.col + fr_c
+            if bool(((lanes < 0) | (lanes >= SF_ATOM_ROWS) | (colsj < 0)
+                     | (colsj >= g.tile_n)).any()):
+                raise AssertionError("TMEM read outside the accumulator")
+            regs = tm[lanes, colsj]                         # [128 threads, registers]
+            for rb, rr in ins.pairs:
+                tl, cl, res = g.out_coord(lanes[:, rb], colsj[:, rb])
+                if bool((torch.as_tensor(res) != 0).any()):
+                    raise AssertionError("a fold result taken from a residue element")
+                val = regs[:, rb] * fac
+                if rr >= 0:
+                    ptl, pcl, pres = g.out_coord(lanes[:, rr], colsj[:, rr])
+                    if not (torch.equal(ptl, tl) and torch.equal(pcl, cl)
+                            and bool((pres == 1).all())):
+                        raise AssertionError("fold pairs the wrong elements")
+                    val = val + regs[:, rr] * fac           # mul.rn, mul.rn, add.rn (FP32)
+                tl_all.append(tl)
+                cl_all.append(cl)
+                val_all.append(val)
+        tl_v, cl_v, val_v = torch.cat(tl_all), torch.cat(cl_all), torch.cat(val_all)
+        tok_v, ch_v = tok0 + tl_v, ch0 + cl_v
+        live = (tok_v < m) & (ch_v < g.n)
+        if g.split_k > 1:
+            if g.reduce == "workspace":
+                ws[((z * m + tok_v) * g.n + ch_v)[live]] = val_v[live]
+            else:
+                ws.index_put_(((tok_v * g.n + ch_v)[live],), val_v[live], accumulate=True)
+        elif stage is not None:
+            staged.index_put_((tl_v, cl_v), torch.ones_like(tl_v, dtype=torch.int32),
+                              accumulate=True)
+            stage[tl_v, cl_v] = _bf16(val_v)
             if bool((staged != 1).any()):
                 raise AssertionError("the staging tile is not written exactly once")
             for tl in range(g.tokens_per_tile):
                 if tok0 + tl < m:
                     out[tok0 + tl, ch0: ch0 + g.channels_per_cta] = stage[tl]
                     written[tok0 + tl, ch0: ch0 + g.channels_per_cta] += 1
+        else:
+            out[tok_v[live], ch_v[live]] = _bf16(val_v[live])
+            written.index_put_((tok_v[live], ch_v[live]),
+                               torch.ones(int(live.sum()), dtype=torch.int32), accumulate=True)
         if g.split_k > 1:
             key = (x, y)
             old = sem_state.get(key, 0)
             sem_state[key] = old + 1
             if old == g.split_k - 1:                      # the last CTA of this tile
-                for tl, cl, _ in results:
-                    tok, ch = tok0 + tl, ch0 + cl
-                    if tok < m and ch < g.n:
-                        if g.reduce == "workspace":
-                            tot = torch.zeros((), dtype=torch.float32)
-                            for s in range(g.split_k):
-                                tot = tot + ws[(s * m + tok) * g.n + ch]
-                        else:
-                            tot = ws[tok * g.n + ch].clone()
-                            ws[tok * g.n + ch] = 0.0
-                        out[tok, ch] = _bf16(tot)
-                        written[tok, ch] += 1
+                tk, cc = tok_v[live], ch_v[live]
+                if g.reduce == "workspace":
+                    tot = torch.zeros(tk.shape, dtype=torch.float32)
+                    for s_ in range(g.split_k):                # split order, FP32 adds
+                        tot = tot + ws[(s_ * m + tk) * g.n + cc]
+                else:
+                    tot = ws[tk * g.n + cc].clone()
+                    ws[tk * g.n + cc] = 0.0
+                out[tk, cc] = _bf16(tot)
+                written.index_put_((tk, cc), torch.ones(tk.numel(), dtype=torch.int32),
+                                   accumulate=True)
                 sem_state[key] = 0
     if sem is not None and any(sem_state.values()):
         raise AssertionError("a split-K semaphore did not return to zero")

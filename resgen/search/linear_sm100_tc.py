@@ -189,7 +189,7 @@ class LinearSm100Family:
                     else f"reduce={v.reduce.value} without split_k > 1")
         if v.split_k > 1 and v.store == Store.TMA:
             return "split-K's last CTA stores from registers: store tma needs split_k = 1"
-        if v.stages > kt // v.split_k:
+        if v.stages > max(2, kt // v.split_k):
             return f"{v.stages} stages for {kt // v.split_k} K tiles per CTA"
         lanes, cols, regs = tmem_span(v.tmem_shape.value, v.tmem_rep)
         if regs > 128:
@@ -244,7 +244,7 @@ class LinearSm100Family:
         """The candidates worth timing, in a fixed order (every one valid): per activation
         row layout, swapped tiles covering the rows in one or two tiles (and, from 64 rows,
         unswapped 128 / 256-channel tiles), 1-SM and 2-SM MMAs (clusters of 1 and 2 CTAs
-        along M), K tiles of 256, 3 / 4 / 6 stages, every TMEM load shape at two repetition
+        along M), K tiles of 256, 3 / 4 / 6 / 8 stages, every TMEM load shape at two repetition
         counts, both store paths, and split-K by 2 / 4 (workspace and atomic) where the
         tiles alone leave the 148 SMs of a B200 short."""
         out = []
@@ -265,7 +265,7 @@ class LinearSm100Family:
                         if tiles < _SMS:
                             splits += [(s, r) for s in (2, 4) if kt % s == 0
                                        for r in (Reduction.WORKSPACE, Reduction.ATOMIC)]
-                        for st in (3, 4, 6):
+                        for st in (3, 4, 6, 8):
                             for sk, red in splits:
                                 for store in (Store.DIRECT, Store.TMA):
                                     for shape, rep in self._tmem_options(tn):

@@ -15,10 +15,16 @@ Fitted to the paper's Fig. 4a (plain NVFP4 GEMM, N = K = 4096, B = 8 activation 
     sm_gbps      bytes per second one SM pulls through its TMA loads when it is alone
                  (the per-CTA stream is what bounds a decode GEMM with 32 CTAs on 148 SMs)
     Each point's bytes per CTA: A + SFA = 128 x 4096 / 2 + 128 x 4096 / 16, B + SFB = W x
-    4096 / 2 + 128 x 4096 / 16 (the SFB tile is always 128 rows); the two equations give
-    sm_gbps = 112 KiB / 0.51 us and fixed_us = 4.95 us - (336 KiB / sm_gbps).
+    4096 / 2 + 128 x 4096 / 16 (the SFB tile is always 128 rows). At W = 8 the 32 CTAs move
+    the whole 9.5 MB weight in about the HBM time (1.19 us at 8 TB/s), so that point is
+    HBM-bound in the model and W = 64 per-SM-bound; the fit (fit_fig4a) solves the two
+    equations with the model's own epilogue terms subtracted: fixed_us ~ 3.7 us,
+    sm_gbps ~ 300 GB/s.
 Assumed (not published; each is a named field):
-    dram_latency_us  1.0: the latency a stage ring must cover (bandwidth-delay product)
+    dram_latency_us  0.5: the latency a stage ring must cover (bandwidth-delay product: a
+                     ring of S stages of B bytes streams at most S B / latency per SM). The
+                     fit takes the paper's kernel at its deepest ring (CUTLASS's examples fill
+                     shared memory with stages), where this bound does not bind
     clock_ghz        1.9: SM clock, for per-instruction costs
     tmem_ld_cycles   64: issue + tcgen05.wait::ld of one TMEM load, plus one cycle per
                      register per lane (the data)
@@ -32,32 +38,72 @@ N (no minimum N cost assumed), overlapped with the loads (the warp-specialized r
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..kernels.sm100_layout import act_rows, round_up
 from .variant import LinearProblem
 
-__all__ = ["B200", "Breakdown", "predict", "fit_fig4a", "PAPER_FIG4A"]
+__all__ = ["B200", "Breakdown", "predict", "fit_fig4a", "max_stages", "PAPER_FIG4A"]
 
 # Paper Fig. 4a: (tile width W, microseconds) at B = 8, N = K = 4096, plain NVFP4 GEMM
 PAPER_FIG4A = ((8, 4.95), (64, 5.46))
 
 
-def _fig4a_cta_bytes(w: int, k: int = 4096) -> int:
-    return 128 * k // 2 + 128 * k // 16 + w * k // 2 + 128 * k // 16
+def fig4a_variant(w: int):
+    """The variant standing for the paper's Fig. 4a kernel at tile width w: swapped 128 x w
+    tiles, .32x32b loads of up to 32 columns, direct stores, the deepest ring that fits."""
+    from dataclasses import replace
+
+    from .linear_sm100_tc import LinearSm100Variant
+
+    v = LinearSm100Variant(tile_n=w, tmem_rep=min(w, 32))
+    return replace(v, stages=max_stages(v, FIG4A_PROBLEM))
 
 
+FIG4A_PROBLEM = LinearProblem("nvfp4", "none", 8, 4096, 4096)
+
+
+@functools.lru_cache(maxsize=1)
 def fit_fig4a() -> tuple[float, float]:
-    """(fixed_us, sm_gbps) through the two Fig. 4a points (exact solution, see the module
-    docstring)."""
-    (w0, t0), (w1, t1) = PAPER_FIG4A
-    b0, b1 = _fig4a_cta_bytes(w0), _fig4a_cta_bytes(w1)
-    bw = (b1 - b0) / ((t1 - t0) * 1e-6)
-    return t0 - b0 / bw * 1e6, bw / 1e9
+    """(fixed_us, sm_gbps) through the two Fig. 4a points: the model is
+    t = fixed + max(HBM term, per-SM bytes / sm_gbps) + epilogue terms, so the fit solves the
+    two equations for each assignment of "HBM-bound" / "SM-bound" to the two points and keeps
+    the solution that is consistent with the max (see the module docstring)."""
+    hw = B200(fixed_us=0.0, sm_gbps=1e9)
+    pts = []
+    for w, t in PAPER_FIG4A:
+        q = _parts(fig4a_variant(w), FIG4A_PROBLEM, hw)
+        pts.append((t - q["epi_us"], q["dram_bytes"] / (hw.hbm_gbps * 1e9) * 1e6,
+                    q["per_sm_bytes"]))
+    for bound in (("sm", "sm"), ("hbm", "sm"), ("sm", "hbm")):
+        (t0, h0, b0), (t1, h1, b1) = pts
+        if bound == ("sm", "sm"):
+            inv = (t1 - t0) / (b1 - b0)                     # us per byte
+            fixed = t0 - b0 * inv
+        elif bound == ("hbm", "sm"):
+            fixed = t0 - h0
+            inv = (t1 - fixed) / b1
+        else:
+            fixed = t1 - h1
+            inv = (t0 - fixed) / b0
+        if inv <= 0:
+            continue
+        ok = all(abs(fixed + max(h, b * inv) - t) < 1e-9 for t, h, b in pts)
+        if ok:
+            return fixed, 1e-3 / inv                       # bytes/us -> GB/s
+    raise ValueError("the Fig. 4a points admit no consistent fit")
 
 
-_FIXED_US, _SM_GBPS = fit_fig4a()
+def max_stages(variant, problem: LinearProblem, smem: int = 227 * 1024) -> int:
+    """The deepest ring of `variant`'s tiles that fits shared memory (at most the CTA's K
+    tiles): what CUTLASS's blockscaled examples choose."""
+    from .linear_sm100_tc import geometry_of
+
+    g = geometry_of(variant, problem)
+    free = smem - (g.smem_bytes - g.stages * g.stage_bytes)
+    return max(2, min(free // g.stage_bytes, g.kt_split))
 
 
 @dataclass(frozen=True)
@@ -69,14 +115,22 @@ class B200:
     fp4_dense_tflops: float = 9000.0
     smem_per_sm: int = 228 * 1024
     tmem_cols: int = 512
-    fixed_us: float = _FIXED_US
-    sm_gbps: float = _SM_GBPS
-    dram_latency_us: float = 1.0
+    fixed_us: float | None = None          # None: fitted to Fig. 4a (fit_fig4a)
+    sm_gbps: float | None = None
+    dram_latency_us: float = 0.5
     clock_ghz: float = 1.9
     tmem_ld_cycles: int = 64
     st_cycles: int = 4
     bulk_us: float = 0.35
     atomic_us: float = 0.8
+
+    def fitted(self) -> "B200":
+        """This machine with the Fig. 4a fit filling the parameters left None."""
+        if self.fixed_us is not None and self.sm_gbps is not None:
+            return self
+        fixed, gbps = fit_fig4a()
+        return replace(self, fixed_us=fixed if self.fixed_us is None else self.fixed_us,
+                       sm_gbps=gbps if self.sm_gbps is None else self.sm_gbps)
 
 
 @dataclass(frozen=True)
@@ -97,9 +151,8 @@ class Breakdown:
     dram_bytes: int
 
 
-def predict(variant, problem: LinearProblem, hw: B200 = B200()) -> Breakdown:
-    """The model's latency of `variant` on `problem` (the GEMM; the quantizer in front of it is
-    quant_sm100's and costs the same for every GEMM variant of one operand layout)."""
+def _parts(variant, problem: LinearProblem, hw: "B200") -> dict:
+    """The model's terms for one launch (hw's fixed_us / sm_gbps must be set)."""
     from .linear_sm100_tc import geometry_of
 
     g = geometry_of(variant, problem)
@@ -120,7 +173,8 @@ def predict(variant, problem: LinearProblem, hw: B200 = B200()) -> Breakdown:
     # the ring's bytes in flight bound one SM's stream (bandwidth-delay product)
     inflight = g.stages * g.stage_bytes * per_sm
     sm_bw = min(hw.sm_gbps * 1e9, inflight / (hw.dram_latency_us * 1e-6))
-    mem_s = max(dram / (hw.hbm_gbps * 1e9), waves * per_sm * cta_bytes / sm_bw)
+    per_sm_bytes = waves * per_sm * cta_bytes
+    mem_s = max(dram / (hw.hbm_gbps * 1e9), per_sm_bytes / sm_bw)
     macs = g.cta_m * g.tile_n * k_cta
     mma_s = waves * per_sm * macs * 2 / (hw.fp4_dense_tflops * 1e12 / hw.sms)
     cyc = 1e-3 / hw.clock_ghz                               # microseconds per cycle
@@ -137,7 +191,19 @@ def predict(variant, problem: LinearProblem, hw: B200 = B200()) -> Breakdown:
     else:
         store_us = outs * hw.st_cycles * cyc
         reduce_us = 0.0
-    mem_us, mma_us = mem_s * 1e6, mma_s * 1e6
-    total = hw.fixed_us + max(mem_us, mma_us) + waves * (tmem_us + store_us) + reduce_us
-    return Breakdown(total, hw.fixed_us, mem_us, mma_us, waves * tmem_us, waves * store_us,
-                     reduce_us, ctas, waves, occ, cta_bytes, dram)
+    return dict(mem_us=mem_s * 1e6, mma_us=mma_s * 1e6, tmem_us=waves * tmem_us,
+                store_us=waves * store_us, reduce_us=reduce_us, ctas=ctas, waves=waves,
+                occupancy=occ, cta_bytes=cta_bytes, dram_bytes=dram,
+                per_sm_bytes=per_sm_bytes,
+                epi_us=waves * (tmem_us + store_us) + reduce_us)
+
+
+def predict(variant, problem: LinearProblem, hw: "B200 | None" = None) -> Breakdown:
+    """The model's latency of `variant` on `problem` (the GEMM; the quantizer in front of it is
+    quant_sm100's and costs the same for every GEMM variant of one operand layout)."""
+    hw = (hw or B200()).fitted()
+    q = _parts(variant, problem, hw)
+    total = hw.fixed_us + max(q["mem_us"], q["mma_us"]) + q["epi_us"]
+    return Breakdown(total, hw.fixed_us, q["mem_us"], q["mma_us"], q["tmem_us"], q["store_us"],
+                     q["reduce_us"], q["ctas"], q["waves"], q["occupancy"], q["cta_bytes"],
+                     q["dram_bytes"])
