@@ -513,3 +513,98 @@ class LinearSm100Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return compare(out, reference.linear(x, qw, self.comp))
+
+
+# ----------------------------------------------------------------------------- compile checks
+
+COVER_PROBLEMS = (LinearProblem("nvfp4", "full", 1, 4096, 4096),
+                  LinearProblem("mxfp4", "none", 16, 4096, 4096),
+                  LinearProblem("nvfp4", "0.25", 64, 4096, 4096),
+                  LinearProblem("mxfp4", "full", 64, 4096, 4096))
+
+
+def _extras() -> list[tuple[LinearProblem, LinearSm100Variant]]:
+    """Axis values outside the searched space, each in one valid variant: 128-wide K tiles,
+    clusters along N and of 4 along M, 2-stage rings."""
+    p = COVER_PROBLEMS[1]
+    base = FAMILY.default(p, ARCH)
+    return [(p, replace(base, tile_k=128, stages=2)), (p, replace(base, cluster_n=2)),
+            (p, replace(base, cluster_n=4)), (p, replace(base, cluster_m=4, stages=3))]
+
+
+def covering_cases() -> list[tuple[LinearProblem, LinearSm100Variant]]:
+    """(problem, variant) pairs in which every value of every variant axis the space holds,
+    the valid values outside it of the small axes (_extras), every format and every
+    compensation mode appear at least once (greedy set cover, first on ties): what CI
+    compiles for sm_100a."""
+    items = [(p, v) for p in COVER_PROBLEMS for v in FAMILY.space(p, ARCH)] + _extras()
+
+    def pairs(item):
+        p, v = item
+        return ({(f, getattr(v, f)) for f in v.__dataclass_fields__}
+                | {("fmt", p.fmt), ("mode", mode_of(p))})
+
+    need = set().union(*(pairs(i) for i in items))
+    out = []
+    while need:
+        best = max(items, key=lambda i: len(need & pairs(i)))
+        out.append(best)
+        need -= pairs(best)
+    return out
+
+
+def ptx_problems(variant: LinearSm100Variant, problem: LinearProblem, ptx: str) -> list[str]:
+    """What is wrong with a compiled variant's PTX (empty: nothing): the block-scaled tcgen05
+    MMA of the format's kind and block size and CTA group, one per MMA of a K tile; the TMEM
+    loads of exactly the variant's shape and repetition, as many as the epilogue plan has,
+    each waited on; scale factors copied into TMEM; TMA loads (multicast in a cluster or a
+    2-SM pair); the store path and split-K reduction's instructions; the fold's FP32
+    mul/add; no local memory."""
+    g = geometry_of(variant, problem)
+    cg = g.cta_group
+    block = "block16" if problem.fmt == "nvfp4" else "block32"
+    bad = []
+
+    def need(s, why):
+        if s not in ptx:
+            bad.append(f"no {s!r} ({why})")
+
+    need(".target sm_100a", "the arch")
+    mma = f"tcgen05.mma.cta_group::{cg}.kind::mxf4nvf4.block_scale.{block}"
+    if ptx.count(mma) != g.tile_k // 64:
+        bad.append(f"{ptx.count(mma)} x {mma!r}, want {g.tile_k // 64} (one per MMA of a K "
+                   "tile)")
+    if ptx.count("tcgen05.mma") != ptx.count(mma):
+        bad.append("another tcgen05.mma kind")
+    ld = f"tcgen05.ld.sync.aligned.{g.tmem_shape}.x{g.tmem_rep}.b32"
+    if ptx.count(ld) != len(g.ld_plan()):
+        bad.append(f"{ptx.count(ld)} x {ld!r}, want {len(g.ld_plan())} (the epilogue plan)")
+    if ptx.count("tcgen05.ld.") != ptx.count(ld):
+        bad.append("a TMEM load of another shape")
+    if ptx.count("tcgen05.wait::ld.sync.aligned") < ptx.count(ld):
+        bad.append("a TMEM load without tcgen05.wait::ld")
+    need(f"tcgen05.cp.cta_group::{cg}.32x128b.warpx4", "scale factors into TMEM")
+    need(f"tcgen05.alloc.cta_group::{cg}", "TMEM allocation")
+    need("cp.async.bulk.tensor", "TMA loads")
+    if g.cluster_m * g.cluster_n > 1 or cg == 2:
+        need(".multicast::cluster", "TMA multicast in the cluster")
+    if g.mode == "mext":
+        need("add.rn.f32", "the fold's FP32 add")
+    need("mul.rn.f32", "alpha in FP32")
+    if g.split_k == 1 and g.store == "tma":
+        need("cp.async.bulk.global.shared::cta.bulk_group", "the tma store path")
+        need("fence.proxy.async.shared::cta", "smem writes visible to the copy engine")
+    if g.split_k == 1 and g.store == "direct":
+        need("st.global.b16", "the direct store path")
+        if "cp.async.bulk.global.shared" in ptx:
+            bad.append("a bulk store in a direct-store variant")
+    if g.reduce == "workspace":
+        need("st.global.f32", "split-K partials")
+        need("ld.global.cg.f32", "the last CTA reads the partials from L2")
+    if g.reduce == "atomic":
+        need("red.global.add.f32", "split-K atomics")
+    if g.split_k > 1:
+        need("atom.global.acq_rel.gpu.add.u32", "the per-tile semaphore")
+    if "ld.local" in ptx or "st.local" in ptx:
+        bad.append("local memory")
+    return bad

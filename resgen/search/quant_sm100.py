@@ -277,3 +277,61 @@ def layer_quantizer(problem: LinearProblem, variant: Any) -> Any:
     if key not in _LAYER_QUANT:
         _LAYER_QUANT[key] = Q.compile_config(key, ARCH)[0]
     return _LAYER_QUANT[key]
+
+
+# ----------------------------------------------------------------------------- compile checks
+
+
+def covering_cases() -> list[tuple[QuantSm100Problem, QuantSm100Variant]]:
+    """(problem, variant) pairs covering every format, compensation mode, row layout, alpha
+    mode, SF tile and every value of ept / warps / unroll at least once (greedy set cover):
+    what CI compiles for sm_100a."""
+    probs = []
+    for fmt, comp, layout, static in (("nvfp4", "full", "row_pair", True),
+                                      ("nvfp4", "full", "tile8", False),
+                                      ("mxfp4", "none", "plain", True),
+                                      ("nvfp4", "0.125", "plain", True),
+                                      ("mxfp4", "0.5", "plain", True)):
+        for sf_tile in (8, 16, 32, 64, 128):
+            lp = LinearProblem(fmt, comp, 4, 4096, 4096, static_scale=static)
+            qp = QuantSm100Problem.for_linear(lp, layout=layout, sf_tile=sf_tile)
+            try:
+                FAMILY.default(qp, ARCH)
+            except ValueError:            # tile8 rows need an SF tile of 16 or more
+                continue
+            probs.append(qp)
+    items = [(p, v) for p in probs for v in FAMILY.space(p, ARCH)]
+    p1 = probs[0]
+    items.append((p1, replace(FAMILY.default(p1, ARCH), warps=1)))
+
+    def pairs(item):
+        p, v = item
+        return ({(f, getattr(v, f)) for f in v.__dataclass_fields__}
+                | {("fmt", p.fmt), ("comp", Q._mode(p.compensation)), ("sf_tile", p.sf_tile)})
+
+    need = set().union(*(pairs(i) for i in items))
+    out = []
+    while need:
+        best = max(items, key=lambda i: len(need & pairs(i)))
+        out.append(best)
+        need -= pairs(best)
+    return out
+
+
+def ptx_problems(variant: QuantSm100Variant, problem: QuantSm100Problem, ptx: str) -> list[str]:
+    """What is wrong with a compiled quantizer's PTX (empty: nothing)."""
+    bad = []
+    if ".target sm_100a" not in ptx:
+        bad.append("not sm_100a")
+    entries = ptx.count(".entry")
+    if entries != (2 if variant.alpha == AlphaMode.DYNAMIC else 1):
+        bad.append(f"{entries} kernels (the amax kernel exactly with dynamic alpha)")
+    if "griddepcontrol.launch_dependents" not in ptx:
+        bad.append("no griddepcontrol.launch_dependents (PDL for the GEMM behind)")
+    if "st.global.b8" not in ptx and "st.global.u8" not in ptx:
+        bad.append("no byte stores (scale factors)")
+    if ".ftz" in ptx:
+        bad.append("flush-to-zero arithmetic (formats keeps subnormals)")
+    if "ld.local" in ptx or "st.local" in ptx:
+        bad.append("local memory")
+    return bad
