@@ -166,6 +166,15 @@ class QuantSm100Kernel:
         self.config = config
         self.compiled = compiled
 
+    @staticmethod
+    def _ptr(t: torch.Tensor, dt: Any, align: int) -> Any:
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_ptr
+
+        if t.data_ptr() % align:
+            raise ValueError(f"buffer at {t.data_ptr():#x} is not {align}-byte aligned")
+        return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
     def outputs(self, m: int, device: Any = "cuda") -> QuantSm100Outputs:
         c = self.config
         dev = torch.device(device)
@@ -191,8 +200,6 @@ class QuantSm100Kernel:
         given directly. Dynamic NVFP4 writes the computed alpha to the operand."""
         import cuda.bindings.driver as cuda
         import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.runtime import make_ptr
 
         c = self.config
         op = out.operand
@@ -227,13 +234,7 @@ class QuantSm100Kernel:
             m_t = masks
         else:
             m_t = out.dummy
-        g = cute.AddressSpace.gmem
-
-        def p(t: torch.Tensor, dt, align: int):
-            if t.data_ptr() % align:
-                raise ValueError(f"buffer at {t.data_ptr():#x} is not {align}-byte aligned")
-            return make_ptr(dt, t.data_ptr(), g, assumed_align=align)
-
+        p = self._ptr
         if stream is None:
             stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream
                                    if x.is_cuda else 0)
