@@ -41,11 +41,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..kernels.sm100_layout import act_rows, round_up
 from .variant import LinearProblem
 
-__all__ = ["B200", "Breakdown", "predict", "fit_fig4a", "max_stages", "PAPER_FIG4A"]
+__all__ = ["B200", "Breakdown", "predict", "fit_fig4a", "max_stages", "PAPER_FIG4A",
+           "QUANT_H200_US", "quantizer_us", "best_gemm", "layer_us", "fig4a_variant"]
 
 # Paper Fig. 4a: (tile width W, microseconds) at B = 8, N = K = 4096, plain NVFP4 GEMM
 PAPER_FIG4A = ((8, 4.95), (64, 5.46))
@@ -207,3 +209,51 @@ def predict(variant, problem: LinearProblem, hw: "B200 | None" = None) -> Breakd
     return Breakdown(total, hw.fixed_us, q["mem_us"], q["mma_us"], q["tmem_us"], q["store_us"],
                      q["reduce_us"], q["ctas"], q["waves"], q["occupancy"], q["cta_bytes"],
                      q["dram_bytes"])
+
+
+# ----------------------------------------------------------------------------- whole layer
+
+# The quantizer in front of the GEMM: no B200 figure exists here, so the model uses the only
+# measured quantizer times of this workplace, quant_sm90 on the H200 at K = 4096 (fastest
+# variant per configuration, CUDA-graph medians, bench/results/h200/final_quant_sm90_check
+# .json.xz): tokens -> microseconds. MXFP4 plain was not measured: NVFP4 plain stands in.
+# They write the BF16 xop (2 B per element) where quant_sm100 writes FP4 codes (0.56 B):
+# an overestimate of the bytes, the same launch and latency floor.
+QUANT_H200_US = {
+    ("nvfp4", "plain"): ((1, 1.438), (16, 1.691), (2048, 10.894), (8192, 34.464)),
+    ("nvfp4", "mext"): ((1, 1.479), (16, 1.610), (2048, 16.233), (8192, 53.134)),
+    ("nvfp4", "kext"): ((1, 1.648), (16, 1.910), (2048, 12.014), (8192, 39.492)),
+    ("mxfp4", "plain"): ((1, 1.438), (16, 1.691), (2048, 10.894), (8192, 34.464)),
+    ("mxfp4", "mext"): ((1, 1.412), (16, 1.820), (2048, 14.586), (8192, 50.870)),
+    ("mxfp4", "kext"): ((1, 1.414), (16, 1.736), (2048, 11.261), (8192, 38.176)),
+}
+
+
+def quantizer_us(problem: LinearProblem) -> float:
+    """The activation quantizer's time for `problem` (H200 stand-in, see QUANT_H200_US):
+    piecewise linear in M x K, scaled from the K = 4096 measurements."""
+    from .linear_sm100_tc import mode_of
+
+    pts = QUANT_H200_US[(problem.fmt, mode_of(problem))]
+    x = problem.m * problem.k / 4096
+    for (m0, t0), (m1, t1) in zip(pts, pts[1:]):
+        if x <= m1 or (m1, t1) == pts[-1]:
+            return t0 + (t1 - t0) * (x - m0) / (m1 - m0) if x >= m0 else t0
+    return pts[-1][1]
+
+
+def best_gemm(problem: LinearProblem, keep=None) -> tuple[Any, Breakdown]:
+    """The space's variant the model predicts fastest (keep: an optional filter)."""
+    from .linear_sm100_tc import ARCH, FAMILY
+
+    cands = [v for v in FAMILY.space(problem, ARCH) if keep is None or keep(v)]
+    if not cands:
+        raise ValueError(f"no variant of the space passes the filter for {problem.key()}")
+    scored = [(predict(v, problem), v) for v in cands]
+    b, v = min(scored, key=lambda s: s[0].total_us)
+    return v, b
+
+
+def layer_us(problem: LinearProblem, keep=None) -> float:
+    """Predicted whole layer (quantizer + the best predicted GEMM), as the paper times it."""
+    return quantizer_us(problem) + best_gemm(problem, keep)[1].total_us
