@@ -260,6 +260,8 @@ PN = P("nvfp4", "none", 1, 4096, 4096)
      P("nvfp4", "full", 128, 4096, 4096), "shared memory"),
     (V(store=Store.TMA, tile_m=128), P("nvfp4", "none", 1, 4096 + 64, 4096), "channel tiles"),
     (V(), P("nvfp4", "none", 1, 4100, 4096), "multiple of 8"),
+    (V(swap=False, tile_n=256, tmem_shape=TmemShape.S16X128B, tmem_rep=16, split_k=2,
+       reduce=Reduction.ATOMIC), P("mxfp4", "0.5", 64, 6144, 4096), "spill"),
 ])
 def test_why_invalid_gives_reasons(v, p, reason):
     why = FAMILY.why_invalid(v, p, ARCH)

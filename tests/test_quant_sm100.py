@@ -32,6 +32,7 @@ CASES = [
     ("nvfp4", "0.25", "plain", 16, 16, 4, 1, "dynamic"),
     ("mxfp4", "0.5", "plain", 8, 8, 2, 1, "none"),
     ("mxfp4", "1.0", "plain", 128, 16, 8, 2, "none"),
+    ("nvfp4", "0.5", "plain", 32, 8, 8, 4, "static"),
 ]
 
 
@@ -90,6 +91,7 @@ def test_reference_operand_holds_formats_quantization():
     (dict(alpha="none"), "does not fit nvfp4"),
     (dict(fmt="mxfp4", alpha="static"), "does not fit mxfp4"),
     (dict(compensation="0.125", layout="plain", k=256 + 128), "warp tile"),
+    (dict(ept=16, unroll=4), "spills"),
 ])
 def test_config_validity_table(kw, reason):
     base = dict(fmt="nvfp4", compensation="full", k=4096, layout="row_pair", sf_tile=8)

@@ -106,6 +106,10 @@ class QuantSm100Config:
             return f"warps={self.warps} must be 1, 2, 4 or 8"
         if self.unroll not in (1, 2, 4):
             return f"unroll={self.unroll} must be 1, 2 or 4"
+        if self.ept == 16 and self.unroll == 4:
+            # sm_100a compiles (2026-12-01 pre-flight): 8-16 bytes of local memory at 72-80
+            # registers: four tiles of 16 elements live across the quantization
+            return "ept 16 x unroll 4 spills (four 16-element tiles of x live at once)"
         want = ("none",) if self.fmt == "mxfp4" else ("static", "dynamic")
         if self.alpha not in want:
             return f"alpha={self.alpha!r} does not fit {self.fmt} (allowed: {want})"

@@ -187,6 +187,11 @@ class LinearSm100Family:
         if (v.split_k > 1) != (v.reduce != Reduction.NONE):
             return ("split_k > 1 needs reduce workspace/atomic" if v.split_k > 1
                     else f"reduce={v.reduce.value} without split_k > 1")
+        if not v.swap and v.tmem_shape == TmemShape.S16X128B and v.split_k > 1:
+            # sm_100a compile (2026-12-01 pre-flight): 254 registers and 112 bytes of local
+            # memory for 256-channel tiles; 206-214 registers without split-K
+            return ("unswapped .16x128b loads with split-K spill (the second half's address "
+                    "math for 2 values per lane and repetition)")
         if v.split_k > 1 and v.store == Store.TMA:
             return "split-K's last CTA stores from registers: store tma needs split_k = 1"
         if v.stages > max(2, kt // v.split_k):
