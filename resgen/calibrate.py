@@ -31,6 +31,7 @@ __all__ = [
     "select_channels",
     "QLinearWeight",
     "prepare_weight",
+    "static_alpha",
     "extend_weight",
     "save_layers",
     "load_layers",
@@ -193,6 +194,15 @@ class QLinearWeight:
         bs = self.q.block_size
         return QuantizedTensor(self.q.fmt, self.q.codes[:, k // 2:], self.q.scales[:, k // bs:],
                                self.q.global_scale)
+
+
+def static_alpha(qweight: QLinearWeight, device: torch.device | str) -> torch.Tensor | None:
+    """The static NVFP4 activation tensor scale as the Hopper kernels and the layer quantizer
+    take it: float32 [1] on `device`; None for MXFP4 (no tensor scale) and for an NVFP4
+    weight with dynamic activation scales (no input_scale)."""
+    if qweight.fmt != "nvfp4" or qweight.input_scale is None:
+        return None
+    return torch.as_tensor(qweight.input_scale, dtype=torch.float32, device=device).reshape(1)
 
 
 def prepare_weight(w: torch.Tensor, fmt: str, selection: Selection | None = None,

@@ -252,10 +252,10 @@ def _problems_for(fam: Any, models: list, args: argparse.Namespace) -> list:
     from .models import attention_problems, linear_problems
     from .search.variant import AttentionProblem, LinearProblem
 
-    hook = getattr(fam, "model_problems", None)
-    if hook is not None:
-        return list(hook(models, tp=args.tp, formats=args.formats,
-                         compensations=args.compensations, m_buckets=args.m_buckets))
+    own = fam.model_problems(models, tp=args.tp, formats=args.formats,
+                             compensations=args.compensations, m_buckets=args.m_buckets)
+    if own is not None:
+        return list(own)
     lin = linear_problems(models, args.tp, args.formats, args.compensations, args.m_buckets)
     if fam.PROBLEM is LinearProblem:
         return lin

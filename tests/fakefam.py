@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from resgen.kernels import codegen
-from resgen.search.family import CheckResult, register
+from resgen.search.family import CheckResult, KernelFamilyBase, register
 from resgen.search.timing import summarize
 from resgen.search.variant import Choice, IntRange, ProblemBase, VariantBase
 
@@ -102,7 +102,7 @@ def fake_timer(runner: FakeRunner, policy: Any, n_sets: int):
                      mode="fake")
 
 
-class FakeFamily:
+class FakeFamily(KernelFamilyBase):
     NAME: ClassVar[str] = "fake_gemm"
     VARIANT: ClassVar[type] = FakeVariant
     PROBLEM: ClassVar[type] = FakeProblem

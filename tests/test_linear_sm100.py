@@ -23,8 +23,9 @@ from resgen.kernels.sm100_operand import make_operand, pack_sf, unpack_sf
 from resgen.search.family import get_family
 from resgen.search.linear_sm100_tc import (FAMILY, LinearSm100Variant, Reduction, RowLayout,
                                            Store, TmemShape, geometry_of, kp_of)
-from resgen.search.linear_sm100_tc_model import (PAPER_FIG4A, B200, fig4a_variant,
-                                                 fit_fig4a, max_stages, predict)
+from resgen.kernels.linear_sm100_tc_model import (FIG4A_M, PAPER_FIG4A, B200,
+                                                  fig4a_geometry, fit_fig4a, max_stages,
+                                                  predict)
 from resgen.search.variant import LinearProblem
 
 ARCH = "sm_100a"
@@ -447,18 +448,62 @@ class _SimulatedKernel:
         self.calls += 1
 
 
+class _SimQuantizer:
+    """Stands in for a compiled quant_sm100 kernel on the CPU: the real QuantSm100Kernel host
+    code (outputs, argument checks) with its store simulation as the "device"."""
+
+    def __init__(self, geom, comp, k):
+        from resgen.kernels.quant_sm100 import QuantSm100Config, QuantSm100Kernel
+        from resgen.kernels.quant_sm100_sim import simulate_quant
+
+        alpha = "none" if geom.fmt == "mxfp4" else "static"
+        self.config = QuantSm100Config(geom.fmt, comp, k, geom.layout, geom.act_sf_tile,
+                                       alpha=alpha)
+        self.calls = 0
+        cfg = self.config
+
+        def device(x, alpha_t, masks, codes, sf, ws, m, slots, stream):
+            from resgen.kernels.quant_sm100 import QuantSm100Outputs
+            from resgen.kernels.sm100_operand import Sm100Operand
+
+            m, slots = int(getattr(m, "value", m)), int(getattr(slots, "value", slots))
+            out = QuantSm100Outputs(Sm100Operand(cfg.fmt, m, codes.shape[0], cfg.layout,
+                                                 cfg.sf_tile, codes, sf, None), slots, ws, ws)
+            a = float(alpha_t.reshape(-1)[0]) if cfg.alpha == "static" else None
+            simulate_quant(cfg, x, out, a, masks if cfg.mode == "kext" else None)
+            self.calls += 1
+
+        self.kernel = QuantSm100Kernel(cfg, device)
+
+    def outputs(self, m, device):
+        return self.kernel.outputs(m, device)
+
+    def __call__(self, xb, outs, alpha=None, masks=None):
+        return self.kernel(xb, outs, alpha=alpha, masks=masks)
+
+
 @pytest.mark.parametrize("fmt, comp, fields", [
     ("nvfp4", "full", dict(layout=RowLayout.ROW_PAIR, split_k=2,
                            reduce=Reduction.WORKSPACE)),
     ("mxfp4", "0.25", dict(tile_n=16, tmem_shape=TmemShape.S16X256B, tmem_rep=2)),
 ])
-def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, monkeypatch):
+def test_runner_binds_the_served_layer_on_cpu_with_the_simulations(fmt, comp, fields,
+                                                                   monkeypatch):
+    """The tuner's runner times exactly family.bind's layer (quantizer + GEMM, the call
+    resgen.ops serves), here with both kernels simulated: the GEMM check, the whole-layer
+    check, set rotation, and the bound layer bit-exact against the reference on the
+    quantized bf16 activations."""
+    from resgen.kernels import quant_sm100 as QK
+
     monkeypatch.setattr(LK.LinearSm100Launcher, "_ptr", lambda self, t, kind, align: t)
+    monkeypatch.setattr(QK.QuantSm100Kernel, "_ptr", staticmethod(lambda t, dt, align: t))
     p = P(fmt, comp, 3, 256, 512)
     v = dataclasses.replace(FAMILY.default(p, ARCH), stages=2, **fields)
     assert FAMILY.why_invalid(v, p, ARCH) is None
-    fake = _SimulatedKernel(geometry_of(v, p))
-    r = FAMILY.runner(fake, v, p, "cpu", n_sets=2, seed=0)
+    g = geometry_of(v, p)
+    fake = _SimulatedKernel(g)
+    quant = _SimQuantizer(g, comp, 512)
+    r = FAMILY.runner(fake, v, p, "cpu", n_sets=2, seed=0, quantizer=quant)
     for _ in range(2):
         res = r.check()
         assert res.ok, res.detail
@@ -466,10 +511,19 @@ def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, mo
     y1 = r().clone()
     r.rotate(0)
     y0 = r().clone()
-    assert fake.calls == 4 and not torch.equal(y0, y1)
+    assert not torch.equal(y0, y1) and quant.calls >= 4
     qw, _, x1, _ = r.sets[1]
-    assert torch.equal(y1.view(torch.int16),
-                       R.linear(x1, qw, _comp(comp)).to(torch.bfloat16).view(torch.int16))
+    ref = R.linear(x1.to(torch.bfloat16).float(), qw, _comp(comp)).to(torch.bfloat16)
+    assert torch.equal(y1.view(torch.int16), ref.view(torch.int16))
+    # the served path is the same binding: bind on the same weight gives the same bits
+    wt = r.sets[1][1]
+    from resgen.calibrate import static_alpha
+    masks = qw.selection.masks if qw.selection is not None else None
+    run = FAMILY.bind(fake, v, p, wt, "cpu", quantizer=quant, alpha=static_alpha(qw, "cpu"),
+                      masks=masks)
+    y = torch.full_like(y1, float("nan"))
+    run(x1.to(torch.bfloat16).contiguous(), y)
+    assert torch.equal(y.view(torch.int16), y1.view(torch.int16))
 
 
 def test_launcher_rejects_mismatched_operands(monkeypatch):
@@ -534,25 +588,31 @@ def test_model_reproduces_the_two_fitted_fig4a_points():
     CUTLASS's examples choose): a fit, not a claim."""
     fixed, gbps = fit_fig4a()
     assert B200().fitted().fixed_us == pytest.approx(fixed) and 100 < gbps < 1000
-    p = P("nvfp4", "none", 8, 4096, 4096)
+    p = P("nvfp4", "none", FIG4A_M, 4096, 4096)
     for w, us in PAPER_FIG4A:
-        v = fig4a_variant(w)
-        assert v.stages == max_stages(v, p) >= 8 and FAMILY.why_invalid(v, p, ARCH) is None
-        b = predict(v, p)
-        assert b.ctas == 32 and b.total_us == pytest.approx(us, abs=0.02), (w, b)
+        g = fig4a_geometry(w)
+        assert g.stages == max_stages(g) >= 8
+        v = V(tile_n=w, tmem_rep=min(w, 32), stages=g.stages)
+        assert geometry_of(v, p) == g and FAMILY.why_invalid(v, p, ARCH) is None
+        b = predict(g, FIG4A_M)
+        assert b.ctas == 32 and b.total_us == pytest.approx(us, abs=1e-6), (w, b)
 
 
 def test_model_terms_follow_the_bytes_and_tiles():
     p = P("nvfp4", "none", 1, 4096, 4096)
     v = FAMILY.default(p, ARCH)
-    b1 = predict(v, p)
-    b2 = predict(v, dataclasses.replace(p, k=8192))
+    b1 = predict(geometry_of(v, p), 1)
+    p2 = dataclasses.replace(p, k=8192)
+    b2 = predict(geometry_of(v, p2), 1)
     assert b2.cta_bytes == 2 * b1.cta_bytes and b2.total_us > b1.total_us
-    sk = predict(dataclasses.replace(v, split_k=4, reduce=Reduction.WORKSPACE), p)
+    vs = dataclasses.replace(v, split_k=4, reduce=Reduction.WORKSPACE)
+    sk = predict(geometry_of(vs, p), 1)
     assert sk.ctas == 4 * b1.ctas and sk.mem_us < b1.mem_us and sk.reduce_us > 0
-    mx = predict(v, dataclasses.replace(p, fmt="mxfp4"))
+    mx = predict(geometry_of(v, dataclasses.replace(p, fmt="mxfp4")), 1)
     assert mx.cta_bytes < b1.cta_bytes                  # E8M0 per 32: half the SF bytes
     for q in PROBLEMS:
         sp = FAMILY.space(q, ARCH)
         pri = [FAMILY.prior(x, q) for x in sp]
         assert all(t > 0 for t in pri) and len(set(pri)) > 1
+    best, _ = FAMILY.best_predicted(p)
+    assert FAMILY.prior(best, p) == min(FAMILY.prior(x, p) for x in FAMILY.space(p, ARCH))

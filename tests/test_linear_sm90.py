@@ -776,29 +776,40 @@ class _SimulatedKernel:
                            pipeline=Pipeline.DIRECT, stages=1)),
 ])
 def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, monkeypatch):
-    """Runner + launcher plumbing (input sets, rotation, poisoned check, workspace and
-    semaphore reuse across calls) with the simulation standing in for the GPU kernel."""
+    """Runner + launcher plumbing (input sets, rotation, poisoned checks, workspace and
+    semaphore reuse across calls) with the simulation standing in for the GPU kernel: the
+    timed call is the bound layer (the quantizer's torch stand-in in front), gemm_only() the
+    GEMM alone on the torch-quantized operand of a set."""
     registry = _record_launcher_pointers(monkeypatch)
     p = LinearProblem(fmt, comp, 3, 64, 1024)
     v = LinearSm90Variant(**fields)
     assert FAMILY.why_invalid(v, p, ARCH) is None
     fake = _SimulatedKernel(geometry_of(v, p), registry)
     r = FAMILY.runner(fake, v, p, "cpu", n_sets=2, seed=0)
+    c = p.ratio if p.ratio is not None else comp
+    q = _TorchQuantizer(r.sets[0][0], c, "static" if fmt == "nvfp4" else "none")
+    r.attach_quantizer(q)
     for _ in range(2):
-        res = r.check()
+        res = r.check()                          # the GEMM alone, then the whole layer
         assert res.ok, res.detail
     r.rotate(1)
     y1 = r().clone()
     r.rotate(0)
     y0 = r().clone()
     assert not torch.equal(y0, y1)               # the sets differ
-    xop1, ax1 = r.operand(1)                     # built by the eager call above
-    qw1, wt1, _, xop_stored, _ = r.sets[1]
-    assert xop_stored is xop1
-    c = p.ratio if p.ratio is not None else comp
+    assert q.calls == 4
+    qw1, wt1, _, _, _ = r.sets[1]
+    xq, aq = make_xop(r.xbs[1].float(), qw1, c, t_multiple=r.geom.tok)
+    emu = L.emulate_linear_sm90(xq, wt1, 3, xop_layout_for(c), aq)
+    assert torch.equal(y1.view(torch.int16), emu.to(torch.bfloat16).view(torch.int16))
+    g = r.gemm_only()
+    g.rotate(1)
+    yg = g().clone()
+    xop1, ax1 = r.operand(1)                     # built by the call above
+    assert r.sets[1][3] is xop1
     emu = L.emulate_linear_sm90(xop1, wt1, 3, xop_layout_for(c), ax1).to(torch.bfloat16)
-    assert torch.equal(y1.view(torch.int16), emu.view(torch.int16))
-    assert fake.calls == 4
+    assert torch.equal(yg.view(torch.int16), emu.view(torch.int16))
+    assert fake.calls == 7
     assert FAMILY.working_set_bytes(v, p) >= wt1.nbytes()
 
 
@@ -868,7 +879,7 @@ def test_as_layer_puts_the_quantizer_in_front_of_xop_variants_only(act, monkeypa
     """as_layer() (what the tuner and `resgen bench` time): xop variants get the layer
     quantizer, the check covers the GEMM and then the whole layer; fused ones stay as they
     are (they quantize in their own prologue)."""
-    import resgen.search.linear_sm90 as LS
+    import resgen.search.sm90_linear as SL
 
     registry = _record_launcher_pointers(monkeypatch)
     p = LinearProblem("nvfp4", "full", 2, 64, 1024)
@@ -882,7 +893,7 @@ def test_as_layer_puts_the_quantizer_in_front_of_xop_variants_only(act, monkeypa
         made.append(_TorchQuantizer(r.sets[0][0], "full", "static"))
         return made[-1]
 
-    monkeypatch.setattr(LS, "layer_quantizer", fake_layer_quantizer)
+    monkeypatch.setattr(SL, "layer_quantizer", fake_layer_quantizer)
     r.as_layer()
     if act == "fused":
         assert not made and r.quantizer is None

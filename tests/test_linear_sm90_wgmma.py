@@ -429,19 +429,24 @@ def test_compile_through_the_build_helper():
 @pytest.mark.parametrize("comp", ["none", "full", "0.25"])
 def test_runner_with_the_simulation(comp):
     """The family runner and the launcher end to end on the CPU: the simulated kernel reads the
-    raw addresses and ints the launcher passes (order, sizes, alignment) and writes there."""
+    raw addresses and ints the launcher passes (order, sizes, alignment) and writes there.
+    check() runs the GEMM on a torch-quantized operand, then the bound layer (the quantizer's
+    torch definition in front); the timed call is the bound layer."""
     p = LinearProblem("nvfp4", comp, 5, 128, 256)
     v = LinearSm90WgmmaVariant(2, 1, 16, 2)
     assert FAMILY.why_invalid(v, p, ARCH) is None
     fake = SimulatedKernel(geometry_of(v, p))
-    r = FAMILY.runner(fake, v, p, "cpu", n_sets=2, seed=3)
+    q = _ReferenceQuantizer("nvfp4", comp, "static")
+    r = FAMILY.runner(fake, v, p, "cpu", n_sets=2, seed=3, quantizer=q)
     res = r.check()
     assert res.ok, res.detail
+    assert q.calls == 1
     r.rotate(1)
     out = r()
+    assert q.calls == 2
     assert out.shape == (5, 128) and not bool(out.isnan().any())
     kp = kp_of(p)
-    assert fake.calls == [(5, 10 if comp == "full" else 5, 128, kp // 64)] * 2
+    assert fake.calls == [(5, 10 if comp == "full" else 5, 128, kp // 64)] * 3
     assert FAMILY.working_set_bytes(v, p) >= r.bytes_per_set()
 
 
@@ -454,7 +459,8 @@ def test_split_k_runner_with_the_simulation(comp):
     v = LinearSm90WgmmaVariant(1, 1, 16, 2, Raster.TOK, Packing.SPLIT, 4)
     assert FAMILY.why_invalid(v, p, ARCH) is None
     geom = geometry_of(v, p)
-    r = FAMILY.runner(SimulatedKernel(geom), v, p, "cpu", n_sets=1, seed=5)
+    r = FAMILY.runner(SimulatedKernel(geom), v, p, "cpu", n_sets=1, seed=5,
+                      quantizer=_ReferenceQuantizer("nvfp4", comp, "static"))
     res = r.check()
     assert res.ok, res.detail
     rows = p.rows

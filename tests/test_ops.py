@@ -361,3 +361,137 @@ def test_plans_are_bounded(monkeypatch):
     for m in (2, 3, 1, 4):          # 1 is used again, so 2 is the oldest when 4 arrives
         layer.plan(m)
     assert list(layer._plans) == [3, 1, 4] and layer.plan(1) is first
+
+
+# ----------------------------------------------------------------------------- served == tuned
+#
+# One launch path per family: resgen.ops serves `family.bind(...)` and the tuner's runner times
+# the same bound call. With the kernels' CPU simulations standing in for the compiled kernels
+# (and the quantizer's torch definition for quant_sm90, the attention emulator for the decode
+# kernel), the served op and the runner must agree bit for bit on the same inputs.
+
+
+def _sim_kernel(fam, v, p, registry):
+    if fam.NAME == "linear_sm90_wgmma":
+        return SimulatedKernel(LW.geometry_of(v, p))
+    return _SimulatedKernel(LS.geometry_of(v, p), registry)
+
+
+_BIND_CASES = [
+    ("linear_sm90_mma", LS.LinearSm90Variant(warps_m=4, warps_k=1, stages=3)),
+    ("linear_sm90_mma", LS.LinearSm90Variant(warps_m=2, warps_k=2, stages=2, split_k=2,
+                                             reduce=LS.Reduction.WORKSPACE)),
+    ("linear_sm90_mma", LS.LinearSm90Variant(warps_m=4, warps_k=1, stages=3, act=LS.Act.FUSED)),
+    ("linear_sm90_wgmma", LW.LinearSm90WgmmaVariant(1, 1, 16, 3)),
+    ("linear_sm90_wgmma", LW.LinearSm90WgmmaVariant(1, 1, 16, 2, LW.Raster.CH, LS.Packing.NIB,
+                                                    2)),
+]
+
+
+@pytest.mark.parametrize("fam_name, v", _BIND_CASES, ids=lambda x: getattr(x, "name",
+                                                                          lambda: x)())
+@pytest.mark.parametrize("fmt, comp", [("nvfp4", "none"), ("nvfp4", "full"), ("mxfp4", "full"),
+                                       ("nvfp4", "0.5")])
+def test_served_linear_is_the_tuned_call_bit_for_bit(fam_name, v, fmt, comp, monkeypatch):
+    """The tuner's runner (family.runner, as_layer, check, then the timed call on input set 1)
+    and resgen.ops.Linear on that set's weight and BF16 activations give the same bits, for
+    plain, M-Ext and K-Ext: the quantizer in front (the default one of `bind`, here the
+    quantizer's torch definition) and the GEMM are one code path. Both also match the
+    reference."""
+    import resgen.search.sm90_linear as SL
+    from resgen.search.family import get_family
+
+    registry = _record_launcher_pointers(monkeypatch)
+    fam = get_family(fam_name)
+    p = LinearProblem(fmt, comp, 3, 64, 1024)
+    assert fam.why_invalid(v, p, ARCH) is None, fam.why_invalid(v, p, ARCH)
+    made = []
+
+    def quantizer(problem, arch="sm_90a"):
+        assert problem == p and arch == ARCH
+        alpha = "none" if fmt == "mxfp4" else "static"
+        made.append(_ReferenceQuantizer(fmt, comp, alpha))
+        return made[-1]
+
+    monkeypatch.setattr(SL, "layer_quantizer", quantizer)
+    compiled = _sim_kernel(fam, v, p, registry)
+    r = fam.runner(compiled, v, p, "cpu", n_sets=2, seed=11)
+    r.as_layer()                                # what the tuner does before check and timing
+    chk = r.check()
+    assert chk.ok, chk.detail
+    r.rotate(1)
+    tuned = r().clone()
+    qw, xb = r.sets[1][0], r.xbs[1]
+    layer = Linear(qw, comp, device="cpu", variant=v, compile_fn=lambda *a: compiled)
+    served = layer(xb)
+    assert not bool(served.isnan().any())
+    assert torch.equal(served.view(torch.int16), tuned.view(torch.int16))
+    assert len(made) == (0 if v.FAMILY == "linear_sm90_mma" and v.fused else 2)
+    assert layer.plan(3).source == "pinned"
+    ref = R.linear(xb.float(), qw, comp if comp in ("none", "full") else float(comp))
+    assert _rel(served, ref) <= 3e-3
+
+
+class _EmulatedDecodeAttention:
+    """Stands in for resgen.kernels.attention_sm90.DecodeAttentionSm90 on the CPU (same
+    constructor and call): the lane-level emulation of the kernel (attention_sm90_emu) with
+    the variant's warps, chunk, packing and split count, rounded to BF16 like the kernel."""
+
+    made: list = []
+
+    def __init__(self, fn, shape, num_splits):
+        from resgen.kernels.attention_sm90_emu import EmuConfig
+
+        self.fn, self.shape, self.num_splits = fn, shape, num_splits
+        self.cfg = EmuConfig(compensation=shape.compensation, packing=shape.packing,
+                             pv=shape.pv, num_warps=shape.num_warps, num_splits=num_splits,
+                             kc=shape.kc)
+        self.workspaces = []
+        _EmulatedDecodeAttention.made.append(self)
+
+    def workspace(self, batch, kv_heads, device):
+        self.workspaces.append((batch, kv_heads, str(device)))
+
+    def __call__(self, q, cache, block_tables, seq_lens, out=None, sm_scale=None):
+        from resgen.kernels.attention_sm90_emu import emulate_decode_attention
+
+        y = emulate_decode_attention(q.float(), cache, block_tables, seq_lens, self.cfg,
+                                     sm_scale).to(torch.bfloat16)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+
+@pytest.mark.parametrize("compensation", [True, False])
+def test_served_attention_is_the_tuned_call_bit_for_bit(compensation, monkeypatch):
+    """attention_sm90: the runner's bound op (family.bind) and resgen.ops.DecodeAttention
+    without op_fn (so through the same family.bind) give the same bits on the runner's paged
+    cache, ResAttn and plain NVFP4-KV, 2 KV splits reduced in the last CTA."""
+    import resgen.kernels.attention_sm90 as KA
+    from resgen.ops import DecodeAttention
+    from resgen.search.attention_sm90 import (FAMILY, AttentionSm90Variant, Packing,
+                                              Reduction)
+    from resgen.search.variant import AttentionProblem
+
+    monkeypatch.setattr(KA, "DecodeAttentionSm90", _EmulatedDecodeAttention)
+    monkeypatch.setattr(_EmulatedDecodeAttention, "made", [])
+    p = AttentionProblem(2, 8, 2, 64, 64, 16, compensation, "f16")
+    v = AttentionSm90Variant(num_warps=4, kc=16, packing=Packing.PAIR, splits=2,
+                             reduction=Reduction.LASTCTA, prefetch=True)
+    assert FAMILY.why_invalid(v, p, ARCH) is None
+    compiled = object()
+    r = FAMILY.runner(compiled, v, p, "cpu", n_sets=1, seed=4)
+    chk = r.check()
+    assert chk.ok, chk.detail
+    tuned = r().clone()
+    q, cache, bt, sl = r.sets[0]
+    attn = DecodeAttention(8, 2, 64, 16, compensation=compensation, variant=v,
+                           compile_fn=lambda f, vv, pp, a: compiled)
+    served = attn(q, cache, bt, sl, max_kv_len=64)
+    assert attn.plan(2, 64).problem == p
+    assert torch.equal(served.view(torch.int16), tuned.view(torch.int16))
+    assert not bool(served.isnan().any()) and bool(served.abs().sum() > 0)
+    runner_op, served_op = _EmulatedDecodeAttention.made
+    assert served_op.fn is runner_op.fn is compiled
+    assert (served_op.shape, served_op.num_splits) == (runner_op.shape, runner_op.num_splits)

@@ -693,9 +693,10 @@ def test_warm_runs_before_the_gpu_lock_and_its_failure_is_not_fatal(tmp_path, mo
 def test_linear_families_warm_the_layer_quantizer(monkeypatch):
     import resgen.search.linear_sm90 as L
     from resgen.search import linear_sm90_wgmma as W
+    from resgen.search import sm90_linear
 
     made = []
-    monkeypatch.setattr(L, "layer_quantizer", lambda p, arch="sm_90a": made.append(p))
+    monkeypatch.setattr(sm90_linear, "layer_quantizer", lambda p, arch="sm_90a": made.append(p))
     p = LinearProblem("nvfp4", "full", 1, 4096, 4096)
     L.FAMILY.warm(L.LinearSm90Variant(), p)
     L.FAMILY.warm(L.LinearSm90Variant(act=L.Act.FUSED), p)       # quantizes in its prologue

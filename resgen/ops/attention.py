@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..search.family import KernelFamily, families_for, get_family
 from ..search.variant import AttentionProblem
 from . import common
 from .common import choose_variant, compile_cached
@@ -34,7 +35,8 @@ __all__ = ["DecodeAttention", "AttentionPlan"]
 @dataclass
 class AttentionPlan:
     """What runs for one (batch, KV-length class): the looked-up problem, the variant, where
-    it came from, and the bound kernel (resgen.kernels.attention_sm90.DecodeAttentionSm90)."""
+    it came from, and the bound kernel (its family's `bind`, e.g. attention_sm90's
+    resgen.kernels.attention_sm90.DecodeAttentionSm90)."""
 
     problem: AttentionProblem
     variant: Any
@@ -49,13 +51,15 @@ class DecodeAttention:
     compensation: True = ResAttn (query split into FP4 base + residue, scores added in FP32
                   before the softmax); False = plain NVFP4-KV.
     pv:           "f16" or "fp8" (a numerics choice, never made by the tuner).
+    arch:         compile target (default: resgen.settings, the GPU's arch).
     family / variant / dispatcher / compile_fn / op_fn: as for resgen.ops.Linear; op_fn
-                  ((compiled, variant, problem) -> callable like DecodeAttentionSm90) lets
-                  the CPU tests stand an emulation in for the kernel.
+                  ((compiled, variant, problem) -> callable like DecodeAttentionSm90)
+                  replaces the family's `bind` (the CPU tests stand an emulation in for the
+                  kernel).
     """
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, page_size: int = 32, *,
-                 compensation: bool = True, pv: str = "f16", arch: str = "sm_90a",
+                 compensation: bool = True, pv: str = "f16", arch: str | None = None,
                  family: str | None = None, variant: Any = None, dispatcher: Any = None,
                  compile_fn: Callable[[Any, Any, AttentionProblem, str], Any] | None = None,
                  op_fn: Callable[[Any, Any, AttentionProblem], Any] | None = None) -> None:
@@ -64,18 +68,27 @@ class DecodeAttention:
                              f"{kv_heads}")
         if pv not in ("f16", "fp8"):
             raise ValueError(f"pv must be 'f16' or 'fp8', got {pv!r}")
-        from ..search.attention_sm90 import FAMILY
+        if arch is None:
+            from ..settings import settings
 
-        why = FAMILY.problem_invalid(AttentionProblem(1, q_heads, kv_heads, head_dim, 0,
-                                                      page_size, bool(compensation), pv))
-        if why is not None:
-            raise ValueError(f"no attention kernel for this geometry: {why}")
+            arch = settings().arch
+        geometry = AttentionProblem(1, q_heads, kv_heads, head_dim, 0, page_size,
+                                    bool(compensation), pv)
+        if variant is not None:
+            fams = [get_family(variant.FAMILY)]
+        elif family is not None:
+            fams = [get_family(family)]
+        else:
+            fams = families_for("decode_attention", arch)
+        whys = [f.problem_invalid(geometry) for f in fams] or [f"no family on {arch}"]
+        if all(w is not None for w in whys):
+            raise ValueError(f"no attention kernel for this geometry: {'; '.join(whys)}")
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.page_size, self.compensation, self.pv = page_size, bool(compensation), pv
         self.arch, self.family, self.variant = arch, family, variant
         self._dispatcher = dispatcher
         self._compile = compile_fn or compile_cached
-        self._op = op_fn or _bind
+        self._op = op_fn
         self._plans: OrderedDict[tuple[int, int], AttentionPlan] = OrderedDict()
 
     def problem(self, batch: int, kv_len: int) -> AttentionProblem:
@@ -104,7 +117,7 @@ class DecodeAttention:
         """Build the plans of these (batch, longest KV length) pairs now."""
         return [self.plan(b, n) for b, n in shapes]
 
-    def _choose(self, p: AttentionProblem) -> tuple[Any, Any, str]:
+    def _choose(self, p: AttentionProblem) -> tuple[KernelFamily, Any, str]:
         return choose_variant("decode_attention", p, self.arch, self.family, self.variant,
                               self._dispatcher)
 
@@ -123,7 +136,9 @@ class DecodeAttention:
             fam, v, src = self._choose(p)
             whole = fam.why_invalid(v, lo, self.arch) is None
         compiled = self._compile(fam, v, p, self.arch)
-        return AttentionPlan(p, v, src, self._op(compiled, v, p)), whole
+        op = self._op(compiled, v, p) if self._op is not None else \
+            fam.bind(compiled, v, p, _device())
+        return AttentionPlan(p, v, src, op), whole
 
     def __call__(self, q: torch.Tensor, cache: Any, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, *, max_kv_len: int | None = None,
@@ -147,12 +162,9 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _bind(compiled: Any, v: Any, p: AttentionProblem) -> Any:
-    from ..kernels.attention_sm90 import DecodeAttentionSm90
-    from ..search.attention_sm90 import shape_of
-
-    op = DecodeAttentionSm90(compiled, shape_of(v, p), v.splits)
+def _device() -> torch.device:
+    """Where the op runs: the current CUDA device (the kernels take CUDA tensors), else the
+    CPU (tests with an emulation bound in)."""
     if torch.cuda.is_available():
-        # the split workspace of this batch now, not at the first (perhaps captured) call
-        op.workspace(p.batch, p.kv_heads, torch.device("cuda", torch.cuda.current_device()))
-    return op
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

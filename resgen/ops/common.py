@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..search.family import KernelFamily
 from ..search.variant import ProblemBase
 
 __all__ = ["compile_cached", "choose_variant", "MAX_PLANS"]
@@ -15,7 +16,8 @@ MAX_PLANS = 256     # per op instance: shape classes whose plans (and buffers) a
 _COMPILED: dict[tuple, Any] = {}
 
 
-def compile_cached(family: Any, variant: Any, problem: ProblemBase, arch: str) -> Any:
+def compile_cached(family: KernelFamily, variant: Any, problem: ProblemBase,
+                   arch: str) -> Any:
     """The compiled kernel of `variant` for `problem` (memoized per family, variant, compile
     key and arch in this process). Raises RuntimeError with the compiler's message on failure."""
     from ..search import build
@@ -31,7 +33,8 @@ def compile_cached(family: Any, variant: Any, problem: ProblemBase, arch: str) -
 
 
 def choose_variant(op: str, problem: ProblemBase, arch: str, family: str | None = None,
-                   variant: Any = None, dispatcher: Any = None) -> tuple[Any, Any, str]:
+                   variant: Any = None, dispatcher: Any = None
+                   ) -> tuple[KernelFamily, Any, str]:
     """(family object, variant, where it came from) for `problem`: the pinned `variant` (a
     ValueError if its family's predicate rejects the problem), else the dispatcher's answer
     (default: the process-wide resgen.runtime dispatcher), optionally within `family`."""

@@ -12,10 +12,11 @@ For each row count M the layer builds a plan once:
      variant (checked with its family's predicate for every M);
   2. the kernel: compiled once per (family, variant, compile key, arch) in this process, from
      the fingerprinted on-disk render cache;
-  3. the weight: prepared once per (family, packing) in that family's layout (offline work,
-     not repeated per call);
-  4. the buffers: the launcher's split-K workspace / semaphores and, for variants that read a
-     prepared operand, the layer quantizer (quant_sm90, row pairs for M-Ext, the K-Ext
+  3. the weight: prepared once per (family, packing) in that family's layout
+     (`family.layout`: offline work, not repeated per call);
+  4. the launch: `family.bind(...)`, the family's one launch path, the same call its tuner
+     runner timed: the launcher's split-K workspace / semaphores and, for variants that read
+     a prepared operand, the layer quantizer (quant_sm90, row pairs for M-Ext, the K-Ext
      extension for a ratio) with its outputs for M rows.
 A call then runs the whole layer: BF16 activations in, quantizer + GEMM (two launches; fused
 linear_sm90_mma variants quantize in their own prologue: one launch), BF16 out, a new tensor.
@@ -38,17 +39,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..calibrate import QLinearWeight
+from ..calibrate import QLinearWeight, static_alpha
+from ..search.family import KernelFamily, LinearFamily
 from ..search.variant import LinearProblem
 from . import common
 from .common import choose_variant, compile_cached
 
 __all__ = ["Linear", "LayerPlan"]
-
-def _default_quantizer(problem: LinearProblem, arch: str) -> Any:
-    from ..search.linear_sm90 import layer_quantizer
-
-    return layer_quantizer(problem, arch)
 
 
 @dataclass
@@ -70,16 +67,17 @@ class Linear:
                   `device` once).
     compensation: "none" | "full" | a K-Ext ratio (float or its string).
     device:       the CUDA device to run on (default: the current one).
-    arch:         compile target (default sm_90a).
+    arch:         compile target (default: resgen.settings, the GPU's arch).
     family / variant: pin a kernel family / one variant instead of the dispatch table.
     dispatcher:   a resgen.runtime.Dispatcher (default: the process-wide one).
     compile_fn, quantizer_fn: replace the compile step ((family, variant, problem, arch) ->
-                  compiled kernel) and the layer quantizer ((problem, arch) -> quantizer);
-                  the CPU tests stand simulations in for both.
+                  compiled kernel) and the layer quantizer ((problem, arch) -> quantizer,
+                  asked for only by variants that need one; default: the family's); the
+                  CPU tests stand simulations in for both.
     """
 
     def __init__(self, qweight: QLinearWeight, compensation: str | float = "none", *,
-                 device: torch.device | str | None = None, arch: str = "sm_90a",
+                 device: torch.device | str | None = None, arch: str | None = None,
                  family: str | None = None, variant: Any = None, dispatcher: Any = None,
                  compile_fn: Callable[[Any, Any, LinearProblem, str], Any] | None = None,
                  quantizer_fn: Callable[[LinearProblem, str], Any] | None = None) -> None:
@@ -105,13 +103,20 @@ class Linear:
         self.k, self.n = qweight.in_features, qweight.out_features
         # MXFP4 has no tensor scale: its workloads are keyed like static ones
         self.static_scale = self.fmt == "mxfp4" or qweight.input_scale is not None
+        if arch is None:
+            from ..settings import settings
+
+            arch = settings().arch
         self.arch = arch
+        # the static NVFP4 activation scale (float32 [1]) the kernels take; None for MXFP4
+        # and dynamic NVFP4
+        self.alpha = static_alpha(self.qweight, self.device)
         self.family, self.variant = family, variant
         if variant is not None and family is not None and variant.FAMILY != family:
             raise ValueError(f"variant {variant.name()} is not of family {family}")
         self._dispatcher = dispatcher
         self._compile = compile_fn or compile_cached
-        self._quantizer = quantizer_fn or _default_quantizer
+        self._quantizer = quantizer_fn
         self._weights: dict[tuple[str, str], Any] = {}
         self._plans: OrderedDict[int, LayerPlan] = OrderedDict()
 
@@ -141,24 +146,28 @@ class Linear:
         """Build the plans of these row counts now (e.g. before CUDA graph capture)."""
         return [self.plan(int(m)) for m in ms]
 
-    def _choose(self, p: LinearProblem) -> tuple[Any, Any, str]:
+    def _choose(self, p: LinearProblem) -> tuple[KernelFamily, Any, str]:
         return choose_variant("linear", p, self.arch, self.family, self.variant,
                               self._dispatcher)
 
-    def _weight(self, fam: Any, v: Any) -> Any:
+    def _weight(self, fam: LinearFamily, v: Any) -> Any:
         packing = v.packing.value
         key = (fam.NAME, packing)
         if key not in self._weights:
-            self._weights[key] = _LAYOUTS[fam.NAME](self.qweight, packing)
+            self._weights[key] = fam.layout(self.qweight, packing)
         return self._weights[key]
 
     def _build(self, m: int) -> LayerPlan:
         p = self.problem(m)
         fam, v, source = self._choose(p)
-        if fam.NAME not in _SERVE:
+        if not isinstance(fam, LinearFamily):
             raise ValueError(f"family {fam.NAME} has no run-time path in resgen.ops")
         compiled = self._compile(fam, v, p, self.arch)
-        run = _SERVE[fam.NAME](self, compiled, v, p, self._weight(fam, v))
+        quantizer = None
+        if self._quantizer is not None and fam.needs_quantizer(v):
+            quantizer = self._quantizer(p, self.arch)
+        run = fam.bind(compiled, v, p, self._weight(fam, v), self.device, quantizer=quantizer,
+                       alpha=self.alpha, masks=self.masks if p.ratio is not None else None)
         return LayerPlan(p, fam.NAME, v, source, run)
 
     # -- calling ----------------------------------------------------------------------------
@@ -208,76 +217,3 @@ def _to_device(qw: QLinearWeight, device: torch.device) -> QLinearWeight:
     if isinstance(scale, torch.Tensor):
         scale = scale.to(device)
     return dataclasses.replace(qw, q=qw.q.to(device), input_scale=scale)
-
-
-def _masks(layer: Linear, p: LinearProblem) -> torch.Tensor | None:
-    return layer.masks if p.ratio is not None else None
-
-
-def _behind_quantizer(layer: Linear, p: LinearProblem, row_multiple: int,
-                      gemm: Callable[[Any, torch.Tensor], Any]
-                      ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    """run(xb, out): the layer quantizer writes the operand, then gemm(operand, out)."""
-    from ..search.linear_sm90 import _static_alpha
-
-    q = layer._quantizer(p, layer.arch)
-    outs = q.outputs(p.m, row_multiple=row_multiple, device=layer.device)
-    alpha = _static_alpha(layer.qweight, layer.device) if q.config.alpha == "static" else None
-    masks = _masks(layer, p)
-    kw = {} if masks is None else {"masks": masks}
-
-    def run(xb: torch.Tensor, out: torch.Tensor) -> Any:
-        return gemm(q(xb, outs, alpha=alpha, **kw), out)
-
-    return run
-
-
-def _serve_mma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
-               ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    from ..kernels.linear_sm90 import LinearSm90Launcher
-    from ..search.linear_sm90 import _static_alpha, geometry_of
-
-    g = geometry_of(v, p)
-    launch = LinearSm90Launcher(compiled, g, ws_floats=g.ws_floats(p.rows, p.m),
-                                sem_count=g.sem_count(p.rows), device=layer.device)
-    if v.fused:         # quantizes in its own prologue: one launch
-        alpha = _static_alpha(layer.qweight, layer.device)
-        masks = _masks(layer, p)
-        return lambda xb, out: launch(wt, xb, p.m, p.rows, alpha, out, masks)
-    return _behind_quantizer(layer, p, g.tok, lambda op, out: launch(wt, op.xop, p.m, p.rows,
-                                                                       op.alpha, out))
-
-
-def _serve_wgmma(layer: Linear, compiled: Any, v: Any, p: LinearProblem, wt: Any
-                 ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    from ..kernels.linear_sm90_wgmma import WgmmaLauncher
-    from ..search.linear_sm90_wgmma import geometry_of
-
-    launch = WgmmaLauncher(compiled, geometry_of(v, p), layer.device)
-    launch.reserve(p.rows, p.n)         # split-K workspace now, not at the first (captured) call
-    return _behind_quantizer(layer, p, 8, lambda op, out: launch(wt, op.xop, p.m, p.rows,
-                                                                   op.alpha, out))
-
-
-def _layout_mma(qw: QLinearWeight, packing: str) -> Any:
-    from ..kernels.layouts import prepare_sm90_weight
-
-    return prepare_sm90_weight(qw, packing)
-
-
-def _layout_wgmma(qw: QLinearWeight, packing: str) -> Any:
-    from ..kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
-
-    return prepare_wgmma_weight(qw, packing)
-
-
-# family -> (Linear, compiled, variant, problem, prepared weight) -> run(xb, out)
-_SERVE: dict[str, Callable[..., Callable[[torch.Tensor, torch.Tensor], Any]]] = {
-    "linear_sm90_mma": _serve_mma,
-    "linear_sm90_wgmma": _serve_wgmma,
-}
-# family -> (qweight, packing) -> the weight in that family's layout
-_LAYOUTS: dict[str, Callable[[QLinearWeight, str], Any]] = {
-    "linear_sm90_mma": _layout_mma,
-    "linear_sm90_wgmma": _layout_wgmma,
-}

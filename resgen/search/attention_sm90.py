@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from .family import CheckResult, compare, register
+from .family import CheckResult, KernelFamilyBase, compare, register
 from .variant import AttentionProblem, Choice, IntRange, VariantBase
 
 __all__ = ["Packing", "Reduction", "AttentionSm90Variant", "AttentionSm90Family", "FAMILY",
@@ -126,7 +126,7 @@ def preset(problem: AttentionProblem, sms: int = SMS_H200) -> AttentionSm90Varia
     return v
 
 
-class AttentionSm90Family:
+class AttentionSm90Family(KernelFamilyBase):
     NAME: ClassVar[str] = "attention_sm90"
     VARIANT: ClassVar[type] = AttentionSm90Variant
     PROBLEM: ClassVar[type] = AttentionProblem
@@ -253,6 +253,23 @@ class AttentionSm90Family:
         return decode_hbm_bytes([problem.kv_len] * problem.batch, problem.kv_heads,
                                 problem.head_dim, problem.q_heads)
 
+    def bind(self, compiled: Any, variant: AttentionSm90Variant, problem: AttentionProblem,
+             device: torch.device | str) -> Any:
+        """The decode step of a compiled variant: a resgen.kernels.attention_sm90.
+        DecodeAttentionSm90, op(q, cache, block_tables, seq_lens, out=None, sm_scale=None)
+        (q: bf16 [B, Hq, D] -> bf16 [B, Hq, D]), with the split workspace of the problem's
+        batch on a CUDA `device` allocated now (not at the first, perhaps captured, call).
+        What resgen.ops.DecodeAttention serves and AttentionSm90Runner times."""
+        from ..kernels.attention_sm90 import DecodeAttentionSm90
+
+        op = DecodeAttentionSm90(compiled, shape_of(variant, problem), variant.splits)
+        device = torch.device(device)
+        if device.type == "cuda":
+            if device.index is None:      # the workspace is keyed by the tensors' device
+                device = torch.device("cuda", torch.cuda.current_device())
+            op.workspace(problem.batch, problem.kv_heads, device)
+        return op
+
     def runner(self, compiled: Any, variant: AttentionSm90Variant, problem: AttentionProblem,
                device: Any, n_sets: int = 1, seed: int = 0) -> "AttentionSm90Runner":
         return AttentionSm90Runner(compiled, variant, problem, device, n_sets, seed)
@@ -286,16 +303,15 @@ def random_cache(batch: int, kv_heads: int, head_dim: int, kv_len: int, page_siz
 
 class AttentionSm90Runner:
     """n_sets random caches of the problem's geometry (cold L2 by rotation), one compiled
-    variant. The timed call is the whole decode step: in-kernel query split, attention and
-    the split reduction (a second launch for reduction "workspace")."""
+    variant bound by the family's `bind` (what resgen.ops.DecodeAttention serves). The timed
+    call is the whole decode step: in-kernel query split, attention and the split reduction
+    (a second launch for reduction "workspace")."""
 
     def __init__(self, compiled, variant, problem, device, n_sets, seed):
-        from ..kernels.attention_sm90 import DecodeAttentionSm90
-
         self.variant, self.problem = variant, problem
         self.device = torch.device(device)
         self.shape = shape_of(variant, problem)
-        self.op = DecodeAttentionSm90(compiled, self.shape, variant.splits)
+        self.op = FAMILY.bind(compiled, variant, problem, self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
         p = problem
@@ -341,7 +357,8 @@ class AttentionSm90Runner:
                          device=self.device) * 2).to(torch.bfloat16)
         out = torch.full_like(q, float("nan"))
         self.op(q, cache, bt.to(torch.int32).contiguous(), sl.to(torch.int32), out=out)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         ref = reference.decode_attention(q.float(), cache, bt, sl, compensation=p.compensation,
                                          pv="fp32" if p.pv == "f16" else "fp8")
         res = compare(out, ref, TOLERANCE[p.pv])

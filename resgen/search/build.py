@@ -6,13 +6,14 @@ is rendered against `family.compile_key(variant, problem)`, the part of the prob
 is specialized on, so every M bucket that shares a compile key shares one source file, one
 fingerprint and one compile.
 
-Optional family attributes this module honours (none is required by the KernelFamily protocol):
-- `COMPILE_OPTIONS: str`   extra cute.compile options (part of the fingerprint);
-- `TEMPLATE_DIR: Path`     where TEMPLATE lives (default resgen/templates; tests use their own);
-- `ENTRY: str`             name of the @cute.jit entry in the rendered module (default: the
+Family attributes this module uses (defaults in resgen.search.family.KernelFamilyBase):
+- `COMPILE_OPTIONS: str`   extra cute.compile options (part of the fingerprint; "");
+- `TEMPLATE_DIR: Path`     where TEMPLATE lives (None: resgen/templates; tests use their own);
+- `ENTRY: str`             name of the @cute.jit entry in the rendered module (None: the
                             module's own `ENTRY` attribute, else a function named `entry`);
 - `compile_module(path, variant, problem, arch) -> codegen.CompileResult`: compile the rendered
-  module yourself (families with several kernels, or test families without CuTe DSL).
+  module (default: cute.compile of the entry; families with several kernels, or test families
+  without CuTe DSL, define their own).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ __all__ = ["Rendered", "CompileOutcome", "compile_options", "render_variant",
 
 
 def compile_options(family: KernelFamily) -> str:
-    return str(getattr(family, "COMPILE_OPTIONS", "") or "")
+    return str(family.COMPILE_OPTIONS or "")
 
 
 def _template_dir(family: KernelFamily) -> Path | None:
-    d = getattr(family, "TEMPLATE_DIR", None)
+    d = family.TEMPLATE_DIR
     return Path(d) if d is not None else None
 
 
@@ -101,7 +102,7 @@ class CompileOutcome:
 
 
 def entry_of(family: KernelFamily, module: Any) -> Any:
-    name = getattr(family, "ENTRY", None) or getattr(module, "ENTRY", None) or "entry"
+    name = family.ENTRY or getattr(module, "ENTRY", None) or "entry"
     fn = getattr(module, name, None)
     if fn is None:
         raise AttributeError(f"rendered module {module.__name__} of family {family.NAME} has no "
@@ -124,14 +125,7 @@ def compile_variant(family: KernelFamily, variant: VariantBase, problem: Problem
     except Exception as e:
         return CompileOutcome(False, "", error="render: " + format_error(e))
     try:
-        hook = getattr(family, "compile_module", None)
-        if hook is not None:
-            res = hook(r.path, variant, r.compile_problem, arch)
-        else:
-            module = codegen.load_module(r.path)
-            res = codegen.compile_entry(entry_of(family, module),
-                                        family.compile_args(variant, r.compile_problem), arch,
-                                        compile_options(family))
+        res = family.compile_module(r.path, variant, r.compile_problem, arch)
     except Exception as e:
         return CompileOutcome(False, r.fingerprint, error=format_error(e))
     try:

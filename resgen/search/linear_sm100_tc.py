@@ -41,13 +41,14 @@ import torch
 
 from ..kernels.linear_sm100_tc_geom import FoldPlanError, Sm100Geometry
 from ..kernels.sm100_layout import act_rows, pow2_ceil, round_up, tmem_span
-from .family import CheckResult, register
+from .family import CheckResult, KernelFamilyBase, register
 from .family import compare as family_compare
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
-__all__ = ["RowLayout", "TmemShape", "Store", "Reduction", "LinearSm100Variant",
-           "LinearSm100Family", "FAMILY", "TOLERANCE", "ARCH", "geometry_of", "kp_of",
-           "mode_of", "LinearSm100Runner"]
+__all__ = ["RowLayout", "TmemShape", "Store", "Reduction", "WeightPacking",
+           "LinearSm100Variant", "LinearSm100Family", "FAMILY", "TOLERANCE", "ARCH",
+           "geometry_of", "kp_of", "mode_of", "LinearSm100Runner", "Sm100LinearBinding",
+           "covering_cases", "ptx_problems"]
 
 TOLERANCE = 3e-3
 ARCH = "sm_100a"
@@ -71,6 +72,10 @@ class TmemShape(Choice):
 class Store(Choice):
     DIRECT = "direct"
     TMA = "tma"
+
+
+class WeightPacking(Choice):
+    TCGEN05 = "tcgen05"
 
 
 class Reduction(Choice):
@@ -105,6 +110,11 @@ class LinearSm100Variant(VariantBase):
     @property
     def cta_group(self) -> int:
         return self.tile_m // 128
+
+    @property
+    def packing(self) -> "WeightPacking":
+        """The weight layout (not a field: one layout for every variant; resgen.ops asks)."""
+        return WeightPacking.TCGEN05
 
     @property
     def deterministic(self) -> bool:
@@ -144,7 +154,7 @@ def _plan_error(g: Sm100Geometry) -> str | None:
     return None
 
 
-class LinearSm100Family:
+class LinearSm100Family(KernelFamilyBase):
     NAME: ClassVar[str] = "linear_sm100_tc"
     VARIANT: ClassVar[type] = LinearSm100Variant
     PROBLEM: ClassVar[type] = LinearProblem
@@ -306,11 +316,11 @@ class LinearSm100Family:
 
     def prior(self, variant: LinearSm100Variant, problem: LinearProblem) -> float:
         """The analytical B200 latency model's prediction in microseconds (lower first;
-        resgen.search.linear_sm100_tc_model, docs/linear_sm100.md): the tuner's order on
+        resgen.kernels.linear_sm100_tc_model, docs/linear_sm100.md): the tuner's order on
         Blackwell until measurements exist. Never measured: there is no Blackwell GPU here."""
-        from .linear_sm100_tc_model import predict
+        from ..kernels.linear_sm100_tc_model import predict
 
-        return predict(variant, problem).total_us
+        return predict(geometry_of(variant, problem), problem.m).total_us
 
     # ------------------------------------------------------------------ codegen
     def template_params(self, variant: LinearSm100Variant, problem: LinearProblem) -> dict:
@@ -353,9 +363,83 @@ class LinearSm100Family:
         return int(round_up(problem.n, 128) * kp * per_w + rows * kp * per_w * 2
                    + problem.m * problem.n * 2 + problem.m * problem.k * 2)
 
+    # ------------------------------------------------------------------ the launch
+    def layout(self, qweight: Any, packing: str | None = None) -> Any:
+        """The weight in the tcgen05 operand layout (one layout for every variant: `packing`
+        is accepted for resgen.ops and must be None or "tcgen05")."""
+        from ..kernels.linear_sm100_tc import prepare_sm100_weight
+
+        if packing not in (None, WeightPacking.TCGEN05.value):
+            raise ValueError(f"linear_sm100_tc has one weight layout (tcgen05), not {packing!r}")
+        return prepare_sm100_weight(qweight)
+
+    def needs_quantizer(self, variant: LinearSm100Variant) -> bool:
+        """Every variant reads a prepared operand: quant_sm100 in front (the paper's split)."""
+        return True
+
+    def launcher(self, compiled: Any, variant: LinearSm100Variant, problem: LinearProblem,
+                 device: Any) -> Any:
+        """The GEMM launch of a compiled variant, its split-K workspace sized for `problem`."""
+        from ..kernels.linear_sm100_tc import LinearSm100Launcher
+
+        rows = act_rows(problem.m, variant.layout.value)
+        return LinearSm100Launcher(compiled, geometry_of(variant, problem), max(rows, 16),
+                                   device)
+
+    def default_quantizer(self, variant: LinearSm100Variant, problem: LinearProblem) -> Any:
+        """The layer quantizer `bind` puts in front when given none (resgen.search
+        .sm100_linear.layer_quantizer for the variant's row layout and SF tile)."""
+        from .sm100_linear import layer_quantizer
+
+        g = geometry_of(variant, problem)
+        return layer_quantizer(problem, g.layout, g.act_sf_tile)
+
+    def warm(self, variant: LinearSm100Variant, problem: LinearProblem) -> None:
+        """The tuner's pre-lock hook: compile the layer quantizer the runner will bind."""
+        self.default_quantizer(variant, problem)
+
+    def bind(self, compiled: Any, variant: LinearSm100Variant, problem: LinearProblem,
+             weight: Any, device: Any, *, quantizer: Any = None, alpha: Any = None,
+             masks: Any = None, launcher: Any = None) -> "Sm100LinearBinding":
+        """The whole layer of `problem` on `weight` (layout()): run(xb, out), quant_sm100
+        writing the operand (its outputs allocated here, for problem.m tokens), then the GEMM.
+
+        quantizer: a compiled quant_sm100 kernel (or a stand-in with outputs() and __call__)
+        writing this variant's operand layout; None: default_quantizer. alpha: the static NVFP4
+        scale (resgen.calibrate.static_alpha) or None; masks: the K-Ext masks or None;
+        launcher: the GEMM launch to share (self.launcher(...)); None: a new one."""
+        device = torch.device(device)
+        if quantizer is None:
+            quantizer = self.default_quantizer(variant, problem)
+        if launcher is None:
+            launcher = self.launcher(compiled, variant, problem, device)
+        return Sm100LinearBinding(launcher, quantizer, problem, weight, device, alpha, masks)
+
     def runner(self, compiled: Any, variant: LinearSm100Variant, problem: LinearProblem,
-               device: Any, n_sets: int = 1, seed: int = 0) -> "LinearSm100Runner":
-        return LinearSm100Runner(compiled, variant, problem, device, n_sets, seed)
+               device: Any, n_sets: int = 1, seed: int = 0, *,
+               quantizer: Any = None) -> "LinearSm100Runner":
+        return LinearSm100Runner(compiled, variant, problem, device, n_sets, seed,
+                                 quantizer=quantizer)
+
+    # ------------------------------------------------------------------ model helpers
+    def best_predicted(self, problem: LinearProblem, keep: Any = None) -> tuple[Any, Any]:
+        """(variant, Breakdown) of the space's variant the B200 model predicts fastest (keep:
+        an optional filter)."""
+        from ..kernels.linear_sm100_tc_model import predict
+
+        cands = [v for v in self.space(problem, ARCH) if keep is None or keep(v)]
+        if not cands:
+            raise ValueError(f"no variant of the space passes the filter for {problem.key()}")
+        scored = [(predict(geometry_of(v, problem), problem.m), v) for v in cands]
+        b, v = min(scored, key=lambda s: s[0].total_us)
+        return v, b
+
+    def predicted_layer_us(self, problem: LinearProblem, keep: Any = None) -> float:
+        """Predicted whole layer (the quantizer stand-in + the best predicted GEMM)."""
+        from ..kernels.linear_sm100_tc_model import quantizer_us
+
+        return (quantizer_us(problem.fmt, mode_of(problem), problem.m, problem.k)
+                + self.best_predicted(problem, keep)[1].total_us)
 
 
 FAMILY = register(LinearSm100Family())
@@ -402,8 +486,6 @@ def _weight_sets(problem: LinearProblem, device, n_sets: int, seed: int) -> list
     cached for the few most recent layers."""
     import dataclasses
 
-    from ..kernels.linear_sm100_tc import prepare_sm100_weight
-
     key = (replace(problem, m=1).key(), str(device), seed)
     sets = _WEIGHTS.get(key)
     if sets is None:
@@ -411,7 +493,7 @@ def _weight_sets(problem: LinearProblem, device, n_sets: int, seed: int) -> list
             _WEIGHTS.pop(next(iter(_WEIGHTS)))
         gen = torch.Generator(device=device).manual_seed(seed)
         qw = random_layer(problem, device, gen)
-        sets = [(qw, prepare_sm100_weight(qw))]
+        sets = [(qw, FAMILY.layout(qw))]
     sets = list(sets)
     while len(sets) < max(1, n_sets):
         w0 = sets[0][1]
@@ -421,22 +503,46 @@ def _weight_sets(problem: LinearProblem, device, n_sets: int, seed: int) -> list
     return sets[:max(1, n_sets)]
 
 
+class Sm100LinearBinding:
+    """One compiled linear_sm100_tc variant bound to one prepared weight: `binding(xb, out)`
+    runs the whole layer (xb: bf16 [M, K] contiguous, M = problem.m; out: bf16 [M, N]):
+    quant_sm100 writes the operand into its outputs (allocated here once), the GEMM reads it.
+    Nothing is allocated per call, so a bound layer can be captured in a CUDA graph (after one
+    eager call). What resgen.ops serves and the runner times."""
+
+    def __init__(self, launcher: Any, quantizer: Any, problem: LinearProblem, weight: Any,
+                 device: torch.device, alpha: Any, masks: Any) -> None:
+        self.launcher, self.quantizer = launcher, quantizer
+        self.problem, self.weight = problem, weight
+        self.outs = quantizer.outputs(problem.m, device)
+        static = getattr(getattr(quantizer, "config", None), "alpha", None) == "static"
+        if static and alpha is None:
+            raise ValueError("the layer quantizer takes the static NVFP4 scale: the weight "
+                             "has no input_scale")
+        self.alpha = alpha if static else None
+        self.masks = masks
+
+    def __call__(self, xb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        op = self.quantizer(xb, self.outs, alpha=self.alpha, masks=self.masks)
+        return self.launcher(self.weight, op, out)
+
+
 class LinearSm100Runner:
-    """n_sets input sets (weights + activations), one compiled variant.
+    """n_sets input sets (a prepared weight + activations each) of one problem and one
+    compiled variant, bound by the family's `bind`: the timed call is `bindings[cur](xb, out)`,
+    the whole layer the runtime serves (quant_sm100 + the GEMM). The layer is bound when a
+    quantizer is attached (attach_quantizer, or as_layer / the first call or check: the
+    default layer quantizer). check(): the GEMM alone on the torch-made operand
+    (check_gemm), then the whole layer (check_quantized); the worse counts."""
 
-    The timed call is the GEMM on a prepared operand (make_operand, torch) unless a quantizer
-    is attached (attach_quantizer / as_layer: quant_sm100 + GEMM, two launches, the whole layer
-    as the paper times it)."""
-
-    def __init__(self, compiled, variant, problem, device, n_sets, seed):
-        from ..kernels.linear_sm100_tc import LinearSm100Launcher
-
+    def __init__(self, compiled, variant, problem, device, n_sets, seed, *, quantizer=None):
         from .build import COMPILE_KEY_ATTR
 
         made_for = getattr(compiled, COMPILE_KEY_ATTR, None)
         if made_for is not None and made_for != FAMILY.compile_key(variant, problem).key():
             raise ValueError(f"{variant.name()} was compiled for {made_for}, not for "
                              f"{FAMILY.compile_key(variant, problem).key()}")
+        self.compiled = compiled
         self.variant, self.problem = variant, problem
         self.geom = geometry_of(variant, problem)
         self.device = torch.device(device)
@@ -449,14 +555,50 @@ class LinearSm100Runner:
                                           device=self.device), None)
                      for qw, wt in _weight_sets(problem, self.device, n_sets, seed)]
         self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
-        self.launcher = LinearSm100Launcher(compiled, self.geom, max(self.rows, 16),
-                                            self.device)
-        self.quantizer = None
-        self.qsets: list = []
+        self.launcher = FAMILY.launcher(compiled, variant, problem, self.device)
+        self.quantizer: Any = None
+        self.bindings: list | None = None
+        self.xbs: list = []
         self.cur = 0
+        if quantizer is not None:
+            self.attach_quantizer(quantizer)
+
+    def attach_quantizer(self, qkernel: Any) -> None:
+        """Bind the whole layer behind this quantizer (a compiled quant_sm100 kernel writing
+        this variant's operand layout, or a stand-in): two launches per call."""
+        from ..calibrate import static_alpha
+
+        bindings, xbs = [], []
+        for qw, wt, x, _ in self.sets:
+            masks = (qw.selection.masks.to(self.device)
+                     if qw.selection is not None and self.problem.ratio is not None else None)
+            bindings.append(FAMILY.bind(self.compiled, self.variant, self.problem, wt,
+                                        self.device, quantizer=qkernel,
+                                        alpha=static_alpha(qw, self.device), masks=masks,
+                                        launcher=self.launcher))
+            xbs.append(x.to(torch.bfloat16).contiguous())
+        self.quantizer, self.bindings, self.xbs = qkernel, bindings, xbs
+
+    def as_layer(self) -> None:
+        """Bind the whole layer now with the default layer quantizer (the tuner calls it
+        before the check)."""
+        if self.bindings is None:
+            self.attach_quantizer(FAMILY.default_quantizer(self.variant, self.problem))
+
+    def _bound(self) -> list:
+        if self.bindings is None:
+            self.as_layer()
+        assert self.bindings is not None
+        return self.bindings
+
+    def rotate(self, i: int) -> None:
+        self.cur = i % len(self.sets)
+
+    def __call__(self) -> torch.Tensor:
+        return self._bound()[self.cur](self.xbs[self.cur], self.out)
 
     def operand(self, i: int):
-        """The torch-made operand of input set i (built on first use)."""
+        """The torch-made operand of input set i (built on first use; test hooks only)."""
         from ..kernels.sm100_operand import make_operand
 
         qw, wt, x, op = self.sets[i]
@@ -465,59 +607,54 @@ class LinearSm100Runner:
             self.sets[i] = (qw, wt, x, op)
         return op
 
-    def rotate(self, i: int) -> None:
-        self.cur = i % len(self.sets)
-
-    def attach_quantizer(self, qkernel: Any) -> None:
-        """Time the whole layer: qkernel (a compiled quant_sm100 kernel writing this variant's
-        operand layout) on bf16 activations, then the GEMM; two launches per call."""
-        self.quantizer = qkernel
-        self.qsets = [(x.to(torch.bfloat16).contiguous(), qkernel.outputs(self.m, self.device))
-                      for _, _, x, _ in self.sets]
-
-    def as_layer(self) -> None:
-        """The tuner's whole-layer hook: the layer quantizer in front (quant_sm100's default
-        for this operand layout)."""
-        from .quant_sm100 import layer_quantizer
-
-        self.attach_quantizer(layer_quantizer(self.problem, self.variant))
-
-    def __call__(self) -> torch.Tensor:
-        qw, wt, _, _ = self.sets[self.cur]
-        if self.quantizer is not None:
-            xb, outs = self.qsets[self.cur]
-            return self.launcher(wt, self.quantizer(xb, outs, qw), self.out)
-        return self.launcher(wt, self.operand(self.cur), self.out)
+    def gemm(self, i: int) -> torch.Tensor:
+        """The GEMM alone on set i's torch-made operand (a probe, not what is timed)."""
+        return self.launcher(self.sets[i][1], self.operand(i), self.out)
 
     def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
-        """The layer on x: [m', K] with set `set_index`'s weight (torch operand, or the
-        attached quantizer on x rounded to bf16); NaN-poisoned output."""
+        """The GEMM on x: [m', K] quantized in torch with set `set_index`'s weight, into a
+        NaN-poisoned output."""
         from ..kernels.sm100_operand import make_operand
 
         qw, wt, _, _ = self.sets[set_index]
         out = torch.full((x.shape[0], self.problem.n), float("nan"), dtype=torch.bfloat16,
                          device=self.device)
-        if self.quantizer is not None:
-            xb = x.to(torch.bfloat16).contiguous()
-            op = self.quantizer(xb, self.quantizer.outputs(x.shape[0], self.device), qw)
-        else:
-            op = make_operand(x, qw, self.comp, self.geom.layout, self.geom.act_sf_tile)
-        self.launcher(wt, op, out)
+        self.launcher(wt, make_operand(x, qw, self.comp, self.geom.layout,
+                                       self.geom.act_sf_tile), out)
         return out
 
-    def check(self) -> CheckResult:
-        """Fresh random activations (bf16-valued when a quantizer reads them), NaN-poisoned
-        output, vs resgen.reference.linear."""
-        from .. import reference
-
-        qw = self.sets[0][0]
-        x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
-        if self.quantizer is not None:
-            x = x.to(torch.bfloat16).float()
-        out = self.run_on(x)
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return compare(out, reference.linear(x, qw, self.comp))
+
+    def check(self) -> CheckResult:
+        """check_gemm, then (if it passed) check_quantized."""
+        gemm = self.check_gemm()
+        return gemm if not gemm.ok else self.check_quantized()
+
+    def check_gemm(self) -> CheckResult:
+        """Fresh activations quantized in torch, the GEMM alone into a NaN-poisoned output,
+        vs resgen.reference.linear."""
+        from .. import reference
+
+        x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
+        out = self.run_on(x)
+        self._sync()
+        return compare(out, reference.linear(x, self.sets[0][0], self.comp))
+
+    def check_quantized(self) -> CheckResult:
+        """Fresh bf16 activations through the bound layer (quantizer + GEMM) into a
+        NaN-poisoned output vs resgen.reference.linear on the same bf16 values."""
+        from .. import reference
+
+        binding = self._bound()[0]
+        xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
+              * 3).to(torch.bfloat16)
+        out = torch.full((self.m, self.problem.n), float("nan"), dtype=torch.bfloat16,
+                         device=self.device)
+        binding(xb, out)
+        self._sync()
+        return compare(out, reference.linear(xb.float(), self.sets[0][0], self.comp))
 
 
 # ----------------------------------------------------------------------------- compile checks

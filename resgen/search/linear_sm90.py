@@ -46,26 +46,22 @@ memory by ldmatrix, output through shared memory, wgmma.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
-from .family import CheckResult, register
-from .family import compare as family_compare
+from ..calibrate import QLinearWeight
 from ..kernels.linear_sm90_geom import pow2_ceil
+from .family import register
+from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily, cached_weight_sets, compare,
+                          kp_of, layer_quantizer, random_layer)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Packing", "Pipeline", "Reduction", "Act", "LinearSm90Variant", "LinearSm90Family",
-           "FAMILY", "TOLERANCE", "geometry_of", "kp_of", "rows_of", "tok_rows_of",
-           "layer_quantizer"]
+           "FAMILY", "TOLERANCE", "compare", "geometry_of", "kp_of", "rows_of", "tok_rows_of",
+           "layer_quantizer", "random_layer"]
 
-TOLERANCE = 3e-3
 _MAX_REGS_EST = 240        # estimated live registers above which a variant would spill
-
-
-class Packing(Choice):
-    NIB = "nib"
-    SPLIT = "split"
 
 
 class Pipeline(Choice):
@@ -111,14 +107,6 @@ class LinearSm90Variant(VariantBase):
     @property
     def fused(self) -> bool:
         return self.act == Act.FUSED
-
-
-def kp_of(problem: LinearProblem) -> int:
-    """Kp: the kernel's padded reduction length (K, or K + ext, rounded up to 256)."""
-    from ..kernels.layouts import K_ALIGN, pad_to
-
-    block = 16 if problem.fmt == "nvfp4" else 32
-    return pad_to(problem.k_ext(block), K_ALIGN)
 
 
 def rows_of(problem: LinearProblem) -> int:
@@ -188,7 +176,7 @@ def _reg_estimate(v: LinearSm90Variant, p: LinearProblem | None = None) -> int:
     return est
 
 
-class LinearSm90Family:
+class LinearSm90Family(Sm90LinearFamily):
     NAME: ClassVar[str] = "linear_sm90_mma"
     VARIANT: ClassVar[type] = LinearSm90Variant
     PROBLEM: ClassVar[type] = LinearProblem
@@ -329,11 +317,6 @@ class LinearSm90Family:
         if d not in out:
             out.insert(0, d)
         return list(dict.fromkeys(out))
-
-    def warm(self, variant: LinearSm90Variant, problem: LinearProblem) -> None:
-        """The tuner's pre-lock hook: compile the layer quantizer as_layer() will attach."""
-        if not variant.fused:
-            layer_quantizer(problem)
 
     # (warps_m, warps_k, m_tiles, pipeline) in the order they won whole-layer timings on the
     # H200 (bench/results/h200/final_linear_sm90_check.log): wide layers (N >= 16384) 4 x 2
@@ -477,115 +460,49 @@ class LinearSm90Family:
         t_pad = -(-problem.rows // (8 * variant.n_tiles)) * 8 * variant.n_tiles
         return int(problem.n * kp * per_w + t_pad * kp * 2 + problem.m * problem.n * 2)
 
-    def runner(self, compiled: Any, variant: LinearSm90Variant, problem: LinearProblem,
-               device: Any, n_sets: int = 1, seed: int = 0) -> "LinearSm90Runner":
-        return LinearSm90Runner(compiled, variant, problem, device, n_sets, seed)
+    # ------------------------------------------------------------------ launch (bind)
+    def layout(self, qweight: QLinearWeight, packing: str) -> Any:
+        """The weight in this family's layout (resgen.kernels.layouts.Sm90Weight)."""
+        from ..kernels.layouts import prepare_sm90_weight
+
+        return prepare_sm90_weight(qweight, packing)
+
+    def needs_quantizer(self, variant: LinearSm90Variant) -> bool:
+        """xop variants read the layer quantizer's operand; fused ones quantize themselves."""
+        return not variant.fused
+
+    def xop_row_multiple(self, variant: LinearSm90Variant, problem: LinearProblem) -> int:
+        return geometry_of(variant, problem).tok
+
+    def launcher(self, compiled: Any, variant: LinearSm90Variant, problem: LinearProblem,
+                 device: torch.device | str) -> Any:
+        """resgen.kernels.linear_sm90.LinearSm90Launcher with the split-K workspace and
+        semaphores of `problem`; refuses a kernel compiled for another compile key."""
+        from ..kernels.linear_sm90 import LinearSm90Launcher
+
+        from .build import COMPILE_KEY_ATTR
+
+        made_for = getattr(compiled, COMPILE_KEY_ATTR, None)
+        want = self.compile_key(variant, problem).key()
+        if made_for is not None and made_for != want:
+            # The host geometry (grid, operand tile) comes from `problem`; a kernel compiled
+            # for another key would silently skip rows (seen on the H200 when a fused kernel
+            # compiled for one token was run with three).
+            raise ValueError(f"{variant.name()} was compiled for {made_for}, not for {want}")
+        g = geometry_of(variant, problem)
+        return LinearSm90Launcher(compiled, g, ws_floats=g.ws_floats(problem.rows, problem.m),
+                                  sem_count=g.sem_count(problem.rows), device=device)
+
+    def weight_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
+                    seed: int) -> list:
+        return _weight_sets(problem, packing, device, n_sets, seed)
 
 
 FAMILY = register(LinearSm90Family())
 
 
-# ----------------------------------------------------------------------------- runner
-
-
-def random_layer(problem: LinearProblem, device, gen: torch.Generator):
-    """A random weight (heavy-tailed rows) prepared for `problem`, and its calibration x."""
-    from .. import calibrate as C
-
-    n, k = problem.n, problem.k
-    w = torch.randn(n, k, generator=gen, device=device)
-    w = w * torch.exp(0.5 * torch.randn(n, 1, generator=gen, device=device))
-    sel = None
-    if problem.ratio is not None:
-        xc = torch.randn(64, k, generator=gen, device=device)
-        st = C.ChannelStats(k)
-        st.update(xc)
-        sel = C.select_channels(st.mean_abs(), problem.ratio)
-    isc = None
-    if problem.fmt == "nvfp4" and problem.static_scale:
-        isc = torch.tensor(4.0 / (6 * 448))          # activations ~ N(0, 1): amax about 4
-    return C.prepare_weight(w, problem.fmt, sel, input_scale=isc)
-
-
-_LAYER_QUANT: dict[tuple, Any] = {}
-
-
-def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a") -> Any:
-    """The quant_sm90 kernel a whole-layer timing puts in front of a GEMM that reads the exact
-    BF16 operand (xop, kp_align 256): the quantizer's default configuration, row-pair rows for
-    M-Ext, the K-Ext extension for a ratio, the problem's alpha (static NVFP4, dynamic NVFP4:
-    amax pass + quantizer, MXFP4: none). Compiled once per process per (fmt, compensation, K,
-    alpha) (about 0.1-0.7 s on a CPU)."""
-    from ..kernels.quant_sm90 import QuantConfig, compile_config
-
-    comp = problem.compensation
-    alpha = "none" if problem.fmt == "mxfp4" else ("static" if problem.static_scale
-                                                   else "dynamic")
-    key = (problem.fmt, comp, problem.k, alpha, arch)
-    if key not in _LAYER_QUANT:
-        cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=problem.k,
-                          layout="row_pair" if comp == "full" else "plain",
-                          write_codes=False, write_xop=True, alpha=alpha, kp_align=256)
-        _LAYER_QUANT[key] = compile_config(cfg, arch)[0]
-    return _LAYER_QUANT[key]
-
-
-def _compensation(problem: LinearProblem):
-    return problem.ratio if problem.ratio is not None else problem.compensation
-
-
 _WEIGHTS: dict[tuple, list] = {}
 _WEIGHTS_KEEP = 3       # weight-set lists kept for reuse by the next variants / M buckets
-
-
-def _static_alpha(qw, device) -> torch.Tensor | None:
-    """The static NVFP4 activation scale as the kernel takes it (float32 [1]); None for MXFP4."""
-    if qw.fmt != "nvfp4":
-        return None
-    if qw.input_scale is None:
-        raise ValueError("a fused NVFP4 variant needs a weight with a static input_scale")
-    return torch.as_tensor(qw.input_scale, dtype=torch.float32, device=device).reshape(1)
-
-
-def _cached_weight_sets(cache: dict[tuple, list], keep: int, prepare: Callable[[Any, str], Any],
-                        problem: LinearProblem, packing: str, device, n_sets: int,
-                        seed: int) -> list:
-    """[(qweight, prepare(qweight, packing))] * n_sets for the layer of `problem` (M plays no
-    part), held in `cache` for the `keep` most recent layers (oldest dropped first; a later
-    call with more sets extends the list). Shared by the linear_sm90_mma and
-    linear_sm90_wgmma runners, each with its own cache and layout. Set 0 is a random layer;
-    the others are copies of it in their own memory (see below)."""
-    key = (replace(problem, m=1).key(), packing, str(device), seed)
-    n_sets = max(1, n_sets)
-    sets = cache.get(key)
-    if sets is not None and len(sets) >= n_sets:
-        return sets[:n_sets]
-    if sets is None:
-        while len(cache) >= keep:
-            cache.pop(next(iter(cache)))
-        gen = torch.Generator(device=device).manual_seed(seed)
-        qw = random_layer(problem, device, gen)
-        sets = [(qw, prepare(qw, packing))]
-    sets = list(sets)                       # lists handed out earlier stay as they were
-    while len(sets) < n_sets:
-        # Further sets exist to make every timed launch read its weights from HBM (cold L2):
-        # what matters is distinct memory, not distinct values (the kernels have no
-        # data-dependent paths), so they are copies of the first prepared weight, not new
-        # random layers (a layer's first preparation took 0.3-0.5 s of GPU-locked time per
-        # workload in the H200 tuning runs; a copy is a device memcpy). Checks use set 0.
-        sets.append((sets[0][0], _clone_tensors(sets[0][1])))
-    cache[key] = sets
-    return sets[:n_sets]
-
-
-def _clone_tensors(obj: Any) -> Any:
-    """A shallow copy of a prepared-weight dataclass with every tensor field cloned (new
-    device memory, same values)."""
-    import dataclasses
-
-    return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).clone()
-                                       for f in dataclasses.fields(obj)
-                                       if isinstance(getattr(obj, f.name), torch.Tensor)})
 
 
 def _weight_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
@@ -593,245 +510,5 @@ def _weight_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed
     the few most recent layers: preparing big weights costs more than timing a variant."""
     from ..kernels.layouts import prepare_sm90_weight
 
-    return _cached_weight_sets(_WEIGHTS, _WEIGHTS_KEEP, prepare_sm90_weight, problem, packing,
-                               device, n_sets, seed)
-
-
-def _input_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int,
-                fused: bool = False) -> list:
-    """[(qweight, Sm90Weight, x, operand, alpha_x)] * n_sets. operand: for fused variants x
-    itself as bf16 [m, K] (alpha_x its static scale); for xop variants None until the runner's
-    operand(i) builds the xop (bf16 [T_pad, Kp], make_xop) on first use."""
-    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + problem.m)
-    sets = []
-    for qw, wt in _weight_sets(problem, packing, device, n_sets, seed):
-        x = torch.randn(problem.m, problem.k, generator=gen, device=device)
-        if fused:
-            sets.append((qw, wt, x, x.to(torch.bfloat16).contiguous(),
-                         _static_alpha(qw, device)))
-        else:
-            sets.append((qw, wt, x, None, None))
-    return sets
-
-
-class _LinearRunnerCommon:
-    """What the linear_sm90_mma and linear_sm90_wgmma runners share: the state every runner
-    sets first, input-set rotation, attaching a quantizer and the whole-layer check behind it.
-    A subclass provides sets ([(qweight, weight, x, xop or None, alpha_x or None)]), out,
-    launcher, cur, xop_multiple (the xop's row multiple) and
-    _quantized_call(xb, outs, alpha, masks, wt, out).
-
-    The torch-quantized operand of a set (make_xop: about a hundred small torch ops, ~1 ms of
-    launches on the GPU) is built on first use (operand(i)): a runner timed behind the layer
-    quantizer (every tuning run: as_layer) never needs it, and small layers use up to 64 sets.
-    """
-
-    variant: Any
-    problem: LinearProblem
-    geom: Any
-    device: torch.device
-    gen: torch.Generator
-    comp: Any
-    m: int
-    rows: int
-    sets: list
-    quantizer: Any
-    qsets: list
-    cur: int
-    xop_multiple: int
-
-    def _init_common(self, variant, problem: LinearProblem, geometry: Callable[[Any, Any], Any],
-                     device, seed: int) -> None:
-        self.variant, self.problem = variant, problem
-        self.geom = geometry(variant, problem)
-        self.device = torch.device(device)
-        self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
-        self.comp = _compensation(problem)
-        self.m, self.rows = problem.m, problem.rows
-
-    def operand(self, i: int) -> tuple[torch.Tensor, Any]:
-        """(xop, alpha_x) of input set i, built by make_xop on first use. Raises while a CUDA
-        graph is being captured (the torch quantization would be captured with the kernel):
-        call it, or run the set once eagerly, before capturing."""
-        qw, wt, x, xop, ax = self.sets[i]
-        if xop is None:
-            from ..kernels.linear_sm90 import make_xop
-
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"input set {i}'s operand is built on first use; run the "
-                                   "set once eagerly (or call operand(i)) before capturing")
-            xop, ax = make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
-            self.sets[i] = (qw, wt, x, xop, ax)
-        return xop, ax
-
-    def bytes_per_set(self) -> int:
-        wt = self.sets[0][1]
-        return wt.nbytes() + self.operand(0)[0].numel() * 2
-
-    def rotate(self, i: int) -> None:
-        self.cur = i % len(self.sets)
-
-    def _attach_quantizer(self, qkernel: Any, row_multiple: int) -> None:
-        """Per input set: bf16 activations, the quantizer's outputs (xop rows padded to
-        row_multiple), its static alpha (or None) and the K-Ext masks (or None)."""
-        self.quantizer = qkernel
-        self.qsets = []
-        per_weight: dict[int, tuple] = {}      # the sets share one qweight (copies of it)
-        for qw, _, x, _, _ in self.sets:
-            outs = qkernel.outputs(self.m, row_multiple=row_multiple, device=self.device)
-            if id(qw) not in per_weight:
-                alpha = (_static_alpha(qw, self.device) if qkernel.config.alpha == "static"
-                         else None)
-                masks = None
-                if qw.selection is not None and self.problem.ratio is not None:
-                    masks = qw.selection.masks.to(self.device)
-                per_weight[id(qw)] = (alpha, masks)
-            alpha, masks = per_weight[id(qw)]
-            self.qsets.append((x.to(torch.bfloat16).contiguous(), outs, alpha, masks))
-
-    def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
-        raise NotImplementedError
-
-    def as_layer(self) -> None:
-        """Make the timed call and check() the WHOLE layer, BF16 activations in (BENCH.md),
-        so that every variant of op "linear" is timed on the same work: variants reading a
-        prepared operand (act "xop", every linear_sm90_wgmma variant) get the default
-        quant_sm90 kernel in front (layer_quantizer); fused variants already are the layer.
-        The tuner calls this on every runner that has it."""
-        if getattr(self, "fused", False):
-            return
-        self.attach_quantizer(layer_quantizer(self.problem))
-
-    def _layer_checked(self, gemm: CheckResult) -> CheckResult:
-        """check()'s result for the GEMM on a torch-quantized operand, followed, when a
-        quantizer is attached, by the whole-layer check (the worse of the two counts)."""
-        if self.quantizer is None or not gemm.ok:
-            return gemm
-        return self.check_quantized()
-
-    def check_quantized(self) -> CheckResult:
-        """Fresh bf16 activations through the attached quantizer and the GEMM vs
-        resgen.reference.linear on the same bf16 values."""
-        from .. import reference
-
-        if self.quantizer is None:
-            raise ValueError("no quantizer attached")
-        qw, wt, _, _, _ = self.sets[0]
-        _, outs, alpha, masks = self.qsets[0]
-        xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
-              * 3).to(torch.bfloat16)
-        out = torch.full((self.m, self.problem.n), float("nan"), dtype=torch.bfloat16,
-                         device=self.device)
-        self._quantized_call(xb, outs, alpha, masks, wt, out)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return compare(out, reference.linear(xb.float(), qw, self.comp))
-
-
-class LinearSm90Runner(_LinearRunnerCommon):
-    """n_sets complete input sets (weights + activations), one compiled variant.
-
-    The timed call: for "xop" variants the GEMM (+ fold + epilogue; + convert kernel for
-    atomic split-K) on a prepared activation operand, unless a quantizer is attached
-    (attach_quantizer: quant_sm90 + GEMM, two launches); for "fused" variants the whole layer
-    (BF16 activations in, quantization in the GEMM's prologue), one launch.
-    """
-
-    def __init__(self, compiled, variant, problem, device, n_sets, seed):
-        from ..kernels.linear_sm90 import LinearSm90Launcher
-
-        from .build import COMPILE_KEY_ATTR
-
-        made_for = getattr(compiled, COMPILE_KEY_ATTR, None)
-        if made_for is not None and made_for != FAMILY.compile_key(variant, problem).key():
-            # The host geometry (grid, operand tile) comes from `problem`; a kernel compiled
-            # for another key would silently skip rows (seen on the H200 when a fused kernel
-            # compiled for one token was run with three).
-            raise ValueError(f"{variant.name()} was compiled for {made_for}, not for "
-                             f"{FAMILY.compile_key(variant, problem).key()}")
-        self._init_common(variant, problem, geometry_of, device, seed)
-        self.fused = variant.fused
-        self.xop_multiple = self.geom.tok
-        self.sets = _input_sets(problem, variant.packing.value, self.device, n_sets, seed,
-                                self.fused)
-        qw0 = self.sets[0][0]
-        self.masks = (qw0.selection.masks.to(self.device)
-                      if self.fused and qw0.selection is not None else None)
-        self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
-        self.quantizer = None
-        self.qsets: list = []
-        self.launcher = LinearSm90Launcher(compiled, self.geom,
-                                           ws_floats=self.geom.ws_floats(self.rows, self.m),
-                                           sem_count=self.geom.sem_count(self.rows),
-                                           device=self.device)
-        self.cur = 0
-
-    def _masks_for(self, qw) -> torch.Tensor | None:
-        if not (self.fused and qw.selection is not None):
-            return None
-        if self.masks is not None and qw is self.sets[0][0]:
-            return self.masks
-        return qw.selection.masks.to(self.device)
-
-    def attach_quantizer(self, qkernel: Any) -> None:
-        """Time the whole layer as BENCH.md asks: the fused quantizer (a compiled
-        resgen.kernels.quant_sm90.QuantKernel writing the xop with kp_align 256) on bf16
-        activations, then the GEMM on its operand; two launches per call."""
-        if self.fused:
-            raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
-        self._attach_quantizer(qkernel, self.geom.tok)
-
-    def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
-        if masks is None:
-            op = self.quantizer(xb, outs, alpha=alpha)
-        else:
-            op = self.quantizer(xb, outs, alpha=alpha, masks=masks)
-        return self.launcher(wt, op.xop, xb.shape[0], self.rows, op.alpha, out)
-
-    def __call__(self) -> torch.Tensor:
-        qw, wt, _, xop, ax = self.sets[self.cur]
-        if self.quantizer is not None:
-            xb, outs, alpha, masks = self.qsets[self.cur]
-            return self._quantized_call(xb, outs, alpha, masks, wt, self.out)
-        if xop is None:
-            xop, ax = self.operand(self.cur)
-        return self.launcher(wt, xop, self.m, self.rows, ax, self.out, self._masks_for(qw))
-
-    def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
-        """Run the kernel on x: [m', K] with set `set_index`'s weight; NaN-poisoned output.
-        xop variants quantize x in torch (make_xop); fused variants take x rounded to bf16."""
-        from ..kernels.linear_sm90 import make_xop
-
-        qw, wt, _, _, _ = self.sets[set_index]
-        out = torch.full((x.shape[0], self.problem.n), float("nan"), dtype=torch.bfloat16,
-                         device=self.device)
-        rows = 2 * x.shape[0] if self.comp == "full" else x.shape[0]
-        if self.fused:
-            xb = x.to(torch.bfloat16).contiguous()
-            self.launcher(wt, xb, x.shape[0], rows, _static_alpha(qw, self.device), out,
-                          self._masks_for(qw))
-            return out
-        xop, ax = make_xop(x, qw, self.comp, t_multiple=self.geom.tok)
-        self.launcher(wt, xop, x.shape[0], rows, ax, out)
-        return out
-
-    def check(self) -> CheckResult:
-        """Fresh random activations, NaN-poisoned output, vs resgen.reference.linear (on the
-        bf16-rounded activations for fused variants: that is their input)."""
-        from .. import reference
-
-        qw = self.sets[0][0]
-        x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
-        if self.fused:
-            x = x.to(torch.bfloat16).float()
-        out = self.run_on(x)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        ref = reference.linear(x, qw, self.comp)
-        return self._layer_checked(compare(out, ref))
-
-
-def compare(out: torch.Tensor, ref: torch.Tensor, tol: float = TOLERANCE) -> CheckResult:
-    """resgen.search.family.compare at the linear families' tolerance (BF16 output
-    rounding)."""
-    return family_compare(out, ref, tol)
+    return cached_weight_sets(_WEIGHTS, _WEIGHTS_KEEP, prepare_sm90_weight, problem, packing,
+                              device, n_sets, seed)

@@ -32,16 +32,15 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from .family import CheckResult, register
-from .linear_sm90 import (Packing, _cached_weight_sets, _compensation, _LinearRunnerCommon,
-                          compare, kp_of)
-from ..kernels.linear_sm90_geom import pow2_ceil
+from ..calibrate import QLinearWeight
+from .family import register
+from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily, cached_weight_sets, compare,
+                          kp_of, pow2_ceil)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Raster", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily", "FAMILY",
-           "TOLERANCE", "geometry_of", "kp_of", "LinearSm90WgmmaRunner", "compile_once"]
+           "TOLERANCE", "compare", "geometry_of", "kp_of", "compile_once"]
 
-TOLERANCE = 3e-3
 _SMEM_MAX = 227 * 1024
 # consumer registers: accumulators + two A register sets + about 40 for addresses, scales,
 # loop state and the epilogue; budget = what setmaxnreg gives (2 consumers) or 255
@@ -107,13 +106,14 @@ def _reg_budget(v: LinearSm90WgmmaVariant) -> int:
     return CONSUMER_REGS if v.consumers == 2 else 255
 
 
-class LinearSm90WgmmaFamily:
+class LinearSm90WgmmaFamily(Sm90LinearFamily):
     NAME: ClassVar[str] = "linear_sm90_wgmma"
     VARIANT: ClassVar[type] = LinearSm90WgmmaVariant
     PROBLEM: ClassVar[type] = LinearProblem
     TEMPLATE: ClassVar[str] = "linear_sm90_wgmma.py.j2"
     ARCHS: ClassVar[tuple[str, ...]] = ("sm_90a",)
     ENTRY: ClassVar[str] = "entry"
+    INPUT_SEED: ClassVar[int] = 7919
 
     # ------------------------------------------------------------------ validity
     def why_invalid(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem,
@@ -192,12 +192,6 @@ class LinearSm90WgmmaFamily:
         if not out:
             out.append(self.default(problem, arch))
         return out
-
-    def warm(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> None:
-        """The tuner's pre-lock hook: compile the layer quantizer as_layer() will attach."""
-        from .linear_sm90 import layer_quantizer
-
-        layer_quantizer(problem)
 
     def prior(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> float:
         """Lower first (the tuner's ranked search): a token tile close to the rows (at least
@@ -298,9 +292,29 @@ class LinearSm90WgmmaFamily:
         return int(problem.n // 64 * kp // 64 * record_bytes(problem.fmt) + 4
                    + rows * kp * 2 + problem.m * problem.n * 2)
 
-    def runner(self, compiled: Any, variant: LinearSm90WgmmaVariant, problem: LinearProblem,
-               device: Any, n_sets: int = 1, seed: int = 0) -> "LinearSm90WgmmaRunner":
-        return LinearSm90WgmmaRunner(compiled, variant, problem, device, n_sets, seed)
+    # ------------------------------------------------------------------ launch (bind)
+    def layout(self, qweight: QLinearWeight, packing: str) -> Any:
+        """The weight in this family's layout (resgen.kernels.linear_sm90_wgmma_layout)."""
+        from ..kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
+
+        return prepare_wgmma_weight(qweight, packing)
+
+    def xop_row_multiple(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
+        return 8
+
+    def launcher(self, compiled: Any, variant: LinearSm90WgmmaVariant, problem: LinearProblem,
+                 device: torch.device | str) -> Any:
+        """resgen.kernels.linear_sm90_wgmma.WgmmaLauncher with the split-K workspace of
+        `problem` reserved now (not at the first, perhaps captured, call)."""
+        from ..kernels.linear_sm90_wgmma import WgmmaLauncher
+
+        launch = WgmmaLauncher(compiled, geometry_of(variant, problem), device)
+        launch.reserve(problem.rows, problem.n)
+        return launch
+
+    def weight_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
+                    seed: int) -> list:
+        return _weights(problem, packing, device, n_sets, seed)
 
 
 FAMILY = register(LinearSm90WgmmaFamily())
@@ -319,7 +333,7 @@ def compile_once(variant: LinearSm90WgmmaVariant, problem: LinearProblem, arch: 
     return _COMPILES[key]
 
 
-# ----------------------------------------------------------------------------- runner
+# ----------------------------------------------------------------------------- input sets
 
 
 _WEIGHTS: dict[tuple, list] = {}
@@ -331,76 +345,5 @@ def _weights(problem: LinearProblem, packing: str, device, n_sets: int, seed: in
     recent layers: preparing big weights costs more than timing a variant."""
     from ..kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
 
-    return _cached_weight_sets(_WEIGHTS, _WEIGHTS_KEEP, prepare_wgmma_weight, problem, packing,
-                               device, n_sets, seed)
-
-
-def _input_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
-    """[(qweight, WgWeight, x, None, None)] * n_sets: cached weights, fresh activations; the
-    runner's operand(i) builds set i's xop on first use."""
-    gen = torch.Generator(device=device).manual_seed(seed * 7919 + problem.m)
-    sets = []
-    for qw, wt in _weights(problem, packing, device, n_sets, seed):
-        x = torch.randn(problem.m, problem.k, generator=gen, device=device)
-        sets.append((qw, wt, x, None, None))
-    return sets
-
-
-class LinearSm90WgmmaRunner(_LinearRunnerCommon):
-    """n_sets complete input sets (weights + activation operand), one compiled variant.
-
-    The timed call is the GEMM (+ fold + epilogue) on a prepared activation operand, or, after
-    attach_quantizer, quant_sm90 + the GEMM (the whole layer, BENCH.md's protocol)."""
-
-    def __init__(self, compiled, variant, problem, device, n_sets, seed):
-        from ..kernels.linear_sm90_wgmma import WgmmaLauncher
-
-        self._init_common(variant, problem, geometry_of, device, seed)
-        self.xop_multiple = 8
-        self.sets = _input_sets(problem, variant.packing.value, self.device, n_sets, seed)
-        self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
-        self.quantizer = None
-        self.qsets: list = []
-        self.launcher = WgmmaLauncher(compiled, self.geom, self.device)
-        self.cur = 0
-
-    def attach_quantizer(self, qkernel: Any) -> None:
-        """Time the whole layer: the fused quantizer (a compiled quant_sm90 QuantKernel writing
-        the xop with kp_align 256) on bf16 activations, then the GEMM on its operand."""
-        self._attach_quantizer(qkernel, 8)
-
-    def _quantized_call(self, xb, outs, alpha, masks, wt, out) -> torch.Tensor:
-        op = self.quantizer(xb, outs, alpha=alpha, masks=masks)
-        return self.launcher(wt, op.xop, xb.shape[0], self.rows, op.alpha, out)
-
-    def __call__(self) -> torch.Tensor:
-        _, wt, _, xop, ax = self.sets[self.cur]
-        if self.quantizer is not None:
-            xb, outs, alpha, masks = self.qsets[self.cur]
-            return self._quantized_call(xb, outs, alpha, masks, wt, self.out)
-        if xop is None:
-            xop, ax = self.operand(self.cur)
-        return self.launcher(wt, xop, self.m, self.rows, ax, self.out)
-
-    def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
-        """Quantize x in torch, run the kernel on set `set_index`'s weight; poisoned output."""
-        from ..kernels.linear_sm90 import make_xop
-
-        qw, wt, _, _, _ = self.sets[set_index]
-        xop, ax = make_xop(x, qw, self.comp, t_multiple=8)
-        out = torch.full((x.shape[0], self.problem.n), float("nan"), dtype=torch.bfloat16,
-                         device=self.device)
-        rows = 2 * x.shape[0] if self.comp == "full" else x.shape[0]
-        self.launcher(wt, xop, x.shape[0], rows, ax, out)
-        return out
-
-    def check(self) -> CheckResult:
-        """Fresh random activations, NaN-poisoned output, vs resgen.reference.linear."""
-        from .. import reference
-
-        qw = self.sets[0][0]
-        x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
-        out = self.run_on(x)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return self._layer_checked(compare(out, reference.linear(x, qw, self.comp)))
+    return cached_weight_sets(_WEIGHTS, _WEIGHTS_KEEP, prepare_wgmma_weight, problem,
+                              packing, device, n_sets, seed)

@@ -21,11 +21,12 @@ import torch
 
 from ..kernels import quant_sm100 as Q
 from ..kernels.sm100_layout import act_rows, sf_cols, sf_rows
-from .family import CheckResult, register
+from .family import CheckResult, KernelFamilyBase, register
 from .variant import Choice, IntRange, LinearProblem, ProblemBase, VariantBase
 
 __all__ = ["QLayout", "AlphaMode", "QuantSm100Problem", "QuantSm100Variant",
-           "QuantSm100Family", "QuantSm100Runner", "FAMILY", "config_of", "layer_quantizer"]
+           "QuantSm100Family", "QuantSm100Runner", "FAMILY", "config_of", "covering_cases",
+           "ptx_problems", "poison_written", "compare_operands"]
 
 ARCH = "sm_100a"
 
@@ -94,7 +95,7 @@ def config_of(variant: QuantSm100Variant, problem: QuantSm100Problem) -> Q.Quant
                               alpha=variant.alpha.value)
 
 
-class QuantSm100Family:
+class QuantSm100Family(KernelFamilyBase):
     NAME: ClassVar[str] = "quant_sm100"
     VARIANT: ClassVar[type] = QuantSm100Variant
     PROBLEM: ClassVar[type] = QuantSm100Problem
@@ -259,24 +260,6 @@ def compare_operands(got, ref, label: str = "") -> CheckResult:
             detail.append(f"{name}: {n} of {diff.numel()} differ")
     return CheckResult(bad == 0, bad / max(total, 1), 0.0,
                        "" if not bad else f"{label}: " + "; ".join(detail))
-
-
-_LAYER_QUANT: dict[tuple, Any] = {}
-
-
-def layer_quantizer(problem: LinearProblem, variant: Any) -> Any:
-    """The quant_sm100 kernel a whole-layer timing puts in front of a linear_sm100_tc variant:
-    the default configuration for the variant's row layout and SF tile and the problem's alpha
-    (compiled once per process per key)."""
-    from .linear_sm100_tc import geometry_of
-
-    g = geometry_of(variant, problem)
-    qp = QuantSm100Problem.for_linear(problem, layout=g.layout, sf_tile=g.act_sf_tile)
-    v = FAMILY.default(qp, ARCH)
-    key = config_of(v, qp)
-    if key not in _LAYER_QUANT:
-        _LAYER_QUANT[key] = Q.compile_config(key, ARCH)[0]
-    return _LAYER_QUANT[key]
 
 
 # ----------------------------------------------------------------------------- compile checks

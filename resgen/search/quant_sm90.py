@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from ..kernels import quant_sm90 as Q
-from .family import CheckResult, register
+from .family import CheckResult, KernelFamilyBase, register
 from .variant import Choice, IntRange, LinearProblem, ProblemBase, VariantBase
 
 __all__ = ["QLayout", "Outputs", "AlphaMode", "QuantProblem", "QuantSm90Variant",
@@ -112,7 +112,7 @@ def config_of(variant: QuantSm90Variant, problem: QuantProblem) -> Q.QuantConfig
                          kp_align=problem.kp_align)
 
 
-class QuantSm90Family:
+class QuantSm90Family(KernelFamilyBase):
     NAME: ClassVar[str] = "quant_sm90"
     VARIANT: ClassVar[type] = QuantSm90Variant
     PROBLEM: ClassVar[type] = QuantProblem

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from .. import __version__
+from ..settings import arch_of_capability  # noqa: F401  (re-exported: one definition)
 from .variant import ProblemBase, VariantBase, sha256_json
 
 __all__ = ["Environment", "current_environment", "compile_only_environment", "gpu_slug",
@@ -29,11 +30,6 @@ class Status:
     RUN_FAILED = "run_failed"          # preparing inputs, running or timing raised
 
     ALL = (OK, COMPILED, COMPILE_FAILED, CHECK_FAILED, RUN_FAILED)
-
-
-def arch_of_capability(major: int, minor: int) -> str:
-    """CUDA compute capability -> the arch-specific target resgen compiles for."""
-    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
 
 
 def gpu_slug(gpu_name: str) -> str:

@@ -195,7 +195,7 @@ def plan_run(problems: Mapping[str, Sequence[ProblemBase]],
         fam = fams[name]
         classes = {compile_class(fam, p, config.arch) for p in probs}
         hooks = [h for h in ("prepare", "prior", "model_problems", "working_set_bytes")
-                 if getattr(fam, h, None) is not None]
+                 if fam.defines(h)]
         m = dict((measured or {}).get(name, {}))
         src = f"measured ({int(m['rows'])} rows)" if m else "model"
         out.append(FamilyPlan(

@@ -38,12 +38,12 @@ switched to it before its check (the linear families: a variant that reads a pre
 activation operand gets the quantizer in front, so it competes fairly with variants that
 quantize in their own prologue and with other families).
 
-Optional family hooks (resgen.search.family documents them): `warm(variant, problem)` does
+Family hooks (resgen.search.family documents them and their defaults): `warm(variant, problem)` does
 CPU-only work a runner will need before the GPU lock is taken; `prepare(problem, device, n_sets,
 seed)` builds the input sets (and check inputs / reference outputs) of a problem once; the
 tuner keeps them for every variant of that workload and passes them as
-`runner(..., inputs=...)`. `prior(variant, problem)` ranks candidates. Without them the tuner
-calls `runner(...)` per variant and uses the space order.
+`runner(..., inputs=...)`. `prior(variant, problem)` ranks candidates. A family that does not
+define them (KernelFamilyBase's defaults) gets `runner(...)` per variant and the space order.
 
 Parallelism: CuTe DSL compiled functions cannot leave the process that compiled them
 (cute.compile forces no_cache), so `run_jobs(workers=N)` starts N processes that each compile
@@ -229,28 +229,10 @@ def merge_summaries(summaries: Sequence[WorkloadSummary]) -> list[WorkloadSummar
 
 
 def working_set_bytes(family: KernelFamily, variant: VariantBase, problem: ProblemBase) -> int:
-    """Bytes one input set occupies (sizes the cold-L2 rotation). A family may define
-    `working_set_bytes(variant, problem)`; otherwise estimated from the problem type."""
-    hook = getattr(family, "working_set_bytes", None)
-    if hook is not None:
-        return int(hook(variant, problem))
-    d = problem.as_dict()
-    if type(problem).OP == "linear":
-        from ..formats import block_size
-
-        fmt, k, n, m = d["fmt"], d["k"], d["n"], d["m"]
-        kw = problem.k_ext(block_size(fmt)) if hasattr(problem, "k_ext") else k
-        per_weight = 0.5 + (1 / 16 if fmt == "nvfp4" else 1 / 32)
-        rows = 2 * m if d.get("compensation") == "full" else m
-        return int(n * kw * per_weight + rows * kw * 2 + m * k * 2 + m * n * 2)
-    if type(problem).OP == "decode_attention":
-        kv = d["batch"] * d["kv_len"] * d["kv_heads"] * d["head_dim"] * 2 * (0.5 + 1 / 16)
-        return int(kv + d["batch"] * d["q_heads"] * d["head_dim"] * 4)
-    if isinstance(d.get("m"), int) and isinstance(d.get("k"), int):
-        # An activation-shaped problem (e.g. the quantizer): bf16 input plus up to twice its
-        # size written (base + residue operand rows).
-        return 6 * d["m"] * d["k"]
-    return 0
+    """Bytes one input set occupies (sizes the cold-L2 rotation): the family's
+    `working_set_bytes(variant, problem)` (KernelFamilyBase estimates it from the problem
+    type)."""
+    return int(family.working_set_bytes(variant, problem))
 
 
 @contextlib.contextmanager
@@ -392,7 +374,7 @@ class Tuner:
 
         cfg = self.config
         budget = cfg.max_variants
-        prior = getattr(family, "prior", None)
+        prior = family.prior if family.defines("prior") else None
         try:
             if stage == "cover" and not cfg.compile_only:
                 s.search = "cover"
@@ -488,7 +470,7 @@ class Tuner:
                  index: Mapping[str, int]) -> list[VariantBase]:
         """head, then the rest by the family's prior (lower first; ties and a prior that
         raises or returns NaN fall back to the space order), else in space order."""
-        prior = getattr(family, "prior", None)
+        prior = family.prior if family.defines("prior") else None
         rest: Sequence[VariantBase] = valid
         if prior is not None:
             def score(v: VariantBase) -> float:
@@ -565,15 +547,14 @@ class Tuner:
         """family.runner(...), with the workload's prepared inputs when the family has a
         `prepare` hook (built once per workload, rebuilt only if a variant needs more sets)."""
         cfg = self.config
-        prep = getattr(family, "prepare", None)
-        if prep is None:
+        if not family.defines("prepare"):
             return family.runner(out.compiled, v, problem, cfg.device, n_sets=n_sets,
                                  seed=cfg.seed)
         key = (family.NAME, problem.key(), str(cfg.device), cfg.seed)
         p = self._inputs
         if p is None or p.key != key or p.n_sets < n_sets:
             self._inputs = p = None             # free the old sets before building new ones
-            inputs = prep(problem, cfg.device, n_sets, cfg.seed)
+            inputs = family.prepare(problem, cfg.device, n_sets, cfg.seed)
             p = _Prepared(key, n_sets, n_sets * working_set_bytes(family, v, problem), inputs)
             s.prepared += 1
             if p.nbytes <= cfg.keep_inputs_bytes:
@@ -620,17 +601,15 @@ class Tuner:
             self._record(problem, v, out.fingerprint, idx, Status.COMPILED, phase_s=phases,
                          **stats)
             return None
-        warm = getattr(family, "warm", None)
-        if warm is not None:
-            # CPU work the runner will need (e.g. a helper kernel's compile), done before
-            # taking the GPU lock so that it overlaps other processes' GPU work. A failure is
-            # left for the runner to raise again under the lock, where it is recorded.
-            t = time.perf_counter()
-            try:
-                warm(v, problem)
-            except Exception as e:
-                log.debug("%s.warm failed for %s: %s", family.NAME, v.name(), e)
-            lap("compile", t)
+        # CPU work the runner will need (e.g. a helper kernel's compile), done before taking
+        # the GPU lock so that it overlaps other processes' GPU work. A failure is left for
+        # the runner to raise again under the lock, where it is recorded.
+        t = time.perf_counter()
+        try:
+            family.warm(v, problem)
+        except Exception as e:
+            log.debug("%s.warm failed for %s: %s", family.NAME, v.name(), e)
+        lap("compile", t)
         try:
             t = time.perf_counter()
             with gpu_lock(cfg.gpu_lock):

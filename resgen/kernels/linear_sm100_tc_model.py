@@ -41,30 +41,29 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Any
 
-from ..kernels.sm100_layout import act_rows, round_up
-from .variant import LinearProblem
+from .linear_sm100_tc_geom import Sm100Geometry
+from .sm100_layout import act_rows, round_up
 
 __all__ = ["B200", "Breakdown", "predict", "fit_fig4a", "max_stages", "PAPER_FIG4A",
-           "QUANT_H200_US", "quantizer_us", "best_gemm", "layer_us", "fig4a_variant"]
+           "QUANT_H200_US", "quantizer_us", "fig4a_geometry", "FIG4A_M"]
 
 # Paper Fig. 4a: (tile width W, microseconds) at B = 8, N = K = 4096, plain NVFP4 GEMM
 PAPER_FIG4A = ((8, 4.95), (64, 5.46))
 
 
-def fig4a_variant(w: int):
-    """The variant standing for the paper's Fig. 4a kernel at tile width w: swapped 128 x w
-    tiles, .32x32b loads of up to 32 columns, direct stores, the deepest ring that fits."""
-    from dataclasses import replace
+def fig4a_geometry(w: int) -> Sm100Geometry:
+    """The kernel standing for the paper's Fig. 4a GEMM at tile width w (plain NVFP4, N = K =
+    4096): swapped 128 x w tiles, .32x32b loads of up to 32 columns, direct stores, the deepest
+    ring that fits (what CUTLASS's blockscaled examples choose)."""
+    g = Sm100Geometry(fmt="nvfp4", mode="plain", layout="plain", swap=True, n=4096, kp=4096,
+                      tile_m=128, tile_n=w, tile_k=256, cta_group=1, cluster_m=1,
+                      cluster_n=1, stages=2, tmem_shape="32x32b", tmem_rep=min(w, 32),
+                      store="direct", split_k=1, reduce="none")
+    return replace(g, stages=max_stages(g))
 
-    from .linear_sm100_tc import LinearSm100Variant
 
-    v = LinearSm100Variant(tile_n=w, tmem_rep=min(w, 32))
-    return replace(v, stages=max_stages(v, FIG4A_PROBLEM))
-
-
-FIG4A_PROBLEM = LinearProblem("nvfp4", "none", 8, 4096, 4096)
+FIG4A_M = 8          # B = 8 activation rows
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,7 +75,7 @@ def fit_fig4a() -> tuple[float, float]:
     hw = B200(fixed_us=0.0, sm_gbps=1e9)
     pts = []
     for w, t in PAPER_FIG4A:
-        q = _parts(fig4a_variant(w), FIG4A_PROBLEM, hw)
+        q = _parts(fig4a_geometry(w), FIG4A_M, hw)
         pts.append((t - q["epi_us"], q["dram_bytes"] / (hw.hbm_gbps * 1e9) * 1e6,
                     q["per_sm_bytes"]))
     for bound in (("sm", "sm"), ("hbm", "sm"), ("sm", "hbm")):
@@ -98,12 +97,8 @@ def fit_fig4a() -> tuple[float, float]:
     raise ValueError("the Fig. 4a points admit no consistent fit")
 
 
-def max_stages(variant, problem: LinearProblem, smem: int = 227 * 1024) -> int:
-    """The deepest ring of `variant`'s tiles that fits shared memory (at most the CTA's K
-    tiles): what CUTLASS's blockscaled examples choose."""
-    from .linear_sm100_tc import geometry_of
-
-    g = geometry_of(variant, problem)
+def max_stages(g: Sm100Geometry, smem: int = 227 * 1024) -> int:
+    """The deepest ring of g's tiles that fits shared memory (at most the CTA's K tiles)."""
     free = smem - (g.smem_bytes - g.stages * g.stage_bytes)
     return max(2, min(free // g.stage_bytes, g.kt_split))
 
@@ -153,12 +148,9 @@ class Breakdown:
     dram_bytes: int
 
 
-def _parts(variant, problem: LinearProblem, hw: "B200") -> dict:
-    """The model's terms for one launch (hw's fixed_us / sm_gbps must be set)."""
-    from .linear_sm100_tc import geometry_of
-
-    g = geometry_of(variant, problem)
-    rows = act_rows(problem.m, g.layout)
+def _parts(g: Sm100Geometry, m: int, hw: "B200") -> dict:
+    """The model's terms for one launch of g on m tokens (hw's fixed_us / sm_gbps set)."""
+    rows = act_rows(m, g.layout)
     gx, gy, gz = g.grid(rows)
     ctas = gx * gy * gz
     occ = max(1, min(hw.smem_per_sm // max(1, g.smem_bytes), hw.tmem_cols // g.tmem_alloc))
@@ -169,9 +161,9 @@ def _parts(variant, problem: LinearProblem, hw: "B200") -> dict:
     b_bytes = (g.tile_n // g.cta_group) * k_cta // 2 \
         + round_up(g.tile_n, 128) * k_cta // g.sfv
     cta_bytes = a_bytes + b_bytes
-    w_rows = round_up(problem.n, 128)
+    w_rows = round_up(g.n, 128)
     dram = w_rows * g.kp // 2 + w_rows * g.kp // g.sfv + rows * g.kp // 2 \
-        + rows * g.kp // g.sfv + problem.m * problem.n * 2
+        + rows * g.kp // g.sfv + m * g.n * 2
     # the ring's bytes in flight bound one SM's stream (bandwidth-delay product)
     inflight = g.stages * g.stage_bytes * per_sm
     sm_bw = min(hw.sm_gbps * 1e9, inflight / (hw.dram_latency_us * 1e-6))
@@ -185,7 +177,7 @@ def _parts(variant, problem: LinearProblem, hw: "B200") -> dict:
     outs = sum(len(ins.pairs) for ins in plan)            # values per thread
     if g.split_k > 1:
         store_us = outs * hw.st_cycles * cyc * 2             # partial out, result out
-        ws_bytes = g.split_k * problem.m * problem.n * 4
+        ws_bytes = g.split_k * m * g.n * 4
         reduce_us = hw.atomic_us + 2 * ws_bytes / (hw.hbm_gbps * 1e9) * 1e6
     elif g.store == "tma":
         store_us = outs * cyc + hw.bulk_us
@@ -200,11 +192,11 @@ def _parts(variant, problem: LinearProblem, hw: "B200") -> dict:
                 epi_us=waves * (tmem_us + store_us) + reduce_us)
 
 
-def predict(variant, problem: LinearProblem, hw: "B200 | None" = None) -> Breakdown:
-    """The model's latency of `variant` on `problem` (the GEMM; the quantizer in front of it is
-    quant_sm100's and costs the same for every GEMM variant of one operand layout)."""
+def predict(g: Sm100Geometry, m: int, hw: "B200 | None" = None) -> Breakdown:
+    """The model's latency of the kernel g on m tokens (the GEMM; the quantizer in front of it
+    is quant_sm100's and costs the same for every GEMM variant of one operand layout)."""
     hw = (hw or B200()).fitted()
-    q = _parts(variant, problem, hw)
+    q = _parts(g, m, hw)
     total = hw.fixed_us + max(q["mem_us"], q["mma_us"]) + q["epi_us"]
     return Breakdown(total, hw.fixed_us, q["mem_us"], q["mma_us"], q["tmem_us"], q["store_us"],
                      q["reduce_us"], q["ctas"], q["waves"], q["occupancy"], q["cta_bytes"],
@@ -229,31 +221,13 @@ QUANT_H200_US = {
 }
 
 
-def quantizer_us(problem: LinearProblem) -> float:
-    """The activation quantizer's time for `problem` (H200 stand-in, see QUANT_H200_US):
-    piecewise linear in M x K, scaled from the K = 4096 measurements."""
-    from .linear_sm100_tc import mode_of
-
-    pts = QUANT_H200_US[(problem.fmt, mode_of(problem))]
-    x = problem.m * problem.k / 4096
+def quantizer_us(fmt: str, mode: str, m: int, k: int) -> float:
+    """The activation quantizer's time for m x k activations (H200 stand-in, QUANT_H200_US):
+    piecewise linear in M x K, scaled from the K = 4096 measurements; mode "plain" | "mext" |
+    "kext"."""
+    pts = QUANT_H200_US[(fmt, mode)]
+    x = m * k / 4096
     for (m0, t0), (m1, t1) in zip(pts, pts[1:]):
         if x <= m1 or (m1, t1) == pts[-1]:
             return t0 + (t1 - t0) * (x - m0) / (m1 - m0) if x >= m0 else t0
     return pts[-1][1]
-
-
-def best_gemm(problem: LinearProblem, keep=None) -> tuple[Any, Breakdown]:
-    """The space's variant the model predicts fastest (keep: an optional filter)."""
-    from .linear_sm100_tc import ARCH, FAMILY
-
-    cands = [v for v in FAMILY.space(problem, ARCH) if keep is None or keep(v)]
-    if not cands:
-        raise ValueError(f"no variant of the space passes the filter for {problem.key()}")
-    scored = [(predict(v, problem), v) for v in cands]
-    b, v = min(scored, key=lambda s: s[0].total_us)
-    return v, b
-
-
-def layer_us(problem: LinearProblem, keep=None) -> float:
-    """Predicted whole layer (quantizer + the best predicted GEMM), as the paper times it."""
-    return quantizer_us(problem) + best_gemm(problem, keep)[1].total_us

@@ -1,0 +1,512 @@
+"""What the Hopper linear families share (linear_sm90_mma: decode, resgen/search/linear_sm90.py;
+linear_sm90_wgmma: prefill, resgen/search/linear_sm90_wgmma.py): the one launch path of a
+linear layer, the runner that times exactly it, and their common pieces (the weight packing
+axis, Kp, the tolerance, the layer quantizer, random layers, the weight-set cache).
+
+One launch path. `Sm90LinearFamily.bind(compiled, variant, problem, weight, device, ...)`
+returns the whole layer, run(xb, out): BF16 activations in, the layer quantizer (quant_sm90)
+writing the exact-BF16 operand and then the GEMM for variants that read a prepared operand, or
+one launch of a fused variant that quantizes in its own prologue. resgen.ops.Linear serves
+that `run`; the tuner's runner (`Sm90LinearRunner`) binds every input set with the same `bind`
+(one GEMM launcher shared by the sets, as one plan has one) and times `binding(xb, out)`, so
+what is timed is what is served by construction.
+
+A family built on `Sm90LinearFamily` provides `layout` (the weight in its layout), `launcher`
+(a compiled variant's GEMM launch: the kernels' LinearSm90Launcher / WgmmaLauncher),
+`needs_quantizer`, `xop_row_multiple` (the operand's row padding) and `weight_sets` (its
+bounded cache of prepared random layers).
+
+Shared math that still lives in linear_sm90_mma's kernel modules (moving a kernel module
+changes every fingerprint): the torch operand `make_xop` (resgen.kernels.linear_sm90) and
+`pow2_ceil` (resgen.kernels.linear_sm90_geom).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..calibrate import QLinearWeight, static_alpha
+from ..kernels.layouts import K_ALIGN, pad_to
+from ..kernels.linear_sm90_geom import pow2_ceil
+from .family import CheckResult, KernelFamilyBase
+from .family import compare as family_compare
+from .variant import Choice, LinearProblem, VariantBase
+
+__all__ = ["Packing", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensation_of",
+           "layer_quantizer", "random_layer", "cached_weight_sets", "clone_tensors",
+           "LinearBinding", "Sm90LinearFamily", "Sm90LinearRunner"]
+
+TOLERANCE = 3e-3          # BF16 output rounding
+
+
+class Packing(Choice):
+    """Weight nibble layout and its decode (resgen.kernels.layouts): "nib" as in the design
+    brief, "split": sign apart from magnitude (fewer integer ops)."""
+
+    NIB = "nib"
+    SPLIT = "split"
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float = TOLERANCE) -> CheckResult:
+    """resgen.search.family.compare at the linear families' tolerance (BF16 output
+    rounding)."""
+    return family_compare(out, ref, tol)
+
+
+def kp_of(problem: LinearProblem) -> int:
+    """Kp: the kernels' padded reduction length (K, or K + ext, rounded up to 256)."""
+    block = 16 if problem.fmt == "nvfp4" else 32
+    return pad_to(problem.k_ext(block), K_ALIGN)
+
+
+def compensation_of(problem: LinearProblem) -> str | float:
+    """The compensation as resgen.reference / make_xop take it: "none", "full" or the K-Ext
+    ratio (float)."""
+    return problem.ratio if problem.ratio is not None else problem.compensation
+
+
+_LAYER_QUANT: dict[tuple, Any] = {}
+
+
+def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a") -> Any:
+    """The quant_sm90 kernel a whole layer puts in front of a GEMM that reads the exact BF16
+    operand (xop, kp_align 256): the quantizer's default configuration, row-pair rows for
+    M-Ext, the K-Ext extension for a ratio, the problem's alpha (static NVFP4, dynamic NVFP4:
+    amax pass + quantizer, MXFP4: none). Compiled once per process per (fmt, compensation, K,
+    alpha, arch) (about 0.1-0.7 s on a CPU)."""
+    from ..kernels.quant_sm90 import QuantConfig, compile_config
+
+    comp = problem.compensation
+    alpha = "none" if problem.fmt == "mxfp4" else ("static" if problem.static_scale
+                                                   else "dynamic")
+    key = (problem.fmt, comp, problem.k, alpha, arch)
+    if key not in _LAYER_QUANT:
+        cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=problem.k,
+                          layout="row_pair" if comp == "full" else "plain",
+                          write_codes=False, write_xop=True, alpha=alpha, kp_align=256)
+        _LAYER_QUANT[key] = compile_config(cfg, arch)[0]
+    return _LAYER_QUANT[key]
+
+
+def random_layer(problem: LinearProblem, device: Any, gen: torch.Generator) -> QLinearWeight:
+    """A random weight (heavy-tailed rows) prepared for `problem` (with a channel selection
+    for K-Ext, a static input scale for static NVFP4)."""
+    from .. import calibrate as C
+
+    n, k = problem.n, problem.k
+    w = torch.randn(n, k, generator=gen, device=device)
+    w = w * torch.exp(0.5 * torch.randn(n, 1, generator=gen, device=device))
+    sel = None
+    if problem.ratio is not None:
+        xc = torch.randn(64, k, generator=gen, device=device)
+        st = C.ChannelStats(k)
+        st.update(xc)
+        sel = C.select_channels(st.mean_abs(), problem.ratio)
+    isc = None
+    if problem.fmt == "nvfp4" and problem.static_scale:
+        isc = torch.tensor(4.0 / (6 * 448))          # activations ~ N(0, 1): amax about 4
+    return C.prepare_weight(w, problem.fmt, sel, input_scale=isc)
+
+
+def cached_weight_sets(cache: dict[tuple, list], keep: int,
+                       prepare: Callable[[QLinearWeight, str], Any], problem: LinearProblem,
+                       packing: str, device: Any, n_sets: int, seed: int) -> list:
+    """[(qweight, prepare(qweight, packing))] * n_sets for the layer of `problem` (M plays no
+    part), held in `cache` for the `keep` most recent layers (oldest dropped first; a later
+    call with more sets extends the list). Each family passes its own cache and layout. Set 0
+    is a random layer; the others are copies of it in their own memory (see below)."""
+    key = (replace(problem, m=1).key(), packing, str(device), seed)
+    n_sets = max(1, n_sets)
+    sets = cache.get(key)
+    if sets is not None and len(sets) >= n_sets:
+        return sets[:n_sets]
+    if sets is None:
+        while len(cache) >= keep:
+            cache.pop(next(iter(cache)))
+        gen = torch.Generator(device=device).manual_seed(seed)
+        qw = random_layer(problem, device, gen)
+        sets = [(qw, prepare(qw, packing))]
+    sets = list(sets)                       # lists handed out earlier stay as they were
+    while len(sets) < n_sets:
+        # Further sets exist to make every timed launch read its weights from HBM (cold L2):
+        # what matters is distinct memory, not distinct values (the kernels have no
+        # data-dependent paths), so they are copies of the first prepared weight, not new
+        # random layers (a layer's first preparation took 0.3-0.5 s of GPU-locked time per
+        # workload in the H200 tuning runs; a copy is a device memcpy). Checks use set 0.
+        sets.append((sets[0][0], clone_tensors(sets[0][1])))
+    cache[key] = sets
+    return sets[:n_sets]
+
+
+def clone_tensors(obj: Any) -> Any:
+    """A shallow copy of a prepared-weight dataclass with every tensor field cloned (new
+    device memory, same values)."""
+    return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).clone()
+                                       for f in dataclasses.fields(obj)
+                                       if isinstance(getattr(obj, f.name), torch.Tensor)})
+
+
+def _kext_masks(qw: QLinearWeight, problem: LinearProblem, device: torch.device
+                ) -> torch.Tensor | None:
+    """The K-Ext channel masks (uint8 [K / 8]) on `device` for a K-Ext problem, else None."""
+    if qw.selection is None or problem.ratio is None:
+        return None
+    return qw.selection.masks.to(device)
+
+
+# ----------------------------------------------------------------------------- the launch
+
+
+class LinearBinding:
+    """One compiled linear variant bound to one prepared weight: `binding(xb, out)` runs the
+    whole layer (xb: bf16 [M, K] contiguous, M = problem.m; out: bf16 [M, N], written).
+
+    fused:     the variant quantizes in its own prologue: one launch of the GEMM on xb with
+               the static NVFP4 scale (MXFP4: none) and the K-Ext masks;
+    otherwise: the quantizer writes the operand into its outputs (allocated here, for M
+               rows, padded to the GEMM's row multiple), then the GEMM reads it.
+    Nothing is allocated per call, so a bound layer can be captured in a CUDA graph (after
+    one eager call)."""
+
+    def __init__(self, launcher: Any, problem: LinearProblem, weight: Any,
+                 device: torch.device, *, fused: bool, quantizer: Any, row_multiple: int,
+                 alpha: torch.Tensor | None, masks: torch.Tensor | None) -> None:
+        self.launcher, self.problem, self.weight = launcher, problem, weight
+        self.m, self.rows = problem.m, problem.rows
+        self.fused, self.masks = fused, masks
+        if fused:
+            if quantizer is not None:
+                raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
+            if problem.fmt == "nvfp4" and alpha is None:
+                raise ValueError("a fused NVFP4 variant needs a weight with a static "
+                                 "input_scale")
+            self.quantizer, self.outs, self.alpha = None, None, alpha
+            self._qkw: dict[str, Any] = {}
+            return
+        if quantizer is None:
+            raise ValueError("a variant that reads a prepared operand needs the layer "
+                             "quantizer in front")
+        self.quantizer = quantizer
+        self.outs = quantizer.outputs(problem.m, row_multiple=row_multiple, device=device)
+        static = quantizer.config.alpha == "static"
+        if static and alpha is None:
+            raise ValueError("the layer quantizer takes the static NVFP4 scale: the weight "
+                             "has no input_scale")
+        self.alpha = alpha if static else None
+        self._qkw = {} if masks is None else {"masks": masks}
+
+    def __call__(self, xb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.launcher(self.weight, xb, self.m, self.rows, self.alpha, out,
+                                 self.masks)
+        op = self.quantizer(xb, self.outs, alpha=self.alpha, **self._qkw)
+        return self.launcher(self.weight, op.xop, self.m, self.rows, op.alpha, out)
+
+
+class Sm90LinearFamily(KernelFamilyBase):
+    """The run-time half of a Hopper linear family (see the module docstring); the search
+    half (variant, space, predicate, codegen) is each family's own."""
+
+    # seed multiplier of a problem's activation generator (kept per family: the timed inputs
+    # of existing tables came from these)
+    INPUT_SEED: ClassVar[int] = 1000003
+
+    # ------------------------------------------------------------------ per family
+    def layout(self, qweight: QLinearWeight, packing: str) -> Any:
+        """The prepared weight in this family's layout (offline work)."""
+        raise NotImplementedError
+
+    def launcher(self, compiled: Any, variant: VariantBase, problem: LinearProblem,
+                 device: torch.device | str) -> Any:
+        """The GEMM launch of a compiled variant for `problem` on `device`:
+        launch(weight, xop_or_x, m, rows, alpha_x, out[, masks]) -> out, with its split-K
+        workspace sized for the problem now (not at a captured call)."""
+        raise NotImplementedError
+
+    def needs_quantizer(self, variant: VariantBase) -> bool:
+        """True where the variant reads a prepared operand (the layer quantizer in front)."""
+        return True
+
+    def xop_row_multiple(self, variant: VariantBase, problem: LinearProblem) -> int:
+        """The operand's rows are padded to this multiple (the GEMM reads whole tiles)."""
+        raise NotImplementedError
+
+    def weight_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
+                    seed: int) -> list:
+        """[(qweight, prepared weight)] * n_sets of a random layer (cached_weight_sets)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared
+    def default_quantizer(self, problem: LinearProblem) -> Any:
+        """The layer quantizer `bind` puts in front when given none (layer_quantizer for this
+        family's arch)."""
+        return layer_quantizer(problem, self.ARCHS[0])
+
+    def warm(self, variant: VariantBase, problem: LinearProblem) -> None:
+        """The tuner's pre-lock hook: compile the layer quantizer the runner will bind."""
+        if self.needs_quantizer(variant):
+            self.default_quantizer(problem)
+
+    def bind(self, compiled: Any, variant: VariantBase, problem: LinearProblem, weight: Any,
+             device: torch.device | str, *, quantizer: Any = None,
+             alpha: torch.Tensor | None = None, masks: torch.Tensor | None = None,
+             launcher: Any = None) -> LinearBinding:
+        """The whole layer of `problem` on `weight` (this family's layout): run(xb, out).
+
+        quantizer: the layer quantizer in front of a variant that reads a prepared operand (a
+                   compiled quant_sm90 QuantKernel, or a stand-in with its outputs(),
+                   __call__ and config.alpha); None: default_quantizer(problem). Must be None
+                   for a fused variant.
+        alpha:     the static NVFP4 activation scale (resgen.calibrate.static_alpha: float32
+                   [1] on device), or None (MXFP4, dynamic NVFP4).
+        masks:     the K-Ext channel masks (uint8 [K / 8] on device) for a K-Ext problem, else
+                   None.
+        launcher:  the GEMM launch to use (self.launcher(...)); None: a new one. A runner
+                   shares one across its input sets; a runtime plan has its own."""
+        device = torch.device(device)
+        fused = not self.needs_quantizer(variant)
+        if not fused and quantizer is None:
+            quantizer = self.default_quantizer(problem)
+        if launcher is None:
+            launcher = self.launcher(compiled, variant, problem, device)
+        return LinearBinding(launcher, problem, weight, device, fused=fused,
+                             quantizer=quantizer,
+                             row_multiple=self.xop_row_multiple(variant, problem),
+                             alpha=alpha, masks=masks)
+
+    def input_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
+                   seed: int, fused: bool = False) -> list:
+        """[(qweight, weight, x, operand, alpha_x)] * n_sets: cached weights, fresh
+        activations x (float32 [M, K]). operand: for fused variants x itself as bf16 [M, K]
+        (alpha_x its static scale); otherwise None until the runner's operand(i) builds the
+        torch-quantized xop on first use."""
+        gen = torch.Generator(device=device).manual_seed(seed * self.INPUT_SEED + problem.m)
+        sets = []
+        for qw, wt in self.weight_sets(problem, packing, device, n_sets, seed):
+            x = torch.randn(problem.m, problem.k, generator=gen, device=device)
+            if fused:
+                sets.append((qw, wt, x, x.to(torch.bfloat16).contiguous(),
+                             static_alpha(qw, device)))
+            else:
+                sets.append((qw, wt, x, None, None))
+        return sets
+
+    def runner(self, compiled: Any, variant: VariantBase, problem: LinearProblem,
+               device: Any, n_sets: int = 1, seed: int = 0, *,
+               quantizer: Any = None) -> "Sm90LinearRunner":
+        return Sm90LinearRunner(self, compiled, variant, problem, device, n_sets, seed,
+                                quantizer=quantizer)
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+class Sm90LinearRunner:
+    """n_sets complete input sets (a prepared weight + activations each) of one linear
+    problem and one compiled variant, bound by the family's `bind`: the timed call is
+    `bindings[cur](xb, out)`, the whole layer the runtime serves (BENCH.md: BF16 activations
+    in; fused variants one launch, the others quant_sm90 + the GEMM).
+
+    Variants that read a prepared operand are bound when a quantizer is attached
+    (attach_quantizer, or as_layer / the first call or check: the default layer quantizer);
+    fused ones at once. check(): for those, first the GEMM alone on a torch-quantized
+    operand (check_gemm), then the whole layer (check_quantized); the worse counts.
+
+    Test and probe hooks (not what is timed or served): run_on(x) runs the GEMM on x quantized
+    in torch (make_xop), operand(i) builds set i's torch operand (about a hundred small torch
+    ops: on first use only; a runner behind the quantizer never needs it), gemm_only() a
+    runner-like view that times the GEMM alone on those operands."""
+
+    def __init__(self, family: Sm90LinearFamily, compiled: Any, variant: Any,
+                 problem: LinearProblem, device: Any, n_sets: int = 1, seed: int = 0, *,
+                 quantizer: Any = None) -> None:
+        self.family, self.compiled = family, compiled
+        self.variant, self.problem = variant, problem
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.comp = compensation_of(problem)
+        self.m, self.rows = problem.m, problem.rows
+        self.fused = not family.needs_quantizer(variant)
+        self.launcher = family.launcher(compiled, variant, problem, self.device)
+        self.geom = self.launcher.geom
+        self.xop_multiple = family.xop_row_multiple(variant, problem)
+        self.sets = family.input_sets(problem, variant.packing.value, self.device, n_sets,
+                                      seed, self.fused)
+        self.masks = _kext_masks(self.sets[0][0], problem, self.device)
+        self.out = torch.empty(self.m, problem.n, dtype=torch.bfloat16, device=self.device)
+        self.quantizer: Any = None
+        self.bindings: list[LinearBinding] | None = None
+        self.xbs: list[torch.Tensor] = []
+        self.cur = 0
+        if self.fused:
+            if quantizer is not None:
+                raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
+            self._bind(None)
+        elif quantizer is not None:
+            self.attach_quantizer(quantizer)
+
+    # ------------------------------------------------------------------ binding
+    def _bind(self, quantizer: Any) -> None:
+        per_weight: dict[int, tuple] = {}          # the sets share one qweight (copies of it)
+        bindings, xbs = [], []
+        for qw, wt, x, operand, _ in self.sets:
+            if id(qw) not in per_weight:
+                per_weight[id(qw)] = (static_alpha(qw, self.device), self._masks_of(qw))
+            alpha, masks = per_weight[id(qw)]
+            bindings.append(self.family.bind(self.compiled, self.variant, self.problem, wt,
+                                             self.device, quantizer=quantizer, alpha=alpha,
+                                             masks=masks, launcher=self.launcher))
+            xbs.append(operand if self.fused else x.to(torch.bfloat16).contiguous())
+        self.quantizer, self.bindings, self.xbs = quantizer, bindings, xbs
+
+    def _masks_of(self, qw: QLinearWeight) -> torch.Tensor | None:
+        """The K-Ext masks of qw on the device (set 0's kept: every set shares its weight)."""
+        return self.masks if qw is self.sets[0][0] else _kext_masks(qw, self.problem,
+                                                                    self.device)
+
+    def attach_quantizer(self, qkernel: Any) -> None:
+        """Bind the whole layer behind this quantizer (a compiled quant_sm90 QuantKernel
+        writing the xop with kp_align 256, or a stand-in): two launches per call."""
+        if self.fused:
+            raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
+        self._bind(qkernel)
+
+    def as_layer(self) -> None:
+        """Bind the whole layer now (the default layer quantizer in front of variants that
+        read a prepared operand; fused variants are bound already). The tuner calls it before
+        the check, so the quantizer's compile is not timed as part of the check."""
+        if self.bindings is None:
+            self.attach_quantizer(self.family.default_quantizer(self.problem))
+
+    def _bound(self) -> list[LinearBinding]:
+        if self.bindings is None:
+            self.as_layer()
+        assert self.bindings is not None
+        return self.bindings
+
+    # ------------------------------------------------------------------ timed call
+    def rotate(self, i: int) -> None:
+        self.cur = i % len(self.sets)
+
+    def __call__(self) -> torch.Tensor:
+        return self._bound()[self.cur](self.xbs[self.cur], self.out)
+
+    # ------------------------------------------------------------------ checks
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def check(self) -> CheckResult:
+        """The whole layer vs resgen.reference.linear (check_quantized), preceded for
+        variants that read a prepared operand by the GEMM alone on a torch-quantized operand
+        (check_gemm): fresh random activations, NaN-poisoned outputs."""
+        if not self.fused:
+            gemm = self.check_gemm()
+            if not gemm.ok:
+                return gemm
+        return self.check_quantized()
+
+    def check_quantized(self) -> CheckResult:
+        """Fresh bf16 activations through the bound layer vs resgen.reference.linear on the
+        same bf16 values, into a NaN-poisoned output."""
+        from .. import reference
+
+        binding = self._bound()[0]
+        qw = self.sets[0][0]
+        xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
+              * 3).to(torch.bfloat16)
+        out = torch.full((self.m, self.problem.n), float("nan"), dtype=torch.bfloat16,
+                         device=self.device)
+        binding(xb, out)
+        self._sync()
+        return compare(out, reference.linear(xb.float(), qw, self.comp))
+
+    def check_gemm(self) -> CheckResult:
+        """Fresh random activations quantized in torch (bf16-rounded for fused variants),
+        the GEMM alone into a NaN-poisoned output, vs resgen.reference.linear."""
+        from .. import reference
+
+        qw = self.sets[0][0]
+        x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
+        if self.fused:
+            x = x.to(torch.bfloat16).float()
+        out = self.run_on(x)
+        self._sync()
+        return compare(out, reference.linear(x, qw, self.comp))
+
+    # ------------------------------------------------------------------ test hooks
+    def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
+        """The GEMM on x: [m', K] with set `set_index`'s weight, into a NaN-poisoned output.
+        Variants that read a prepared operand get x quantized in torch (make_xop); fused
+        variants take x rounded to bf16."""
+        from ..kernels.linear_sm90 import make_xop
+
+        qw, wt, _, _, _ = self.sets[set_index]
+        m = x.shape[0]
+        out = torch.full((m, self.problem.n), float("nan"), dtype=torch.bfloat16,
+                         device=self.device)
+        rows = 2 * m if self.comp == "full" else m
+        if self.fused:
+            xb = x.to(torch.bfloat16).contiguous()
+            self.launcher(wt, xb, m, rows, static_alpha(qw, self.device), out,
+                          self._masks_of(qw))
+            return out
+        xop, ax = make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
+        self.launcher(wt, xop, m, rows, ax, out)
+        return out
+
+    def operand(self, i: int) -> tuple[torch.Tensor, Any]:
+        """(xop, alpha_x) of input set i, built by make_xop on first use (fused: x as bf16
+        and its static scale). Raises while a CUDA graph is being captured (the torch
+        quantization would be captured with the kernel): call it, or run the set once
+        eagerly, before capturing."""
+        qw, wt, x, xop, ax = self.sets[i]
+        if xop is None:
+            from ..kernels.linear_sm90 import make_xop
+
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"input set {i}'s operand is built on first use; run the "
+                                   "set once eagerly (or call operand(i)) before capturing")
+            xop, ax = make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
+            self.sets[i] = (qw, wt, x, xop, ax)
+        return xop, ax
+
+    def bytes_per_set(self) -> int:
+        wt = self.sets[0][1]
+        return wt.nbytes() + self.operand(0)[0].numel() * 2
+
+    def gemm_only(self) -> "_GemmOnly":
+        """A runner-like view (rotate / __call__ / check) that runs the GEMM alone on each
+        set's torch-quantized operand: for probes of the kernel without the layer quantizer
+        (fused variants: their whole layer, they have no separate GEMM). Not what the tuner
+        times or the runtime serves."""
+        return _GemmOnly(self)
+
+
+class _GemmOnly:
+    """Sm90LinearRunner.gemm_only(); shares the runner's sets, launcher and output."""
+
+    def __init__(self, runner: Sm90LinearRunner) -> None:
+        self.runner = runner
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.runner.out
+
+    def rotate(self, i: int) -> None:
+        self.runner.rotate(i)
+
+    def __call__(self) -> torch.Tensor:
+        r = self.runner
+        qw, wt, _, _, _ = r.sets[r.cur]
+        xop, ax = r.operand(r.cur)
+        if r.fused:             # xop is x itself (bf16), ax its static scale
+            return r.launcher(wt, xop, r.m, r.rows, ax, r.out, r._masks_of(qw))
+        return r.launcher(wt, xop, r.m, r.rows, ax, r.out)
+
+    def check(self) -> CheckResult:
+        return self.runner.check_gemm()
