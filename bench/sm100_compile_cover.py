@@ -78,7 +78,15 @@ def main(argv=None) -> int:
               f"{'ok' if out.ok else 'FAILED'} {out.seconds or 0:.2f} s, "
               f"{out.registers} regs, {out.spill_bytes} B local"
               + (f", PTX: {probs}" if probs else ""), flush=True)
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
     report = {"command": "python " + " ".join([Path(__file__).name] + (argv or sys.argv[1:])),
+              "commit": commit,
               "arch": "sm_100a", "what": "compile-only (CuTe DSL on the CPU); nothing run",
               "cute_dsl": cute_dsl_version(), "machine": platform.machine(),
               "wall_s": time.time() - t0, "rows": rows}

@@ -616,3 +616,20 @@ def test_model_terms_follow_the_bytes_and_tiles():
         assert all(t > 0 for t in pri) and len(set(pri)) > 1
     best, _ = FAMILY.best_predicted(p)
     assert FAMILY.prior(best, p) == min(FAMILY.prior(x, p) for x in FAMILY.space(p, ARCH))
+
+
+def test_tmem_load_wrapper_register_counts():
+    """sm100_ptx.tmem_ld's register count per shape and repetition, and what it refuses."""
+    from resgen.kernels import sm100_ptx as PX
+
+    assert [PX.tmem_ld_expected_count(s, 4) for s in ("32x32b", "16x256b", "16x128b")] == \
+        [4, 16, 8]
+    for shape in ("32x32b", "16x256b", "16x128b"):
+        for rep in (1, 2, 4, 8):
+            assert PX.tmem_ld_expected_count(shape, rep) == tmem_span(shape, rep)[2]
+    with pytest.raises(ValueError, match="shape"):
+        PX.tmem_ld_expected_count("16x64b", 1)
+    with pytest.raises(ValueError, match="repetition"):
+        PX.tmem_ld_expected_count("32x32b", 3)
+    with pytest.raises(ValueError, match="at most 128"):
+        PX.tmem_ld_expected_count("16x256b", 64)

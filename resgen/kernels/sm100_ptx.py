@@ -22,16 +22,10 @@ the resgen sm_100a kernels use those as NVIDIA's blockscaled examples do. What t
                                   pred != 0: the copy engine writes nbytes (multiple of 16) of
                                   shared memory to global memory (the linear epilogue's "tma"
                                   store path)
-    bulk_commit(), bulk_wait_read0(), bulk_wait0()   cp.async.bulk.commit_group /
-                                  wait_group.read 0 (shared memory reusable) / wait_group 0
+    bulk_commit(), bulk_wait0()   cp.async.bulk.commit_group / wait_group 0
     fence_async_shared()          fence.proxy.async.shared::cta: generic-proxy shared-memory
                                   writes visible to the async proxy (TMA store) before it reads
     named_bar_sync(bar, threads)  bar.sync bar, threads: the epilogue warps alone
-    cvt_e2m1x2(hi, lo) -> Uint32  cvt.rn.satfinite.e2m1x2.f32: two floats to two E2M1 codes
-                                  (lo in bits 0..3, hi in bits 4..7), the sm_100 FP4 conversion
-                                  the quantizer uses (sm_90a has none: fp4_device decodes with
-                                  bit operations there)
-    st_u8(addr, v, pred)          st.global.b8 of v's low byte when pred != 0 (scale factors)
     mul_f32(a, b), add_f32(a, b)  mul.rn.f32 / add.rn.f32: never contracted into an FMA, so the
                                   M-Ext fold rounds exactly as resgen.reference.linear does
     st_shared_u16(saddr, v), st_shared_u32(saddr, v), ld_shared_u32(saddr)   shared-memory
@@ -40,10 +34,11 @@ the resgen sm_100a kernels use those as NVIDIA's blockscaled examples do. What t
                                   way back: other CTAs wrote them); the load gives 0 when off
     atom_add_u32_pred(addr, v, pred) -> old   atom.global.acq_rel.gpu.add.u32 when pred != 0
 
-Generic global-memory wrappers (the same PTX on every arch) are re-exported from sm90_ptx so that
-each piece of PTX is written once: st_u16, st_u32, st_f32, ld_cg_f32, atom_add_u32, fence_gpu,
-grid_dep_launch, grid_dep_wait, opaque32, opaque64, ld_f32 (ld.global.nc.f32), cvt_bf16x2,
-red_add_f32_pred.
+Generic wrappers (the same PTX on every arch) are re-exported from sm90_ptx so that each piece
+of PTX is written once: st_u16, st_u32, fence_gpu, grid_dep_launch, opaque32, opaque64, ld_f32
+(ld.global.nc.f32), cvt_bf16x2, red_add_f32_pred. The quantizer's FP4 math is fp4_device's
+(bit operations, the GPU twin of resgen.formats), not sm_100's cvt.rn.satfinite.e2m1x2: that
+instruction's agreement with formats could not be checked without a Blackwell GPU.
 """
 
 from __future__ import annotations
@@ -51,17 +46,15 @@ from __future__ import annotations
 from cutlass import Float32, Int32, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .sm90_ptx import (_asm, _f32, _i64, _struct, _u32, _unpack, atom_add_u32, cvt_bf16x2,
-                       fence_gpu, grid_dep_launch, grid_dep_wait, ld_cg_f32, ld_f32, opaque32,
-                       opaque64, red_add_f32_pred, st_f32, st_u16, st_u32)
+from .sm90_ptx import (_asm, _f32, _i64, _struct, _u32, _unpack, cvt_bf16x2, fence_gpu,
+                       grid_dep_launch, ld_f32, opaque32, opaque64, red_add_f32_pred, st_u16,
+                       st_u32)
 
 __all__ = ["TMEM_LD_SHAPES", "tmem_ld_expected_count", "tmem_ld", "tmem_wait_ld", "bulk_s2g",
-           "bulk_commit", "bulk_wait_read0", "bulk_wait0", "fence_async_shared",
-           "named_bar_sync", "cvt_e2m1x2", "st_u8", "mul_f32", "add_f32", "st_shared_u16",
-           "st_shared_u32", "ld_shared_u32", "st_f32_pred", "ld_cg_f32_pred",
-           "atom_add_u32_pred", "st_u16", "st_u32", "st_f32", "ld_cg_f32", "ld_f32",
-           "cvt_bf16x2", "red_add_f32_pred", "atom_add_u32", "fence_gpu", "grid_dep_launch",
-           "grid_dep_wait", "opaque32", "opaque64"]
+           "bulk_commit", "bulk_wait0", "fence_async_shared", "named_bar_sync", "mul_f32",
+           "add_f32", "st_shared_u16", "st_shared_u32", "ld_shared_u32", "st_f32_pred",
+           "ld_cg_f32_pred", "atom_add_u32_pred", "st_u16", "st_u32", "ld_f32", "cvt_bf16x2",
+           "red_add_f32_pred", "fence_gpu", "grid_dep_launch", "opaque32", "opaque64"]
 
 # registers per thread and repetition of each TMEM load shape (PTX ISA, tcgen05.ld)
 TMEM_LD_SHAPES: dict[str, int] = {"32x32b": 1, "16x256b": 4, "16x128b": 2}
@@ -120,12 +113,6 @@ def bulk_commit(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def bulk_wait_read0(*, loc=None, ip=None) -> None:
-    _asm(None, [], "cp.async.bulk.wait_group.read 0;", "~{memory}", effects=True, loc=loc,
-         ip=ip)
-
-
-@dsl_user_op
 def bulk_wait0(*, loc=None, ip=None) -> None:
     _asm(None, [], "cp.async.bulk.wait_group 0;", "~{memory}", effects=True, loc=loc, ip=ip)
 
@@ -139,22 +126,6 @@ def fence_async_shared(*, loc=None, ip=None) -> None:
 def named_bar_sync(bar: int, threads: int, *, loc=None, ip=None) -> None:
     _asm(None, [], f"bar.sync {int(bar)}, {int(threads)};", "~{memory}", effects=True, loc=loc,
          ip=ip)
-
-
-@dsl_user_op
-def cvt_e2m1x2(hi, lo, *, loc=None, ip=None) -> Uint32:
-    """Two float32 to two E2M1 codes (round to nearest even, saturating): lo in bits 0..3."""
-    return Uint32(_asm(T.i32(), [_f32(hi, loc, ip), _f32(lo, loc, ip)],
-                       "{\n .reg .b8 q;\n cvt.rn.satfinite.e2m1x2.f32 q, $1, $2;\n"
-                       " cvt.u32.u8 $0, q;\n}", "=r,f,f", loc=loc, ip=ip))
-
-
-@dsl_user_op
-def st_u8(addr, v, pred, *, loc=None, ip=None) -> None:
-    _asm(None, [_i64(addr, loc, ip), _u32(v, loc, ip), Int32(pred).ir_value(loc=loc, ip=ip)],
-         "{\n .reg .pred p;\n .reg .b16 h;\n setp.ne.b32 p, $2, 0;\n"
-         " cvt.u16.u32 h, $1;\n @p st.global.b8 [$0], h;\n}",
-         "l,r,r", effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

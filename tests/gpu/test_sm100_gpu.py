@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available()
-                                 or torch.cuda.get_device_capability()[0] != 10,
-                                 reason="needs an sm_100 (Blackwell datacenter) GPU")]
+pytestmark = [pytest.mark.gpu]
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 10:
+    # before the covers are computed: collecting this file costs nothing elsewhere
+    pytest.skip("needs an sm_100 (Blackwell datacenter) GPU", allow_module_level=True)
 
 ARCH = "sm_100a"
 
