@@ -49,6 +49,13 @@ SHARED = {
     "kernels/layouts": "the Hopper FP4 weight layout and its CPU emulator, used by both "
                        "linear families (the issue counts it as linear_sm90_mma's; a rename "
                        "would change fingerprints)",
+    "search/sm100_linear": "what the Blackwell linear family and its quantizer share: the "
+                           "layer quantizer in front of the GEMM",
+    "kernels/sm100_ptx": "Blackwell (sm_100a) inline-PTX wrappers (TMEM loads, bulk stores)",
+    "kernels/sm100_layout": "the sm_100a operand rows, scale-factor atom layout and TMEM "
+                            "load fragments (index math)",
+    "kernels/sm100_operand": "the sm_100a activation operand in torch (its definition) and "
+                             "scale-factor packing",
 }
 
 # (importer, imported): known imports across families, each with why it is there. They are
@@ -68,6 +75,13 @@ ALLOWED = {
         "pow2_ceil lives in linear_sm90_mma's geometry",
     ("search/sm90_linear", "kernels/quant_sm90"):
         "by design: a linear layer is the layer quantizer (quant_sm90) in front of the GEMM",
+    ("search/sm100_linear", "search/quant_sm100"):
+        "by design: a Blackwell linear layer is quant_sm100 in front of the GEMM",
+    ("search/sm100_linear", "kernels/quant_sm100"):
+        "the same: compiling the layer quantizer",
+    ("search/quant_sm100", "kernels/quant_sm90"):
+        "the quantizer check's input kinds and K-Ext masks (make_inputs, random_masks) live "
+        "in quant_sm90's host module",
 }
 
 
