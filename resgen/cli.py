@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("plan", "layer-wise compensation planner (resgen.quality)")):
         q = sub.add_parser(name, help=what, add_help=False)
         q.add_argument("args", nargs=argparse.REMAINDER)
+    from .engine.cli import add_parser as add_generate   # resgen generate (resgen.engine.cli)
+
+    add_generate(sub)
     return p
 
 
@@ -885,7 +888,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
-    handler = {"tune": cmd_tune, "show": cmd_show, "bench": cmd_bench, "db": cmd_db}
+    from .engine.cli import run as cmd_generate
+
+    handler = {"tune": cmd_tune, "show": cmd_show, "bench": cmd_bench, "db": cmd_db,
+               "generate": cmd_generate}
     try:
         return handler[args.cmd](args)
     except BrokenPipeError:             # `resgen show | head`: the reader left, not an error
