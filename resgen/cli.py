@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=["json", "sqlite"], default=None,
                    help="default: from the --out suffix")
 
+    from .checkpoint import cli as checkpoint_cli       # `resgen quantize`
+    checkpoint_cli.add_parser(sub)
+
     for name, what in (("report", "quality report (resgen.quality)"),
                        ("plan", "layer-wise compensation planner (resgen.quality)")):
         q = sub.add_parser(name, help=what, add_help=False)
@@ -888,10 +891,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
+    from .checkpoint import cli as checkpoint_cli
     from .engine.cli import run as cmd_generate
 
     handler = {"tune": cmd_tune, "show": cmd_show, "bench": cmd_bench, "db": cmd_db,
-               "generate": cmd_generate}
+               "quantize": checkpoint_cli.run, "generate": cmd_generate}
     try:
         return handler[args.cmd](args)
     except BrokenPipeError:             # `resgen show | head`: the reader left, not an error
