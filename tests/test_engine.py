@@ -435,6 +435,38 @@ def test_a_saved_folder_loads(tmp_path):
     assert float((got - _hf_logits(m, seq)).abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("fmt, comp", [("nvfp4", "full"), ("mxfp4", "0.25")])
+def test_an_fp4_checkpoint_loads_through_resgen_checkpoint(tmp_path, fmt, comp):
+    """An engine's quantization written in ModelOpt's layout (resgen.checkpoint.
+    save_checkpoint, per HF module, q/k/v and gate/up unfused) and loaded back through
+    resgen.checkpoint (fuse_linears: equal tensor scales, so the bytes are restacked) runs the
+    same numbers: bit-equal logits on the decode path, the same tokens."""
+    from resgen.checkpoint import save_checkpoint
+    from resgen.engine.fakequant_ref import module_weights
+
+    m = tiny_model("qwen2")
+    a = _load(m, fmt=fmt, compensation=comp, kv="nvfp4", calib=CALIB)
+    linears = module_weights(a)
+    tensors = {k: v for k, v in m.state_dict().items()
+               if k.removesuffix(".weight") not in linears and k != "lm_head.weight"}
+    save_checkpoint(tmp_path / "ck", config=m.config.to_dict(), linears=linears,
+                    tensors=tensors,
+                    compensation={n: comp for n in linears})
+    b = resgen.load(tmp_path / "ck", backend="reference", compensation="checkpoint",
+                    kv="nvfp4", max_batch=4, max_seq_len=64, page_size=16)
+    assert b.source.qlinears is not None and b.calibration is None
+    for La, Lb in zip(a.model.layers, b.model.layers):
+        for pa, pb in zip(La.projections().values(), Lb.projections().values()):
+            assert pb.compensation == pa.compensation
+            assert torch.equal(pa.qweight.q.codes, pb.qweight.q.codes)
+    seqs = [[5, 6, 7, 8, 9, 10], [3, 4, 100]]
+    for x, y in zip(a.forced_decode(seqs, [3, 2], reduce="logits"),
+                    b.forced_decode(seqs, [3, 2], reduce="logits")):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="FP4 checkpoint"):
+        resgen.load(tmp_path / "ck", backend="reference", fmt="bf16")
+
+
 def test_decode_runner_buckets():
     from resgen.engine.graphs import MIN_KV_CLASS, batch_buckets
 

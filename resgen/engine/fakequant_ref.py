@@ -23,7 +23,8 @@ from ..calibrate import QLinearWeight
 from ..formats import QuantizedTensor
 from .build import HF_PARTS
 
-__all__ = ["FakeQuantProj", "fakequant_linears", "swap_linears", "slice_rows"]
+__all__ = ["FakeQuantProj", "fakequant_linears", "module_weights", "swap_linears",
+           "slice_rows"]
 
 
 def slice_rows(qw: QLinearWeight, start: int, stop: int) -> QLinearWeight:
@@ -90,14 +91,36 @@ class FakeQuantProj(torch.nn.Module):
         return sh["y"][..., self.rows[0]:self.rows[1]].to(x.dtype)
 
 
+def _splits(cfg: Any) -> dict[str, tuple[int, ...]]:
+    return {"qkv": (cfg.q_size, cfg.kv_size, cfg.kv_size), "o": (cfg.hidden,),
+            "gate_up": (cfg.intermediate, cfg.intermediate), "down": (cfg.hidden,)}
+
+
+def module_weights(llm: Any) -> dict[str, QLinearWeight]:
+    """{HF module name ("model.layers.3.self_attn.q_proj"): its rows of the engine's fused FP4
+    weight (CPU)}: what a checkpoint of this engine's quantization holds."""
+    out: dict[str, QLinearWeight] = {}
+    for i, L in enumerate(llm.model.layers):
+        for proj, p in L.projections().items():
+            if p.qweight is None:
+                raise ValueError("the engine's projections are not FP4 (fmt='bf16')")
+            qw = p.qweight
+            qw = QLinearWeight(qw.q.to("cpu"), qw.in_features, qw.selection,
+                               None if qw.input_scale is None else qw.input_scale.cpu(),
+                               qw.meta)
+            start = 0
+            for part, n in zip(HF_PARTS[proj], _splits(llm.cfg)[proj]):
+                out[f"model.layers.{i}.{part}"] = slice_rows(qw, start, start + n)
+                start += n
+    return out
+
+
 def fakequant_linears(llm: Any, io: str = "fp32", fused: bool = True
                       ) -> dict[str, FakeQuantProj]:
     """{HF module name (without the "model." prefix, as resgen.quality names them): module}
     from an engine's FP4 projections (see the module docstring). fused=False: every HF module
     multiplies its own rows (the quality study's per-module products)."""
-    cfg = llm.cfg
-    splits = {"qkv": (cfg.q_size, cfg.kv_size, cfg.kv_size), "o": (cfg.hidden,),
-              "gate_up": (cfg.intermediate, cfg.intermediate), "down": (cfg.hidden,)}
+    splits = _splits(llm.cfg)
     out: dict[str, FakeQuantProj] = {}
     for i, L in enumerate(llm.model.layers):
         for proj, p in L.projections().items():

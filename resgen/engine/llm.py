@@ -91,7 +91,7 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
          glue: str | None = None, max_batch: int = 8, max_seq_len: int | None = None,
          kv_budget: int | None = None, kv_fraction: float = 0.6, page_size: int = 32,
          graphs: bool = True, tokenizer: Any = None, io: str = "bf16",
-         device: Any = None) -> "LLM":
+         device: Any = None, fallback_bf16: bool = False) -> "LLM":
     """Load a model for generation on resgen's kernels.
 
     model:        a Hugging Face folder (BF16 / FP32 safetensors, or an FP4 checkpoint read
@@ -100,7 +100,8 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
     fmt:          "nvfp4" | "mxfp4" (quantize BF16 / FP32 weights at load) or "bf16" (no
                   quantization: the BF16 engine, cuBLAS).
     compensation: "none" (plain W4A4) | "full" (M-Ext) | a K-Ext ratio | a per-layer plan
-                  (resgen.plan.Plan or {layer: ratio}); see resgen.engine.build.
+                  (resgen.plan.Plan or {layer: ratio}); see resgen.engine.build. For an FP4
+                  checkpoint also "checkpoint": what resgen recorded in it.
     kv:           "nvfp4" (paged NVFP4 cache, append kernel, decode attention kernels) or
                   "bf16" (dense BF16 cache and SDPA: with fmt="bf16" the BF16 engine);
                   "fp32" for the reference backend.
@@ -115,6 +116,7 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
                   weights (CUDA), or max_batch x max_seq_len tokens (CPU).
     graphs:       capture decode steps in CUDA graphs (CUDA only).
     io:           the reference backend's linear interface: "bf16" (as the kernels) or "fp32".
+    fallback_bf16: an FP4 checkpoint's layers the kernels cannot serve run in BF16.
     """
     if backend is None:
         backend = "cuda" if torch.cuda.is_available() else "reference"
@@ -142,7 +144,7 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
                          backend=backend, glue=glue, max_batch=max_batch,
                          max_seq_len=max_seq_len, kv_budget=kv_budget,
                          kv_fraction=kv_fraction, page_size=page_size, graphs=graphs, io=io)
-    return LLM(open_source(model, tokenizer), opts, calib, device)
+    return LLM(open_source(model, tokenizer, fallback_bf16), opts, calib, device)
 
 
 class LLM:
