@@ -10,7 +10,9 @@ study's numerics.
 
 io "fp32" is the quality study exactly; io "bf16" rounds each linear's input and output to
 BF16, the kernels' interface. `perturb` (relative, e.g. 1e-7) multiplies every linear input
-by (1 + perturb * N(0, 1)) from a seeded generator: the noise band of section 3.
+and every FP32 product by (1 + perturb * N(0, 1)) from a seeded generator, before the BF16
+roundings (that is where FP32 summation order, in the kernels and in the glue, acts): the
+noise band of section 3. `set_perturbation(mods, eps, seed)` sets it on all modules.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..formats import QuantizedTensor
 from .build import HF_PARTS
 
 __all__ = ["FakeQuantProj", "fakequant_linears", "module_weights", "swap_linears",
-           "slice_rows"]
+           "slice_rows", "set_perturbation"]
 
 
 def slice_rows(qw: QLinearWeight, start: int, stop: int) -> QLinearWeight:
@@ -76,6 +78,8 @@ class FakeQuantProj(torch.nn.Module):
         if self.io == "bf16":
             xf = xf.to(torch.bfloat16).float()
         y = self.fq(xf)
+        if self.perturb:                # where a kernel's summation order acts
+            y = y * (1 + self.perturb * torch.randn(y.shape, generator=self.generator))
         if self.io == "bf16":
             y = y.to(torch.bfloat16).float()
         if self.shared["bias"] is not None:
@@ -146,6 +150,13 @@ def fakequant_linears(llm: Any, io: str = "fp32", fused: bool = True
                                               p.compensation, b, io)
                 start += n
     return out
+
+
+def set_perturbation(mods: dict[str, FakeQuantProj], eps: float, seed: int | None) -> None:
+    """Every module perturbs by `eps` from one generator seeded with `seed` (eps 0: off)."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    for m in mods.values():
+        m.perturb, m.generator = eps, gen
 
 
 def swap_linears(model: Any, new: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:

@@ -245,6 +245,27 @@ class LLM:
             m.attn.resolve(self.device, dt, c.kv_heads, c.group, c.head_dim)
         self.runner = DecodeRunner(m, o.max_batch, pages_per_seq, o.graphs)
 
+    def resize_kv(self, max_batch: int | None = None, max_seq_len: int | None = None,
+                  kv_budget: int | None = None) -> None:
+        """Rebuild the KV cache and the decode runner (its CUDA graphs are dropped) for
+        another batch size / sequence length / budget (None: keep; kv_budget 0: from the
+        free memory again). The model is kept."""
+        o = self.options
+        if max_batch is not None:
+            o.max_batch = _positive("max_batch", max_batch)
+        if max_seq_len is not None:
+            o.max_seq_len = _positive("max_seq_len", max_seq_len)
+        if kv_budget is not None:
+            o.kv_budget = kv_budget or None
+        self.model.kv = self.model.attn = None
+        self.runner = None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+        self._attach_kv()
+
     # ------------------------------------------------------------------ info
     @property
     def tokenizer(self) -> Any:
