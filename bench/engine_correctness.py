@@ -28,7 +28,9 @@ K-Ext 0.125; NVFP4 and MXFP4):
       projection vs resgen.reference.linear and decode attention vs
       resgen.reference.decode_attention (<= 3e-3 relative), the KV append byte for byte vs
       the reference append;
-    - greedy continuations of the same prompts (CUDA graphs), as text.
+    - greedy continuations of the same prompts (CUDA graphs), as text, with FP32 glue (the
+      CPU reference's numerics: the common prefix with the CPU's tokens is recorded) and BF16
+      glue (serving).
   Qwen2.5-Coder-0.5B (Qwen2 with q/k/v biases; 490 MB, too large to carry): --capture-qwen2
   GGUF writes one real layer's FP4 weights (NVFP4 and MXFP4, K-Ext 0.125 layout) and its real
   inputs (~20 MB, not committed); the GPU run checks that layer teacher-forced
@@ -316,18 +318,19 @@ def gpu_method(model: Any, tok: Any, fmt: str, comp: str, calib_file: Path,
     llm = resgen.load(model, glue="fp32", **common)
     rec["hashes_equal"] = None if cpu_rec is None else weight_hashes(llm) == cpu_rec["hashes"]
     rec["ppl_glue_fp32"] = llm.score(seqs_eval)["ppl"]
+    rec["greedy"] = greedy(llm, prompts, setup.new_tokens)     # the CPU reference's numerics
     nll = llm.forced_decode(seqs_eval.tolist(), [1] * seqs_eval.shape[0])
     rec["ppl_decode_path_glue_fp32"] = math.exp(sum(a for a, _ in nll) / sum(c for _, c in nll))
     rec["load_s"] = llm.load_s
     del llm
     llm = resgen.load(model, glue="bf16", **common)
     rec["ppl_glue_bf16"] = llm.score(seqs_eval)["ppl"]
-    rec["greedy"] = greedy(llm, prompts, setup.new_tokens)
+    rec["greedy_glue_bf16"] = greedy(llm, prompts, setup.new_tokens)     # serving
     rec["graph_notes"] = list(llm.runner.notes)
     del llm
     chk = resgen.load(model, glue="bf16", graphs=False, **common)
     seqs = check_seqs or [seqs_eval[0, :48].tolist(), seqs_eval[1, :40].tolist()]
-    rec["teacher_forced"] = teacher_forced(chk, seqs, [32, 24])
+    rec["teacher_forced"] = teacher_forced(chk, seqs, [max(1, 2 * len(s) // 3) for s in seqs])
     del chk
     if cpu_rec is not None:
         rec["inside_band_bf16io"] = inside(rec["ppl_glue_fp32"], cpu_rec["bf16"]["band"])
@@ -403,7 +406,8 @@ def capture_layer(model: Any, ids: torch.Tensor, layer: int, calib: torch.Tensor
         out[f"x.{s}"] = xs[-1].to(torch.bfloat16)
         out[f"amax.{s}"] = stats[s].abs().max()
         out[f"mean_abs.{s}"] = stats[s].abs().double().mean(0).float()
-    hd = model.config.hidden_size // model.config.num_attention_heads
+    hd = getattr(model.config, "head_dim", None) or \
+        model.config.hidden_size // model.config.num_attention_heads
     out["q"] = qkv["q"].to(torch.bfloat16)
     out["k"] = qkv["k"].to(torch.bfloat16)
     out["v"] = qkv["v"].reshape(qkv["v"].shape[0], -1, hd).to(torch.bfloat16)
