@@ -286,6 +286,7 @@ def attach_checks(llm: Any) -> Checks:
 
     m.append = checked_append
     m.attn = CheckedAttention()
+    m.attn_plans = {}               # every call through the checker
     return checks
 
 

@@ -258,6 +258,7 @@ class LLM:
         if kv_budget is not None:
             o.kv_budget = kv_budget or None
         self.model.kv = self.model.attn = None
+        self.model.attn_plans = {}
         self.runner = None
         if self.device.type == "cuda":
             import gc
