@@ -23,7 +23,9 @@ values (bf16 engine), which costs the same bytes to read; transformers gets a re
 reported as such. Prefill: tokens/s and time to first token of one 2K-token prompt
 (LLM.generate with max_new_tokens=1, warm). Engine overhead at batch 1 (8K context): the
 graph's kernels under torch.profiler, split into resgen kernels, cuBLAS (LM head; BF16
-weights), torch glue, and idle gaps, and the serving loop's step time minus the replay's.
+weights), torch glue, and idle gaps; "overhead" is everything but the model's kernels (resgen's
+and the cuBLAS LM head): glue kernels + idle gaps in the graph + the serving loop's sampling and
+token copy (its step time minus the replay's), as a fraction of the serving step.
 
     source .devcache/device/env.sh && python3 bench/engine_speed.py --quick   # ~6 min
     python3 bench/engine_speed.py --stacks comp,plain       # call 1 (~9 min)
@@ -40,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -148,9 +149,7 @@ class Timer:
 def fill_kv(llm: Any, batch: int, ctx: int, steps: int, seed: int = 0) -> list | None:
     """Rows 0..batch-1 hold ctx random cached tokens each (see the module docstring) and feed
     a random token at position ctx; room for `steps` more. Returns the pages (to release)."""
-    from resgen.engine.kv import KVBudgetError  # noqa: F401  (raised by _reserve)
-
-    m, st = llm.model, llm.runner.state
+    m = llm.model
     pages = llm._reserve([ctx + steps + 2] * batch)
     dev = llm.device
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -162,7 +161,8 @@ def fill_kv(llm: Any, batch: int, ctx: int, steps: int, seed: int = 0) -> list |
                 codes[used] = torch.randint(0, 256, (len(used), *codes.shape[1:]),
                                             generator=g, device=dev, dtype=torch.uint8)
                 e = torch.rand((len(used), *sf.shape[1:]), generator=g, device=dev) * 3 - 3
-                sf[used] = torch.exp2(e).to(torch.float8_e4m3fn)
+                sf.view(torch.uint8)[used] = torch.exp2(e).to(torch.float8_e4m3fn).view(
+                    torch.uint8)
     else:
         for t in kv.k + kv.v:
             t[:batch, :ctx].normal_(generator=g)
@@ -260,11 +260,26 @@ def overhead_point(llm: Any, ctx: int, steps: int, timer: Timer) -> dict[str, An
         order = sorted(spans, key=lambda s: s[1])
         wall = (max(s[2] for s in order) - order[0][1]) / 5 if order else 0.0
         busy = sum(by.values())
-        return {"context": ctx, "replay_ms": replay, "profile_wall_us": wall,
-                "kernels_us": by, "kernels_per_step": {k: v / 5 for k, v in counts.items()},
-                "idle_gap_us": max(0.0, wall - busy),
-                "overhead_fraction_non_resgen": 1 - by["resgen"] / wall if wall else None,
-                "overhead_fraction_idle": (wall - busy) / wall if wall else None}
+        from resgen.engine.sampling import SamplingParams, sample
+
+        st = llm.runner.state
+
+        def serve() -> None:
+            st.tokens[:1].copy_(sample(r.step(1, length[0])[:1], SamplingParams()))
+        serve_ms = timer(serve, steps)
+        idle = max(0.0, wall - busy)
+        return {"context": ctx, "replay_ms": replay, "serve_step_ms": serve_ms,
+                "profile_wall_us": wall, "kernels_us": by,
+                "kernels_per_step": {k: v / 5 for k, v in counts.items()},
+                "idle_gap_us": idle,
+                # everything but the model's kernels (resgen's and the cuBLAS LM head):
+                # torch glue kernels and idle gaps inside the graph, plus the serving loop's
+                # sampling and token copy outside it
+                "overhead_fraction": ((wall - by["resgen"] - by["cublas"]) / 1e3 +
+                                      max(0.0, serve_ms - replay)) / serve_ms if wall else None,
+                "glue_fraction": by["glue"] / wall if wall else None,
+                "idle_fraction": idle / wall if wall else None,
+                "host_fraction": max(0.0, serve_ms - replay) / serve_ms}
     finally:
         llm._release(pages)
 
@@ -312,7 +327,9 @@ def run_engine_stack(stack: str, cfg: dict, device: torch.device, batches: list[
                        max(max_ctx, prefill_len + 8), backend, 0.85)
     rec["load_s"] = time.perf_counter() - t0
     rec["kv"] = llm.kv_info()
-    log(f"{stack}: loaded in {rec['load_s']:.0f} s; KV {rec['kv']}")
+    rec["dense_attention"] = getattr(llm.model.attn, "mode", None)   # BF16 engine: varlen | masked
+    log(f"{stack}: loaded in {rec['load_s']:.0f} s; KV {rec['kv']}; attention "
+        f"{rec['dense_attention'] or 'resgen.ops.DecodeAttention'}")
     try:
         rec["prefill"] = prefill_point(llm, prefill_len)
         log(f"{stack}: prefill {rec['prefill']}")
@@ -413,7 +430,7 @@ def run_hf(cfg: dict, device: torch.device, points: list[tuple[int, int]], steps
                                       f"{p['tok_s']:.1f} tok/s (first call {p['first_call_s']:.0f} s)"))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    del model
+    model = None                      # free the weights before the next stack
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -466,11 +483,14 @@ def table(res: dict[str, Any]) -> str:
         ov = r.get("overhead")
         if ov and "kernels_us" in ov:
             k = ov["kernels_us"]
-            lines.append(f"{s}: batch 1 ctx {ov['context']}: step {ov['profile_wall_us']:.0f}"
+            lines.append(f"{s}: batch 1 ctx {ov['context']}: graph {ov['profile_wall_us']:.0f}"
                          f" us = resgen {k['resgen']:.0f} + cuBLAS {k['cublas']:.0f} + glue "
-                         f"{k['glue']:.0f} + idle {ov['idle_gap_us']:.0f} us (non-resgen "
-                         f"{100 * ov['overhead_fraction_non_resgen']:.1f}%, idle "
-                         f"{100 * ov['overhead_fraction_idle']:.1f}%)")
+                         f"{k['glue']:.0f} + idle {ov['idle_gap_us']:.0f} us; serving step "
+                         f"{1e3 * ov['serve_step_ms']:.0f} us; overhead (glue + idle + host) "
+                         f"{100 * ov['overhead_fraction']:.1f}% (glue "
+                         f"{100 * ov['glue_fraction']:.1f}%, idle "
+                         f"{100 * ov['idle_fraction']:.1f}%, host "
+                         f"{100 * ov['host_fraction']:.1f}%)")
     return "\n".join(lines)
 
 

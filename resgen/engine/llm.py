@@ -327,6 +327,8 @@ class LLM:
         """Generate for one prompt (str / token ids) or a list of them; see the module
         docstring. on_token(prompt index, token id) is called as tokens arrive (streaming).
         Returns one Completion per prompt, in order; llm.last_stats has the timings."""
+        if isinstance(prompts, torch.Tensor):        # [T] one prompt, [B, T] a batch
+            prompts = prompts.tolist() if prompts.dim() == 2 else prompts.reshape(-1).tolist()
         single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
                                                all(isinstance(i, int) for i in prompts))
         plist = [prompts] if single else list(prompts)
