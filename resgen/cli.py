@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("plan", "layer-wise compensation planner (resgen.quality)")):
         q = sub.add_parser(name, help=what, add_help=False)
         q.add_argument("args", nargs=argparse.REMAINDER)
+    from .engine.cli import add_parser as add_generate   # resgen generate (resgen.engine.cli)
+
+    add_generate(sub)
     return p
 
 
@@ -1261,9 +1264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
     from .checkpoint import cli as checkpoint_cli
+    from .engine.cli import run as cmd_generate
 
     handler = {"tune": cmd_tune, "show": cmd_show, "bench": cmd_bench, "db": cmd_db,
-               "quantize": checkpoint_cli.run}
+               "quantize": checkpoint_cli.run, "generate": cmd_generate}
     try:
         return handler[args.cmd](args)
     except _Usage as e:

@@ -6,21 +6,38 @@ FP4 kernels.
     print(llm.generate("Hello", max_new_tokens=32)[0].text)
 
 Modules (each importing only those above it):
-    config    DecoderConfig / RopeConfig from a Hugging Face config (families, RoPE types)
-    rope      inverse frequencies (default, linear, llama3, yarn) and cos / sin tables
-    source    model sources: HF folder (resgen.checkpoint), GGUF, transformers model, tensors
-    calib     calibration statistics (static NVFP4 input scales, K-Ext selections) and files
-    backend   the ops: "cuda" kernels, "sim" (the kernels' CPU simulations), "reference"
-    kv        paged NVFP4 and dense KV caches, sizing, the request check
-    model     the decoder forward: ragged prefill, one decode step
-    build     dense / quantized / FP4-checkpoint models (q/k/v and gate/up fused)
-    sampling  greedy and temperature / top-p sampling on the device
-    graphs    decode steps in CUDA graphs per (batch bucket, KV class)
-    llm       resgen.load and LLM.generate
-    cli       `resgen generate`
+    config        DecoderConfig / RopeConfig from a Hugging Face config (families, RoPE types)
+    rope          inverse frequencies (default, linear, llama3, yarn) and cos / sin tables
+    source        model sources: HF folder (resgen.checkpoint), GGUF, transformers model,
+                  tensors
+    calib         calibration statistics (static NVFP4 input scales, K-Ext selections), files
+    backend       the ops: "cuda" kernels, "sim" (the kernels' CPU simulations), "reference"
+    kv            paged NVFP4 and dense KV caches, sizing, the request check
+    model         the decoder forward: ragged prefill, one decode step
+    build         dense / quantized / FP4-checkpoint models (q/k/v and gate/up fused)
+    fakequant_ref the quality study's fake-quant model on an engine's own FP4 weights
+    sampling      greedy and temperature / top-p sampling on the device
+    graphs        decode steps in CUDA graphs per (batch bucket, KV class)
+    llm           resgen.load, LLM.generate, teacher-forced scoring
+    cli           `resgen generate` (imports nothing heavy until it runs)
+
+Names are imported lazily, so `import resgen.engine.cli` (the command line's parser) does not
+load torch.
 """
 
-from .config import DecoderConfig, RopeConfig
-from .llm import LLM, Completion, load
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["load", "LLM", "Completion", "DecoderConfig", "RopeConfig"]
+
+_WHERE = {"load": "llm", "LLM": "llm", "Completion": "llm", "DecoderConfig": "config",
+          "RopeConfig": "config"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -72,9 +72,7 @@ class CudaBackend(Backend):
     def append(self, head_dim, kv_heads, page_size):
         from ..kernels.attention_sm90 import KVAppendSm90, compile_append
 
-        res, _ = compile_append(head_dim, kv_heads, page_size)
-        if not res.ok:
-            raise RuntimeError(f"the KV append kernel did not compile: {res.error}")
+        res, _ = compile_append(head_dim, kv_heads, page_size)     # raises if it fails
         return KVAppendSm90(res.fn, head_dim, kv_heads, page_size)
 
 

@@ -201,30 +201,55 @@ def quantized_model(dense: DecoderModel, backend: Backend, fmt: str, compensatio
 
 def checkpoint_model(src: ModelSource, cfg: DecoderConfig, backend: Backend, compensation: Any,
                      device: torch.device, glue: str) -> DecoderModel:
-    """The FP4 model of an FP4 checkpoint (src.qlinears from resgen.checkpoint): q/k/v and
-    gate/up fused with resgen.checkpoint.fuse_linears."""
+    """The FP4 model of an FP4 checkpoint (src.qlinears, resgen.checkpoint): q/k/v and
+    gate/up fused with resgen.checkpoint.fuse_linears. A projection with a part the checkpoint
+    left unquantized (its exclude_modules, or a BF16 fallback) runs dense in BF16, its
+    quantized parts dequantized (exact FP4 values, rounded once to BF16); logged.
+    compensation "checkpoint": each projection as resgen recorded it (resgen/resgen.json;
+    "full" where it says nothing)."""
     from ..checkpoint import fuse_linears
     from .model import GLUE
 
+    if compensation == "checkpoint":
+        ck = src.checkpoint
+        compensation = {}
+        for i in range(cfg.layers):
+            for proj, parts in HF_PARTS.items():
+                for part in parts:
+                    c = ck.compensation(_prefix(i) + part) if ck is not None else None
+                    compensation[f"layers.{i}.{part}"] = c or "full"
     comps = compensation_of(compensation, cfg)
     shapes = cfg.linear_shapes()
+    g = GLUE[glue]
     layers = []
     for i in range(cfg.layers):
         projs = {}
         for proj, parts in HF_PARTS.items():
             names = [_prefix(i) + part for part in parts]
-            missing = [n for n in names if n not in src.qlinears]
-            if missing:
-                raise KeyError(f"{src.name}: the FP4 checkpoint has no quantized {missing[0]}")
-            qws = [src.qlinears[n] for n in names]
-            qw: QLinearWeight = fuse_linears(qws) if len(qws) > 1 else qws[0]
-            if (qw.out_features, qw.in_features) != shapes[proj]:
-                raise ValueError(f"{src.name}: layer {i} {proj} is {qw.out_features} x "
-                                 f"{qw.in_features}, the config needs {shapes[proj]}")
-            projs[proj] = Proj(backend.linear(qw, comps[(i, proj)]), backend.io_dtype,
-                               GLUE[glue], _bias(src, cfg, i, proj, device), qw,
-                               comps[(i, proj)])
-        layers.append(LayerOps(**projs, **_norms(src, cfg, i, device, GLUE[glue])))
+            bias = _bias(src, cfg, i, proj, device)
+            if all(n in src.qlinears for n in names):
+                qws = [src.qlinears[n] for n in names]
+                qw: QLinearWeight = fuse_linears(qws) if len(qws) > 1 else qws[0]
+                if (qw.out_features, qw.in_features) != shapes[proj]:
+                    raise ValueError(f"{src.name}: layer {i} {proj} is {qw.out_features} x "
+                                     f"{qw.in_features}, the config needs {shapes[proj]}")
+                projs[proj] = Proj(backend.linear(qw, comps[(i, proj)]), backend.io_dtype, g,
+                                   bias, qw, comps[(i, proj)])
+                continue
+            ws = []
+            for n in names:
+                if n in src.qlinears:
+                    from .. import formats
+
+                    ws.append(formats.dequantize(src.qlinears[n].q)[:, : shapes[proj][1]])
+                else:
+                    ws.append(src.tensor(n + ".weight"))
+            log.warning("%s: layer %d %s is not quantized in the checkpoint: served in BF16",
+                        src.name, i, proj)
+            w = torch.cat([x.to(torch.bfloat16) for x in ws]).to(device)
+            _check_shape(f"layer {i} {proj}", w, shapes[proj])
+            projs[proj] = Proj(DenseLinear(w, torch.bfloat16), torch.bfloat16, g, bias)
+        layers.append(LayerOps(**projs, **_norms(src, cfg, i, device, g)))
     embed, norm, head = _head_weights(src, cfg)
     head_dtype = torch.bfloat16 if glue == "bf16" else torch.float32
     m = DecoderModel(cfg, layers, embed, norm, head.to(head_dtype), glue, device,

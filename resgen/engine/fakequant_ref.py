@@ -10,7 +10,9 @@ study's numerics.
 
 io "fp32" is the quality study exactly; io "bf16" rounds each linear's input and output to
 BF16, the kernels' interface. `perturb` (relative, e.g. 1e-7) multiplies every linear input
-by (1 + perturb * N(0, 1)) from a seeded generator: the noise band of section 3.
+and every FP32 product by (1 + perturb * N(0, 1)) from a seeded generator, before the BF16
+roundings (that is where FP32 summation order, in the kernels and in the glue, acts): the
+noise band of section 3. `set_perturbation(mods, eps, seed)` sets it on all modules.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from ..calibrate import QLinearWeight
 from ..formats import QuantizedTensor
 from .build import HF_PARTS
 
-__all__ = ["FakeQuantProj", "fakequant_linears", "swap_linears", "slice_rows"]
+__all__ = ["FakeQuantProj", "fakequant_linears", "module_weights", "swap_linears",
+           "slice_rows", "set_perturbation"]
 
 
 def slice_rows(qw: QLinearWeight, start: int, stop: int) -> QLinearWeight:
@@ -75,6 +78,8 @@ class FakeQuantProj(torch.nn.Module):
         if self.io == "bf16":
             xf = xf.to(torch.bfloat16).float()
         y = self.fq(xf)
+        if self.perturb:                # where a kernel's summation order acts
+            y = y * (1 + self.perturb * torch.randn(y.shape, generator=self.generator))
         if self.io == "bf16":
             y = y.to(torch.bfloat16).float()
         if self.shared["bias"] is not None:
@@ -90,14 +95,36 @@ class FakeQuantProj(torch.nn.Module):
         return sh["y"][..., self.rows[0]:self.rows[1]].to(x.dtype)
 
 
+def _splits(cfg: Any) -> dict[str, tuple[int, ...]]:
+    return {"qkv": (cfg.q_size, cfg.kv_size, cfg.kv_size), "o": (cfg.hidden,),
+            "gate_up": (cfg.intermediate, cfg.intermediate), "down": (cfg.hidden,)}
+
+
+def module_weights(llm: Any) -> dict[str, QLinearWeight]:
+    """{HF module name ("model.layers.3.self_attn.q_proj"): its rows of the engine's fused FP4
+    weight (CPU)}: what a checkpoint of this engine's quantization holds."""
+    out: dict[str, QLinearWeight] = {}
+    for i, L in enumerate(llm.model.layers):
+        for proj, p in L.projections().items():
+            if p.qweight is None:
+                raise ValueError("the engine's projections are not FP4 (fmt='bf16')")
+            qw = p.qweight
+            qw = QLinearWeight(qw.q.to("cpu"), qw.in_features, qw.selection,
+                               None if qw.input_scale is None else qw.input_scale.cpu(),
+                               qw.meta)
+            start = 0
+            for part, n in zip(HF_PARTS[proj], _splits(llm.cfg)[proj]):
+                out[f"model.layers.{i}.{part}"] = slice_rows(qw, start, start + n)
+                start += n
+    return out
+
+
 def fakequant_linears(llm: Any, io: str = "fp32", fused: bool = True
                       ) -> dict[str, FakeQuantProj]:
     """{HF module name (without the "model." prefix, as resgen.quality names them): module}
     from an engine's FP4 projections (see the module docstring). fused=False: every HF module
     multiplies its own rows (the quality study's per-module products)."""
-    cfg = llm.cfg
-    splits = {"qkv": (cfg.q_size, cfg.kv_size, cfg.kv_size), "o": (cfg.hidden,),
-              "gate_up": (cfg.intermediate, cfg.intermediate), "down": (cfg.hidden,)}
+    splits = _splits(llm.cfg)
     out: dict[str, FakeQuantProj] = {}
     for i, L in enumerate(llm.model.layers):
         for proj, p in L.projections().items():
@@ -123,6 +150,13 @@ def fakequant_linears(llm: Any, io: str = "fp32", fused: bool = True
                                               p.compensation, b, io)
                 start += n
     return out
+
+
+def set_perturbation(mods: dict[str, FakeQuantProj], eps: float, seed: int | None) -> None:
+    """Every module perturbs by `eps` from one generator seeded with `seed` (eps 0: off)."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    for m in mods.values():
+        m.perturb, m.generator = eps, gen
 
 
 def swap_linears(model: Any, new: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:

@@ -74,7 +74,7 @@ class DecodeRunner:
         key = (b, c)
         g = self.graphs.get(key, _MISSING)
         if g is _MISSING:
-            self.model.warmup(b, c)
+            self.model.warmup(b, c, max_len)
             self.model.decode(self.state, b, c)
             self.graphs[key] = self._capture(b, c) if self.use_graphs else None
         elif g is None:

@@ -41,6 +41,10 @@ def budget_from_free(fraction: float, device: torch.device) -> int:
     if device.type != "cuda":
         raise ValueError("sizing the KV cache from free memory needs a CUDA device; give "
                          "kv_budget= (bytes) on the CPU")
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()        # freed blocks (the dense weights of a quantized model)
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * fraction)
 

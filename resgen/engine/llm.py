@@ -91,7 +91,7 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
          glue: str | None = None, max_batch: int = 8, max_seq_len: int | None = None,
          kv_budget: int | None = None, kv_fraction: float = 0.6, page_size: int = 32,
          graphs: bool = True, tokenizer: Any = None, io: str = "bf16",
-         device: Any = None) -> "LLM":
+         device: Any = None, fallback_bf16: bool = False) -> "LLM":
     """Load a model for generation on resgen's kernels.
 
     model:        a Hugging Face folder (BF16 / FP32 safetensors, or an FP4 checkpoint read
@@ -100,7 +100,8 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
     fmt:          "nvfp4" | "mxfp4" (quantize BF16 / FP32 weights at load) or "bf16" (no
                   quantization: the BF16 engine, cuBLAS).
     compensation: "none" (plain W4A4) | "full" (M-Ext) | a K-Ext ratio | a per-layer plan
-                  (resgen.plan.Plan or {layer: ratio}); see resgen.engine.build.
+                  (resgen.plan.Plan or {layer: ratio}); see resgen.engine.build. For an FP4
+                  checkpoint also "checkpoint": what resgen recorded in it.
     kv:           "nvfp4" (paged NVFP4 cache, append kernel, decode attention kernels) or
                   "bf16" (dense BF16 cache and SDPA: with fmt="bf16" the BF16 engine);
                   "fp32" for the reference backend.
@@ -115,6 +116,7 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
                   weights (CUDA), or max_batch x max_seq_len tokens (CPU).
     graphs:       capture decode steps in CUDA graphs (CUDA only).
     io:           the reference backend's linear interface: "bf16" (as the kernels) or "fp32".
+    fallback_bf16: an FP4 checkpoint's layers the kernels cannot serve run in BF16.
     """
     if backend is None:
         backend = "cuda" if torch.cuda.is_available() else "reference"
@@ -142,7 +144,7 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
                          backend=backend, glue=glue, max_batch=max_batch,
                          max_seq_len=max_seq_len, kv_budget=kv_budget,
                          kv_fraction=kv_fraction, page_size=page_size, graphs=graphs, io=io)
-    return LLM(open_source(model, tokenizer), opts, calib, device)
+    return LLM(open_source(model, tokenizer, fallback_bf16), opts, calib, device)
 
 
 class LLM:
@@ -243,6 +245,28 @@ class LLM:
             m.attn.resolve(self.device, dt, c.kv_heads, c.group, c.head_dim)
         self.runner = DecodeRunner(m, o.max_batch, pages_per_seq, o.graphs)
 
+    def resize_kv(self, max_batch: int | None = None, max_seq_len: int | None = None,
+                  kv_budget: int | None = None) -> None:
+        """Rebuild the KV cache and the decode runner (its CUDA graphs are dropped) for
+        another batch size / sequence length / budget (None: keep; kv_budget 0: from the
+        free memory again). The model is kept."""
+        o = self.options
+        if max_batch is not None:
+            o.max_batch = _positive("max_batch", max_batch)
+        if max_seq_len is not None:
+            o.max_seq_len = _positive("max_seq_len", max_seq_len)
+        if kv_budget is not None:
+            o.kv_budget = kv_budget or None
+        self.model.kv = self.model.attn = None
+        self.model.attn_plans = {}
+        self.runner = None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+        self._attach_kv()
+
     # ------------------------------------------------------------------ info
     @property
     def tokenizer(self) -> Any:
@@ -303,6 +327,8 @@ class LLM:
         """Generate for one prompt (str / token ids) or a list of them; see the module
         docstring. on_token(prompt index, token id) is called as tokens arrive (streaming).
         Returns one Completion per prompt, in order; llm.last_stats has the timings."""
+        if isinstance(prompts, torch.Tensor):        # [T] one prompt, [B, T] a batch
+            prompts = prompts.tolist() if prompts.dim() == 2 else prompts.reshape(-1).tolist()
         single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
                                                all(isinstance(i, int) for i in prompts))
         plist = [prompts] if single else list(prompts)

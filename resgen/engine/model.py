@@ -290,6 +290,7 @@ class DecoderModel:
         self.kv: Any = None
         self.attn_io = backend_io       # q / k / v dtype of the paged append and attention
         self.attn: Any = None
+        self.attn_plans: dict[tuple[int, int], Any] = {}   # (rows, KV class) -> bound kernel
         self.append: Callable[..., None] | None = None
 
     # ------------------------------------------------------------------ one layer
@@ -426,8 +427,10 @@ class DecoderModel:
 
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _c=cache,
                            _bt=bt) -> torch.Tensor:
-                    o = self.attn(q.to(self.attn_io).contiguous(), _c, _bt, lens,
-                                  max_kv_len=kv_len)
+                    qq = q.to(self.attn_io).contiguous()
+                    op = self.attn_plans.get((b, kv_len))
+                    o = op(qq, _c, _bt, lens) if op is not None else \
+                        self.attn(qq, _c, _bt, lens, max_kv_len=kv_len)
                     return o.to(self.glue)
             else:
                 kc, vc = kv.k[i], kv.v[i]
@@ -448,11 +451,20 @@ class DecoderModel:
         st.logits[:b].copy_(self.logits(h))
         st.advance(b)
 
-    def warmup(self, b: int, kv_len: int) -> None:
+    def warmup(self, b: int, kv_len: int, max_len: int | None = None) -> None:
         """Build every plan a decode step of b rows at KV class kv_len uses (compiles,
-        buffers), so the step can be captured."""
+        buffers), so the step can be captured; max_len: the longest row now.
+
+        The attention plan is built for max_len and kept for the class: rows only grow, and a
+        variant valid for max_len stays valid for every longer length (more pages for its
+        splits), while DecodeAttention caches a plan for the whole class only when it is valid
+        down to the class floor (plans that are not would be rebuilt inside a capture)."""
         for L in self.layers:
             for p in L.projections().values():
                 p.warmup([b])
         if self.kv.kind == "nvfp4":
-            self.attn.warmup([(b, kv_len)])
+            plan = getattr(self.attn, "plan", None)
+            if plan is not None:
+                self.attn_plans[(b, kv_len)] = plan(b, max_len or kv_len).op
+            else:
+                self.attn.warmup([(b, kv_len)])

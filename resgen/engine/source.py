@@ -7,9 +7,8 @@ model, or a config dict with its tensors (random weights for benchmarks).
     src.qlinears          # FP4 checkpoint linears by module name (resgen.checkpoint), or None
     src.tokenizer()       # transformers tokenizer from the folder / GGUF (offline), or None
 
-A folder goes through resgen.checkpoint.load_checkpoint (its safetensors reader, FP4 linears
-and KV scales) when that module is present; without it, through transformers'
-from_pretrained. A GGUF file is loaded by transformers + gguf and dequantized to FP32, as
+A folder goes through resgen.checkpoint.load_checkpoint (its checked, lazy safetensors reader;
+FP4 linears; NVFP4 KV-cache scales). A GGUF file is loaded by transformers + gguf and dequantized to FP32, as
 resgen.quality.model loads SmolLM2. Everything runs offline (HF_HUB_OFFLINE=1).
 """
 
@@ -37,6 +36,7 @@ class ModelSource:
     kv_scales: dict[int, tuple[float, float]] = field(default_factory=dict)
     tokenizer_fn: Callable[[], Any] | None = None
     generation: dict = field(default_factory=dict)
+    checkpoint: Any = None          # the resgen.checkpoint.Checkpoint of a folder
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -122,37 +122,27 @@ def _from_gguf(path: Path) -> ModelSource:
     return src
 
 
-def _from_folder(folder: Path) -> ModelSource:
-    cfg_path = folder / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not JSON: {e}") from None
-    try:
-        from ..checkpoint import load_checkpoint     # helper ckpt's loader, when present
-    except ImportError:
-        load_checkpoint = None
-    if load_checkpoint is not None:
-        ck = load_checkpoint(folder)
-        src = ModelSource(dict(ck.config), ck.tensors, folder.name,
-                          qlinears=ck.linears if ck.quant is not None else None,
-                          kv_scales=dict(getattr(ck, "kv_scales", {}) or {}))
-    else:
-        _offline()
-        _quiet_transformers()
-        from transformers import AutoModelForCausalLM
+def _from_folder(folder: Path, fallback_bf16: bool = False) -> ModelSource:
+    """Through resgen.checkpoint.load_checkpoint: config, lazy tensors, FP4 linears of a
+    quantized checkpoint (ModelOpt / compressed-tensors / resgen's), NVFP4 KV-cache scales."""
+    from ..checkpoint import load_checkpoint
 
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
-        src = from_hf_model(model, name=folder.name)
-        src.config = cfg
-    src.tokenizer_fn = _tokenizer_loader(folder, None)
-    src.generation = _generation(folder)
+    ck = load_checkpoint(folder, fallback_bf16=fallback_bf16)
+    src = ModelSource(dict(ck.config), ck.tensors, folder.name,
+                      qlinears=ck.linears if ck.quant is not None else None,
+                      kv_scales=ck.kv_cache_alphas() if ck.quant is not None else {},
+                      tokenizer_fn=_tokenizer_loader(folder, None),
+                      generation=_generation(folder))
+    src.checkpoint = ck
     return src
 
 
-def open_source(model: Any, tokenizer: Any = None) -> ModelSource:
+def open_source(model: Any, tokenizer: Any = None, fallback_bf16: bool = False
+                ) -> ModelSource:
     """A ModelSource from a folder, a .gguf file (or a folder holding exactly one), a loaded
-    transformers model, a (config dict, {name: tensor}) pair, or a ModelSource."""
+    transformers model, a (config dict, {name: tensor}) pair, or a ModelSource.
+    fallback_bf16: an FP4 checkpoint's layers the kernels cannot serve run in BF16 (else
+    loading them is an error naming the layer)."""
     if isinstance(model, ModelSource):
         return model
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], Mapping):
@@ -174,7 +164,7 @@ def open_source(model: Any, tokenizer: Any = None) -> ModelSource:
                              "folder)")
         return _from_gguf(path)
     if (path / "config.json").is_file():
-        return _from_folder(path)
+        return _from_folder(path, fallback_bf16)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
         return _from_gguf(ggufs[0])
