@@ -421,10 +421,16 @@ def capture_layer(model: Any, ids: torch.Tensor, layer: int, calib: torch.Tensor
     return out
 
 
-def capture_file(cap: dict[str, torch.Tensor], path: Path, heads: tuple[int, int]) -> None:
+CAPTURED = ("qkv", "o", "down")
+
+
+def capture_file(cap: dict[str, torch.Tensor], path: Path, heads: tuple[int, int],
+                 projections: tuple[str, ...] = CAPTURED) -> None:
     """The carried file: the layer's FP4 weights per format (K-Ext 0.125 layout: its base
     serves W4A4 and full residue; static NVFP4 input scales from the capture's calibration
-    amax) and its real inputs. ~20 MB for Qwen2.5-0.5B (not committed)."""
+    amax) and its real inputs. Qwen2.5-0.5B: 8 MB for qkv, o and down (gate_up, K = 896 like
+    qkv, would add 11 MB and the file must fit one device call beside half of SmolLM2's
+    GGUF); not committed."""
     from safetensors.torch import save_file
 
     from resgen import formats
@@ -434,7 +440,8 @@ def capture_file(cap: dict[str, torch.Tensor], path: Path, heads: tuple[int, int
     t: dict[str, torch.Tensor] = {k: v.contiguous() for k, v in cap.items()
                                   if k.startswith(("x.", "amax.")) or k in ("q", "k", "v")}
     for fmt in ("nvfp4", "mxfp4"):
-        for proj, site in LINEAR_SITE.items():
+        for proj in projections:
+            site = LINEAR_SITE[proj]
             sel = select_channels(cap[f"mean_abs.{site}"].double(), KEXT)
             isc = formats.nvfp4_global_scale(cap[f"amax.{site}"]) if fmt == "nvfp4" else None
             qw = prepare_weight(cap[f"w.{proj}"], fmt, sel, input_scale=isc)
@@ -448,20 +455,26 @@ def capture_file(cap: dict[str, torch.Tensor], path: Path, heads: tuple[int, int
             if isc is not None:
                 t[f"{p}.input_scale"] = qw.input_scale.reshape(())
     t["heads"] = torch.tensor(heads)
-    save_file(t, str(path), metadata={"resgen_engine_layer_capture": "1"})
+    save_file(t, str(path), metadata={"resgen_engine_layer_capture": "1",
+                                      "projections": ",".join(projections)})
 
 
 def read_capture(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(inputs, {f"{fmt}.{proj}": QLinearWeight}) of a capture_file."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     from resgen import formats
     from resgen.calibrate import QLinearWeight, Selection
 
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("resgen_engine_layer_capture") != "1":
+        raise ValueError(f"{path}: not a layer capture of bench/engine_correctness.py")
     t = load_file(str(path))
     ws: dict[str, Any] = {}
     for fmt in ("nvfp4", "mxfp4"):
-        for proj in ("qkv", "o", "gate_up", "down"):
+        for proj in meta["projections"].split(","):
             p = f"{fmt}.{proj}"
             sc = t[f"{p}.scales"]
             sc = sc.view(torch.float8_e4m3fn) if fmt == "nvfp4" else sc

@@ -467,6 +467,22 @@ def test_an_fp4_checkpoint_loads_through_resgen_checkpoint(tmp_path, fmt, comp):
         resgen.load(tmp_path / "ck", backend="reference", fmt="bf16")
 
 
+def test_dense_decode_attention_reads_each_row_to_its_length():
+    from resgen import reference as R
+    from resgen.engine.model import DenseDecodeAttention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 64, generator=g)
+    k, v = torch.randn(3, 100, 2, 64, generator=g), torch.randn(3, 100, 2, 64, generator=g)
+    lens = torch.tensor([37, 64, 0], dtype=torch.int32)
+    att = DenseDecodeAttention()
+    assert att.resolve(torch.device("cpu"), torch.float32, 2, 4, 64) == "masked"
+    got = att(q, k, v, lens, 64 ** -0.5, window=64)
+    ref = R.attention_fp32(q, [k[b, : int(n)].transpose(0, 1) for b, n in enumerate(lens)],
+                           [v[b, : int(n)].transpose(0, 1) for b, n in enumerate(lens)])
+    assert float((got - ref).abs().max()) < 1e-5 and bool((got[2] == 0).all())
+
+
 def test_decode_runner_buckets():
     from resgen.engine.graphs import MIN_KV_CLASS, batch_buckets
 

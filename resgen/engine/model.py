@@ -163,14 +163,19 @@ class DenseDecodeAttention:
         return self.mode
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, window: int | None = None
+                 ) -> torch.Tensor:
+        """k, v: the rows' whole cache [B, max_len, Hkv, D]; window: the KV class (>= every
+        row's length), the positions read."""
         if self.mode == "varlen":
-            return _varlen_decode(q, k, v, seq_lens, scale)
-        return _masked_decode(q, k, v, seq_lens, scale)
+            return _varlen_decode(q, k, v, seq_lens, scale, window)
+        return _masked_decode(q, k, v, seq_lens, scale, window)
 
 
 def _masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, window: int | None = None) -> torch.Tensor:
+    if window is not None:
+        k, v = k[:, :window], v[:, :window]
     b, hq, d = q.shape
     n, hkv = k.shape[1], k.shape[2]
     qg = q.reshape(b, hkv, hq // hkv, d)
@@ -185,15 +190,18 @@ def _masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: 
 
 
 def _varlen_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, window: int | None = None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
+    # rows stay whole (a [B, max_len] view is contiguous, a window of it is not): row b's
+    # keys start at b * max_len and seqused_k says how many are used
     b, n = k.shape[0], k.shape[1]
     cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32)
     cu_k = cu_q * n
     o = varlen_attn(q, k.reshape(b * n, k.shape[2], k.shape[3]),
-                    v.reshape(b * n, v.shape[2], v.shape[3]), cu_q, cu_k, 1, n, scale=scale,
-                    enable_gqa=q.shape[1] != k.shape[2], seqused_k=seq_lens)
+                    v.reshape(b * n, v.shape[2], v.shape[3]), cu_q, cu_k, 1,
+                    window or n, scale=scale, enable_gqa=q.shape[1] != k.shape[2],
+                    seqused_k=seq_lens)
     return o * (seq_lens > 0).to(o.dtype)[:, None, None]
 
 
@@ -209,9 +217,9 @@ def _probe_varlen(device: torch.device, dtype: torch.dtype, kv_heads: int, group
         q = torch.randn(b, kv_heads * group, head_dim, generator=g, device=device).to(dtype)
         k = torch.randn(b, n, kv_heads, head_dim, generator=g, device=device).to(dtype)
         v = torch.randn(b, n, kv_heads, head_dim, generator=g, device=device).to(dtype)
-        lens = torch.tensor([96, 17, 0], dtype=torch.int32, device=device)
-        got = _varlen_decode(q, k, v, lens, head_dim ** -0.5).float()
-        ref = _masked_decode(q, k, v, lens, head_dim ** -0.5).float()
+        lens = torch.tensor([60, 17, 0], dtype=torch.int32, device=device)
+        got = _varlen_decode(q, k, v, lens, head_dim ** -0.5, 64).float()
+        ref = _masked_decode(q, k, v, lens, head_dim ** -0.5, 64).float()
         ok = bool(torch.isfinite(got).all()) and float((got - ref).norm()) <= \
             2e-2 * float(ref.norm())
         return "varlen" if ok else "masked"
@@ -442,8 +450,7 @@ class DecoderModel:
 
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _k=kc,
                            _v=vc) -> torch.Tensor:
-                    o = self.attn(q.to(_k.dtype), _k[:b, :kv_len], _v[:b, :kv_len], lens,
-                                  self.scale)
+                    o = self.attn(q.to(_k.dtype), _k[:b], _v[:b], lens, self.scale, kv_len)
                     return o.to(self.glue)
             h = self._layer(i, h, cos, sin, store, attend)
             if c.o_bias:
