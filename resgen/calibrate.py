@@ -25,6 +25,7 @@ from .formats import QuantizedTensor
 
 __all__ = [
     "RATIOS",
+    "pad_in_features",
     "GROUP",
     "ChannelStats",
     "Selection",
@@ -203,6 +204,53 @@ def static_alpha(qweight: QLinearWeight, device: torch.device | str) -> torch.Te
     if qweight.fmt != "nvfp4" or qweight.input_scale is None:
         return None
     return torch.as_tensor(qweight.input_scale, dtype=torch.float32, device=device).reshape(1)
+
+
+def pad_in_features(qweight: QLinearWeight, k_to: int) -> QLinearWeight:
+    """The same layer with K zero input channels appended up to `k_to` (exact: y = x W^T is
+    unchanged for x padded with zeros). For a kernel tiling that needs K rounded up (quant_sm90
+    tiles K by 256) where the layer cannot be padded elsewhere: K-Ext, whose extension follows
+    K in the weight's layout.
+
+    Base: zero codes / scales inserted at K. K-Ext: the padded 8-channel groups select their
+    first 8 * ratio channels (zeros in x and W), so every group selects the same count as the
+    Selection rule demands; their extension entries follow the real ones, so the extension is
+    the old one (whose tail already held the zero padding to the block) extended with zero
+    codes. MXFP4 scales of the new blocks are 127 (2^0), NVFP4 ones 0: the codes are zero
+    either way. k_to: a multiple of the block size and of 8, >= K."""
+    k = qweight.in_features
+    fmt = qweight.fmt
+    bs = formats.block_size(fmt)
+    if k_to == k:
+        return qweight
+    if k_to < k or k_to % bs or k_to % GROUP:
+        raise ValueError(f"cannot pad K = {k} to {k_to} (a multiple of {max(bs, GROUP)}, "
+                         f">= K)")
+    q = qweight.q
+    n = q.codes.shape[0]
+    dev = q.codes.device
+    zc = lambda width: torch.zeros(n, width // 2, dtype=torch.uint8, device=dev)  # noqa: E731
+
+    def zs(width: int) -> torch.Tensor:
+        if fmt == "nvfp4":
+            return torch.zeros(n, width // bs, dtype=torch.uint8,
+                               device=dev).view(torch.float8_e4m3fn)
+        return torch.full((n, width // bs), 127, dtype=torch.uint8, device=dev)
+
+    codes = [q.codes[:, : k // 2], zc(k_to - k)]
+    scales = [q.scales[:, : k // bs], zs(k_to - k)]
+    sel = None
+    if qweight.selection is not None:
+        old = qweight.selection
+        per = old.k
+        fill = torch.full(((k_to - k) // GROUP,), (1 << per) - 1, dtype=torch.uint8)
+        sel = Selection(torch.cat([old.masks.cpu(), fill]), old.ratio)
+        ext_old, ext_new = old.extension_length(fmt), sel.extension_length(fmt)
+        codes += [q.codes[:, k // 2:], zc(ext_new - ext_old)]
+        scales += [q.scales[:, k // bs:], zs(ext_new - ext_old)]
+    qt = QuantizedTensor(fmt, torch.cat(codes, 1).contiguous(),
+                         torch.cat(scales, 1).contiguous(), q.global_scale)
+    return QLinearWeight(qt, k_to, sel, qweight.input_scale, qweight.meta)
 
 
 def prepare_weight(w: torch.Tensor, fmt: str, selection: Selection | None = None,

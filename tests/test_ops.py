@@ -550,10 +550,49 @@ def test_a_k_the_quantizer_cannot_tile_is_served_through_zero_columns(fam, fmt, 
     assert made and all(q.k == 768 for q in made)
 
 
-def test_kext_where_the_quantizer_cannot_tile_k_is_a_clear_error():
-    qw = _qweight("nvfp4", n=64, k=576, ratio=0.25)
-    layer = Linear(qw, 0.25, device="cpu", family="linear_sm90_wgmma",
-                   dispatcher=_empty_dispatcher(), compile_fn=_Compiles(),
-                   quantizer_fn=_quantizers([]))
-    with pytest.raises(ValueError, match="K-Ext at K = 576 needs the layer quantizer"):
-        layer((torch.randn(40, 576) * 3).to(torch.bfloat16))
+@pytest.mark.parametrize("fam", ["linear_sm90_mma", "linear_sm90_wgmma"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_kext_at_a_k_the_quantizer_cannot_tile_runs_the_layer_zero_padded(fam, fmt,
+                                                                          monkeypatch):
+    """K-Ext at K = 576: the extension follows K in the weight, so the layer itself runs at
+    K = 768 (zero channels, resgen.calibrate.pad_in_features) and equals the reference of the
+    real layer; the quantizer sees a K it can tile."""
+    from resgen.ops.linear import KEXT_K_ALIGN
+    from resgen.search.sm90_linear import QUANT_K_ALIGN
+
+    assert KEXT_K_ALIGN == QUANT_K_ALIGN
+    qw = _qweight(fmt, n=64, k=576, ratio=0.125)
+    made = []
+    registry = _record_launcher_pointers(monkeypatch) if fam == "linear_sm90_mma" else None
+    layer = Linear(qw, 0.125, device="cpu", family=fam, dispatcher=_empty_dispatcher(),
+                   compile_fn=_Compiles(registry), quantizer_fn=lambda p, a: made.append(
+                       _TiledQuantizer(p)) or made[-1])
+    assert layer.k == 768 and layer.k_in == 576 and layer.problem(3).k == 768
+    g = torch.Generator().manual_seed(6)
+    for m in (3, 33):
+        x = (torch.randn(m, 576, generator=g) * 3).to(torch.bfloat16)
+        y = layer(x)
+        ref = R.linear(x.float(), qw, 0.125)
+        assert not bool(y.isnan().any()) and _rel(y, ref) <= 3e-3
+    assert made and all(q.k == 768 for q in made)
+    with pytest.raises(ValueError, match="K = 576"):
+        layer(torch.zeros(2, 768, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("ratio", [None, 0.125, 0.5])
+def test_pad_in_features_is_exact(fmt, ratio):
+    from resgen.calibrate import pad_in_features
+
+    qw = _qweight(fmt, n=32, k=576, ratio=ratio)
+    pw = pad_in_features(qw, 768)
+    assert pw.in_features == 768 and pw.out_features == 32
+    comp = "none" if ratio is None else ratio
+    x = torch.randn(5, 576) * 2
+    xp = torch.cat([x, torch.zeros(5, 192)], 1)
+    assert torch.equal(R.linear(xp, pw, comp), R.linear(x, qw, comp))
+    if ratio is not None:
+        assert torch.equal(R.linear(xp, pw, "full"), R.linear(x, qw, "full"))
+        assert pw.selection.indices[: qw.selection.indices.numel()].equal(qw.selection.indices)
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_in_features(qw, 500)

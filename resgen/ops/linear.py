@@ -39,13 +39,17 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..calibrate import QLinearWeight, static_alpha
+from ..calibrate import QLinearWeight, pad_in_features, static_alpha
 from ..search.family import KernelFamily, LinearFamily
 from ..search.variant import LinearProblem
 from . import common
 from .common import choose_variant, compile_cached
 
-__all__ = ["Linear", "LayerPlan"]
+__all__ = ["Linear", "LayerPlan", "KEXT_K_ALIGN"]
+
+# K of a K-Ext layer is padded to this (the Hopper layer quantizer's K tiling,
+# resgen.search.sm90_linear.QUANT_K_ALIGN; tests/test_ops.py keeps the two equal)
+KEXT_K_ALIGN = 256
 
 
 @dataclass
@@ -90,6 +94,14 @@ class Linear:
             # a K-Ext weight serves plain / M-Ext through its base part
             qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
                                     qweight.input_scale, qweight.meta)
+        self.k_in = qweight.in_features          # the caller's K
+        if ratio is not None and self.k_in % KEXT_K_ALIGN:
+            # K-Ext behind the layer quantizer needs K in whole quantizer tiles, and its
+            # extension follows K in the weight: the layer itself runs at K rounded up, with
+            # zero input channels (exact; resgen.calibrate.pad_in_features), the activations
+            # copied into a zero-padded buffer per plan. Plain / M-Ext pad only in front of
+            # the quantizer (the family's bind).
+            qweight = pad_in_features(qweight, -(-self.k_in // KEXT_K_ALIGN) * KEXT_K_ALIGN)
         if arch is None:
             from ..settings import settings
 
@@ -167,6 +179,8 @@ class Linear:
             quantizer = self._quantizer(fam.quantizer_problem(p), self.arch)
         run = fam.bind(compiled, v, p, self._weight(fam, v), self.device, quantizer=quantizer,
                        alpha=self.alpha, masks=self.masks if p.ratio is not None else None)
+        if self.k != self.k_in:          # a padded K-Ext layer (see __init__)
+            run = _ZeroPadded(run, m, self.k_in, self.k, self.device)
         return LayerPlan(p, fam.NAME, v, source, run)
 
     # -- calling ----------------------------------------------------------------------------
@@ -178,17 +192,31 @@ class Linear:
             raise TypeError(f"expected bfloat16 activations, got {x.dtype}")
         if x.device != self.device:
             raise ValueError(f"activations are on {x.device}, the layer on {self.device}")
-        if x.dim() < 1 or x.shape[-1] != self.k:
+        if x.dim() < 1 or x.shape[-1] != self.k_in:
             raise ValueError(f"activations of shape {tuple(x.shape)}: the last dimension must "
-                             f"be K = {self.k}")
+                             f"be K = {self.k_in}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.k).contiguous()
+        x2 = x.reshape(-1, self.k_in).contiguous()
         m = x2.shape[0]
         plan = self.plan(m) if m else None
         out = torch.empty(m, self.n, dtype=torch.bfloat16, device=self.device)
         if plan is not None:
             plan.run(x2, out)
         return out.reshape(*lead, self.n)
+
+
+class _ZeroPadded:
+    """run(xb, out) of a layer padded to K (pad_in_features): xb [m, K_in] copied into the
+    first K_in columns of a zero buffer [m, K] allocated once (capturable)."""
+
+    def __init__(self, run: Callable[[torch.Tensor, torch.Tensor], Any], m: int, k_in: int,
+                 k: int, device: torch.device) -> None:
+        self.run, self.k_in = run, k_in
+        self.buf = torch.zeros(m, k, dtype=torch.bfloat16, device=device)
+
+    def __call__(self, xb: torch.Tensor, out: torch.Tensor) -> Any:
+        self.buf[:, : self.k_in].copy_(xb)
+        return self.run(self.buf, out)
 
 
 _KEXT = ("0.125", "0.25", "0.5", "1.0")
