@@ -294,7 +294,10 @@ def _capture_cache(module, args, kwargs):
 
 
 def _install_attention(model, cfg: "ResgenConfig", attention_kwargs: dict | None = None,
-                       append_kwargs: dict | None = None) -> None:
+                       append_kwargs: dict | None = None,
+                       kv_alphas: dict[int, tuple[float, float]] | None = None) -> None:
+    """kv_alphas: layer -> (k, v) NVFP4 global scales of its pages (a ModelOpt checkpoint's
+    k/v_scale / 6); layers without one use the cache's scales (default 1)."""
     _register_attention()
     ops = _make_attn_ops(model.config, cfg, attention_kwargs or {}, append_kwargs or {})
     model._resgen_attn_ops = ops                     # keeps the weakly registered ops alive
@@ -303,6 +306,8 @@ def _install_attention(model, cfg: "ResgenConfig", attention_kwargs: dict | None
         if hasattr(m, "layer_idx") and hasattr(m, "o_proj") and not getattr(
                 m, "_resgen_hooked", False):
             m._resgen_attn = ops
+            if kv_alphas and m.layer_idx in kv_alphas:
+                m._resgen_kv_alphas = kv_alphas[m.layer_idx]
             m.register_forward_pre_hook(_capture_cache, with_kwargs=True)
             m._resgen_hooked = True
             n += 1
@@ -364,7 +369,8 @@ def resgen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     layer = cache.layer(module.layer_idx)
     bsz, hq, s, d = query.shape
     scale = scaling if scaling is not None else d ** -0.5
-    layer.ensure(bsz, ops.kv_heads, d, query.device)
+    layer.ensure(bsz, ops.kv_heads, d, query.device,
+                 getattr(module, "_resgen_kv_alphas", None))
     if s == 1 and layer.lengths_host and max(layer.lengths_host) > 0:
         keep = [bool(_valid_new(attention_mask, b, 1)[0]) if attention_mask is not None
                 else True for b in range(bsz)]
@@ -429,7 +435,9 @@ class _LayerState:
     int32 [B, pages per row], the stored tokens per row (device int32 [B] and host list), and
     how many tokens transformers has seen (padding included)."""
 
-    def __init__(self, page_size: int = PAGE_SIZE, k_scale: float = 1.0, v_scale: float = 1.0):
+    def __init__(self, page_size: int = PAGE_SIZE, k_scale: float | None = None,
+                 v_scale: float | None = None):
+        # None: the layer's checkpoint scales when the model has them (ensure), else 1
         self.page_size, self.k_scale, self.v_scale = page_size, k_scale, v_scale
         self.pages = None
         self.block_tables: torch.Tensor | None = None
@@ -439,10 +447,16 @@ class _LayerState:
         self.next_page = 0
         self.seen = 0
 
-    def ensure(self, batch: int, kv_heads: int, head_dim: int, device) -> None:
+    def ensure(self, batch: int, kv_heads: int, head_dim: int, device,
+               alphas: tuple[float, float] | None = None) -> None:
+        """Allocates the pool on first use; alphas: the layer's (k, v) NVFP4 global scales
+        from the checkpoint, used where the cache was not given explicit ones."""
         from .kvcache import PagedKVCache
 
         if self.pages is None:
+            ka, va = alphas if alphas is not None else (1.0, 1.0)
+            self.k_scale = ka if self.k_scale is None else self.k_scale
+            self.v_scale = va if self.v_scale is None else self.v_scale
             self.pages = PagedKVCache.empty(max(batch, 1) * 4, kv_heads, head_dim,
                                             self.page_size, self.k_scale, self.v_scale,
                                             device=device)
@@ -525,9 +539,11 @@ def cache_kwargs(cache, model=None) -> dict:
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
-def new_cache(model=None, *, page_size: int = PAGE_SIZE, k_scale: float = 1.0,
-              v_scale: float = 1.0) -> "ResgenCache":
-    """A fresh ResgenCache for one generate() call (one batch)."""
+def new_cache(model=None, *, page_size: int = PAGE_SIZE, k_scale: float | None = None,
+              v_scale: float | None = None) -> "ResgenCache":
+    """A fresh ResgenCache for one generate() call (one batch). k_scale / v_scale: the
+    NVFP4 global scales of every layer's K / V pages; None: each layer's scales from the
+    ModelOpt checkpoint it was loaded from (k_scale / 6, as resgen.load), else 1."""
     return ResgenCache(page_size=page_size, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -542,8 +558,8 @@ def _define_cache_classes():
         is_croppable = False
         is_sliding = False
 
-        def __init__(self, page_size: int = PAGE_SIZE, k_scale: float = 1.0,
-                     v_scale: float = 1.0):
+        def __init__(self, page_size: int = PAGE_SIZE, k_scale: float | None = None,
+                     v_scale: float | None = None):
             super().__init__()
             self.state = _LayerState(page_size, k_scale, v_scale)
 
@@ -593,8 +609,8 @@ def _define_cache_classes():
         """A transformers Cache over resgen's paged NVFP4 KV cache, one ResgenCacheLayer per
         decoder layer (created as layers first call it)."""
 
-        def __init__(self, page_size: int = PAGE_SIZE, k_scale: float = 1.0,
-                     v_scale: float = 1.0, **kwargs):
+        def __init__(self, page_size: int = PAGE_SIZE, k_scale: float | None = None,
+                     v_scale: float | None = None, **kwargs):
             self._layer_kw = dict(page_size=page_size, k_scale=k_scale, v_scale=v_scale)
             super().__init__(layer_class_to_replicate=lambda: ResgenCacheLayer(
                 **self._layer_kw))
@@ -732,6 +748,20 @@ def _wildcard(pattern: str, name: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace("\\*", ".*"), name) is not None
 
 
+def _checkpoint_kv_alphas(model) -> dict[int, tuple[float, float]]:
+    """layer -> (k, v) NVFP4 page scales from the ModelOpt checkpoint folder the model was
+    loaded from (resgen.checkpoint: the same parse and checks as resgen.load); {} when the
+    model's name_or_path is not a local folder or the checkpoint stores no KV scales."""
+    from pathlib import Path
+
+    from .checkpoint import load_checkpoint
+
+    where = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not where or not Path(where).is_dir():
+        return {}
+    return load_checkpoint(where, serve_check=False).kv_cache_alphas()
+
+
 def _define_modelopt_quantizer():
     from transformers.quantizers import HfQuantizer, register_quantization_config, \
         register_quantizer
@@ -773,8 +803,9 @@ def _define_modelopt_quantizer():
         an empty FP4Linear (on the meta device) whose buffers are ModelOpt's tensor names
         (weight, weight_scale, weight_scale_2, input_scale), so the checkpoint loads into
         them as stored; q/k/v and gate/up stay separate modules (each with its own global
-        scale, served unfused); the KV cache scales ModelOpt writes are not used (resgen's
-        paged cache runs with global scale 1)."""
+        scale, served unfused); the KV cache scales ModelOpt writes (k/v_scale, amax / 448)
+        become each layer's NVFP4 page scales (k_scale / 6, as resgen.load), read from the
+        checkpoint folder; a model loaded from elsewhere runs its pages at global scale 1."""
 
         requires_calibration = True
 
@@ -802,7 +833,7 @@ def _define_modelopt_quantizer():
             cfg = self.quantization_config
             if cfg.kv == "nvfp4":
                 cfg.backend = load_backend(cfg.load_backend)
-                _install_attention(model, cfg)
+                _install_attention(model, cfg, kv_alphas=_checkpoint_kv_alphas(model))
             return model
 
         def get_new_dtype(self, converter, param, dtype):

@@ -380,9 +380,14 @@ def test_from_pretrained_of_a_modelopt_export_builds_resgen_modules(name):
 @pytest.mark.parametrize("name", ["llama_nvfp4_sharded", "llama_mxfp4_sharded"])
 def test_same_greedy_tokens_as_the_engine_for_the_same_checkpoint(name):
     """resgen.load (the engine, reference backend) and from_pretrained + generate (this
-    integration, reference backend) on the same ModelOpt checkpoint: the same greedy tokens
-    for prompts of different lengths (HF left-pads them, the engine packs them; NVFP4 static
-    input scales / MXFP4 make every token's linears independent of the others). (The partial
+    integration, reference backend) on the same ModelOpt checkpoint, prompts of different
+    lengths (HF left-pads them, the engine packs them; NVFP4 static input scales / MXFP4 make
+    every token's linears independent of the others). Teacher-forced on HF's greedy tokens,
+    the engine's logits (its decode path: paged NVFP4 cache, decode attention) are HF's to
+    within the FP4 rounding flips that the two float paths (BF16 engine, FP32 HF) cause in
+    the cache: the prefill's to 4 BF16 ulps (2^-6 of the largest logit), every decode step's to 5 % of the largest logit;
+    and the engine's greedy choice is HF's wherever HF's top-2 margin exceeds that step's
+    difference (the fixtures' logits are flat, ties within an ulp occur). (The partial
     fixture is left out: the engine refuses checkpoints with unquantized decoder linears.)"""
     pytest.importorskip("resgen.engine")
     import resgen
@@ -391,14 +396,59 @@ def test_same_greedy_tokens_as_the_engine_for_the_same_checkpoint(name):
         pytest.skip("this transformers reads ModelOpt checkpoints itself")
     folder = FIX / name
     prompts = [[5, 17, 33, 9, 64, 42], [7, 99, 3]]
+    steps = 6
     llm = resgen.load(folder, compensation="full", kv="nvfp4", backend="reference",
                       graphs=False)
-    eng = [c.token_ids for c in llm.generate(prompts, max_new_tokens=6)]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     n = max(map(len, prompts))
     ids = torch.tensor([[0] * (n - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                         pad_token_id=0)
-    hf = [row[n:].tolist() for row in out]
-    assert hf == [list(e) for e in eng], (hf, eng)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    hf = [row[n:].tolist() for row in out.sequences]
+    hf_logits = torch.stack(out.logits, 1).float()                      # [B, steps, V]
+    eng_logits = llm.forced_decode([p + h for p, h in zip(prompts, hf)],
+                                   [len(p) for p in prompts], reduce="logits")
+    for r in range(len(prompts)):
+        want, got = hf_logits[r], eng_logits[r]
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        diff = (got - want).abs().amax(-1)                             # [steps]
+        top = float(want.abs().max())
+        assert float(diff[0]) <= 2.0 ** -6 * top, (r, diff.tolist())
+        assert float(diff.max()) <= 0.05 * top, (r, diff.tolist(), top)
+        for t in range(steps):
+            pick = int(got[t].argmax())
+            margin = float(want[t, hf[r][t]] - want[t, pick])
+            assert pick == hf[r][t] or margin <= float(diff[t]), (r, t, pick, hf[r][t], margin)
+    # and the engine's own greedy generation starts as HF's (the first token comes from the
+    # prefill, where the two agree to rounding)
+    eng = [c.token_ids for c in llm.generate(prompts, max_new_tokens=1)]
+    for r in range(len(prompts)):
+        w = hf_logits[r, 0]
+        assert eng[r][0] == hf[r][0] or float(w[hf[r][0]] - w[eng[r][0]]) <= 2.0 ** -6 * float(
+            w.abs().max()), (r, eng[r], hf[r])
+
+
+def test_modelopt_kv_scales_become_the_layers_page_scales():
+    """from_pretrained of a ModelOpt export with KV cache scales: every layer's pages are
+    quantized with k_scale / 6 and v_scale / 6 of that layer (resgen.load's alphas), unless the
+    cache was given explicit scales."""
+    if H.ModelOptResgenQuantizer is None:
+        pytest.skip("this transformers reads ModelOpt checkpoints itself")
+    from resgen.checkpoint import load_checkpoint
+
+    folder = FIX / "llama_nvfp4_sharded"
+    alphas = load_checkpoint(folder, serve_check=False).kv_cache_alphas()
+    assert alphas and all(k != 1.0 and v != 1.0 for k, v in alphas.values())
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.tensor([[5, 17, 33, 9]])
+    cache = H.new_cache()
+    model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                   **H.cache_kwargs(cache))
+    for i, (k, v) in alphas.items():
+        st = cache.layer(i)
+        assert (st.pages.k_scale, st.pages.v_scale) == (k, v), i
+    fixed = H.new_cache(k_scale=0.5, v_scale=0.25)
+    model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                   **H.cache_kwargs(fixed))
+    assert (fixed.layer(0).pages.k_scale, fixed.layer(0).pages.v_scale) == (0.5, 0.25)
