@@ -160,9 +160,13 @@ def cpu_run(model: Any, tok: Any, seqs_calib: torch.Tensor, seqs_eval: torch.Ten
             prompts: list[str], log: Callable[[str], None] = print,
             greedy_methods: tuple[tuple[str, str], ...] = (("nvfp4", "full"),
                                                            ("mxfp4", "full"),
-                                                           ("nvfp4", "none"))
-            ) -> dict[str, Any]:
-    """The CPU mode's results (see the module docstring); writes the calibration file."""
+                                                           ("nvfp4", "none")),
+            save: Callable[[dict[str, Any]], None] | None = None,
+            done: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The CPU mode's results (see the module docstring); writes the calibration file.
+    save: called with the results after each method (a long run keeps what it finished);
+    done: an earlier run's results with the same setup (resume: its methods are kept, not
+    recomputed, if the recomputed calibration file hashes to the earlier run's)."""
     import resgen
     from resgen.engine.build import calibrate
     from resgen.engine.calib import Calibration
@@ -175,13 +179,24 @@ def cpu_run(model: Any, tok: Any, seqs_calib: torch.Tensor, seqs_eval: torch.Ten
     calib_file.parent.mkdir(parents=True, exist_ok=True)
     cal.save(calib_file, ratios=(KEXT,))
     Calibration.load(calib_file)                 # what the GPU will read
+    sha = hashlib.sha256(calib_file.read_bytes()).hexdigest()
+    if done is not None and done.get("calibration", {}).get("sha256") != sha:
+        log("resume: the calibration differs from the earlier run's; recomputing everything")
+        done = None
+    kept = (done or {}).get("methods") or {}
     res: dict[str, Any] = {"setup": dataclasses.asdict(setup), "perturb": PERTURB,
-                           "calibration": {"file": calib_file.name, "tokens": cal.tokens},
+                           "calibration": {"file": calib_file.name, "tokens": cal.tokens,
+                                           "sha256": sha},
                            "fp32": dense.score(seqs_eval), "methods": {}}
     del dense
     log(f"calibrated on {cal.tokens} tokens, FP32 ppl {res['fp32']['ppl']:.3f} "
         f"({time.time() - t0:.0f} s)")
     for fmt, comp in methods:
+        key = f"{fmt}/{comp}"
+        if key in kept:
+            res["methods"][key] = kept[key]
+            log(f"{kept[key]['label']}: kept from the earlier run")
+            continue
         t1 = time.time()
         llm = resgen.load(model, tokenizer=tok, fmt=fmt, compensation=comp, kv="nvfp4",
                           backend="reference", io="bf16", calib=str(calib_file),
@@ -191,7 +206,9 @@ def cpu_run(model: Any, tok: Any, seqs_calib: torch.Tensor, seqs_eval: torch.Ten
         if (fmt, comp) in greedy_methods:
             rec["greedy"] = greedy(llm, prompts, setup.new_tokens)
         rec["seconds"] = time.time() - t1
-        res["methods"][f"{fmt}/{comp}"] = rec
+        res["methods"][key] = rec
+        if save is not None:
+            save(res)
         log(f"{rec['label']}: ppl io=bf16 {rec['bf16']['ppl']:.3f} band "
             f"[{rec['bf16']['band']['min']:.3f}, {rec['bf16']['band']['max']:.3f}]; io=fp32 "
             f"{rec['fp32']['ppl']:.3f} ({rec['seconds']:.0f} s)")
@@ -317,7 +334,7 @@ def gpu_method(model: Any, tok: Any, fmt: str, comp: str, calib_file: Path,
     rec: dict[str, Any] = {"label": method_label(fmt, comp)}
     t0 = time.time()
     llm = resgen.load(model, glue="fp32", **common)
-    rec["hashes_equal"] = None if cpu_rec is None else weight_hashes(llm) == cpu_rec["hashes"]
+    rec["hashes"] = weight_hashes(llm)
     rec["ppl_glue_fp32"] = llm.score(seqs_eval)["ppl"]
     rec["greedy"] = greedy(llm, prompts, setup.new_tokens)     # the CPU reference's numerics
     nll = llm.forced_decode(seqs_eval.tolist(), [1] * seqs_eval.shape[0])
@@ -333,6 +350,18 @@ def gpu_method(model: Any, tok: Any, fmt: str, comp: str, calib_file: Path,
     seqs = check_seqs or [seqs_eval[0, :48].tolist(), seqs_eval[1, :40].tolist()]
     rec["teacher_forced"] = teacher_forced(chk, seqs, [max(1, 2 * len(s) // 3) for s in seqs])
     del chk
+    compare_method(rec, cpu_rec)
+    rec["seconds"] = time.time() - t0
+    return rec
+
+
+def compare_method(rec: dict[str, Any], cpu_rec: dict[str, Any] | None) -> dict[str, Any]:
+    """Fills a GPU method record's comparisons with the CPU record of the same method
+    (weights hashed equal, perplexity inside the CPU noise bands, greedy common prefix);
+    None where there is no CPU record. Used by the GPU run and by --compare afterwards."""
+    rec["hashes_equal"] = None if cpu_rec is None else rec["hashes"] == cpu_rec["hashes"]
+    for k in ("inside_band_bf16io", "inside_band_fp32io", "greedy_common_prefix"):
+        rec.pop(k, None)
     if cpu_rec is not None:
         rec["inside_band_bf16io"] = inside(rec["ppl_glue_fp32"], cpu_rec["bf16"]["band"])
         rec["inside_band_fp32io"] = inside(rec["ppl_glue_fp32"], cpu_rec["fp32"]["band"])
@@ -340,8 +369,19 @@ def gpu_method(model: Any, tok: Any, fmt: str, comp: str, calib_file: Path,
             rec["greedy_common_prefix"] = [
                 _common(a["token_ids"], b["token_ids"])
                 for a, b in zip(rec["greedy"], cpu_rec["greedy"])]
-    rec["seconds"] = time.time() - t0
     return rec
+
+
+def compare_runs(gpu: dict[str, Any], cpu: dict[str, Any]) -> dict[str, Any]:
+    """The GPU JSON (run without, or with an older, CPU JSON) compared with a CPU JSON of
+    the same setup: every method's comparisons recomputed, the CPU results embedded."""
+    keys = ("seq_len", "n_calib", "n_eval", "new_tokens", "batch")
+    if any(gpu["setup"][k] != cpu["setup"][k] for k in keys):
+        raise ValueError(f"setups differ: GPU {gpu['setup']} vs CPU {cpu['setup']}")
+    out = dict(gpu, cpu=cpu)
+    out["methods"] = {k: compare_method(dict(v), cpu["methods"].get(k))
+                      for k, v in gpu["methods"].items()}
+    return out
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -596,6 +636,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPU: check the captured Qwen2.5 layer")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="fewer tokens (smoke run)")
+    ap.add_argument("--resume", action="store_true",
+                    help="CPU: keep the methods --out already holds (same setup and weights)")
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="GPU JSON -> compared with the CPU JSON (--cpu-json), written to "
+                         "--out, table printed (no GPU needed)")
+    ap.add_argument("--cpu-json", type=Path, default=None,
+                    help="the CPU JSON for --compare (default: the committed one)")
     args = ap.parse_args(argv)
     setup = Setup(seq_len=128, n_calib=2, n_eval=2, seeds=1, new_tokens=8) if args.quick \
         else Setup()
@@ -611,15 +658,32 @@ def main(argv: list[str] | None = None) -> int:
                                 model.config.num_key_value_heads))
         print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
         return 0
+    if args.compare is not None:
+        gpu = json.loads(args.compare.read_text())
+        cpu = json.loads((args.cpu_json or CPU_JSON).read_text())
+        res = compare_runs(gpu, cpu)
+        if args.out is not None:
+            args.out.write_text(json.dumps(res, indent=1))
+        print(table(res))
+        return 0
     if args.cpu:
         model, tok = _smollm2(args.gguf)
         split = _split(tok, setup)
-        res = cpu_run(model, tok, split.calib, split.eval, setup, CALIB_FILE, methods,
-                      PROMPTS)
-        res["split"] = split.describe()
         out = args.out or CPU_JSON
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
+        done = None
+        if args.resume and out.is_file():
+            old = json.loads(out.read_text())
+            if old.get("setup") == dataclasses.asdict(setup):
+                done = old
+
+        def save(res: dict[str, Any]) -> None:
+            res["split"] = split.describe()
+            out.write_text(json.dumps(res, indent=1))
+
+        res = cpu_run(model, tok, split.calib, split.eval, setup, CALIB_FILE, methods,
+                      PROMPTS, save=save, done=done)
+        save(res)
         print(f"wrote {out}")
         return 0
     if not torch.cuda.is_available():
