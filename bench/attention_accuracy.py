@@ -228,7 +228,10 @@ def main(argv=None) -> int:
     doc = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy.json").write_text(json.dumps(doc, indent=1))
+    from run_record import run_record
+
+    (out / "accuracy.json").write_text(json.dumps({**doc, "run": run_record(__file__, argv)},
+                                                  indent=1))
     (out / "accuracy.md").write_text(to_markdown(doc))
     print(to_markdown(doc))
     return 0

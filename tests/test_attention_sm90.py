@@ -498,7 +498,7 @@ def test_launch_wrappers_reject_bad_inputs_before_launching():
 def test_benchmark_plot_renders_one_line_per_batch():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "bench" / "plot_attention.py"
+    path = Path(__file__).resolve().parent.parent / "bench" / "report" / "plot_attention.py"
     spec = importlib.util.spec_from_file_location("plot_attention", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

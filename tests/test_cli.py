@@ -304,7 +304,7 @@ def test_bench_sums_add_layers_per_format_mode_and_m():
 
 
 def test_time_layer_compiles_once_per_key_checks_then_times(monkeypatch, isolated_cache):
-    """resgen bench's (and bench/gpu_splitk_check.py's) per-variant step on the fake family:
+    """resgen bench's (and bench/probes/gpu_splitk_check.py's) per-variant step on the fake family:
     one compile per compile key across M, the whole-layer time of a correct variant, no time
     and the check's detail for a wrong one."""
     import dataclasses

@@ -1,5 +1,5 @@
-"""CPU test of bench/layer_probe.py (the driver of bench/bulk_probe.py, bench/ragged_probe.py
-and bench/prologue_probe.py) with a fake timer: every case is recorded once, invalid variants say
+"""CPU test of bench/probes/layer_probe.py (the driver of bench/probes/bulk_probe.py, bench/probes/ragged_probe.py
+and bench/probes/prologue_probe.py) with a fake timer: every case is recorded once, invalid variants say
 why, failures keep their error, and the JSON is rewritten after each case."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path[:0] = [str(BENCH), str(BENCH / "probes")]
 
 import layer_probe  # noqa: E402
 import prologue_probe  # noqa: E402

@@ -1,6 +1,7 @@
 """SVG plot of bench/gpu_attention_check.py results (no plotting library needed).
 
-    python bench/plot_attention.py bench/results/h200/attention_sm90_check.json[.xz] [out.svg]
+    python bench/report/plot_attention.py bench/results/h200/attention_sm90_check.json[.xz] \
+        [out.svg]
 
 Two rows of panels, one panel per geometry (like the paper's Fig. 10 a-c): top, ResAttn's
 speedup over torch SDPA with BF16 KV against KV length, one line per batch, with the 2.9x target;
