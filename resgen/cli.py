@@ -1207,7 +1207,7 @@ def cmd_db(args: argparse.Namespace) -> int:
             return 0
         if args.dbcmd == "export" and args.winners:
             with TuningDB(args.path, readonly=True) as db:
-                counts = db.export_winners(args.out, _fresh_filter() if args.fresh_only
+                counts = db.export_winners(args.out, _servable_filter(True) if args.fresh_only
                                            else None)
             print(f"{args.path} -> {args.out} (winners): {counts}")
             return 0
