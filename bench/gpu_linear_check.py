@@ -100,8 +100,7 @@ def _patterns():
 
 def _make(pat, nt, act, pdl, p):
     """The variant of pattern `pat` for problem p, or None if it is not valid there."""
-    from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant, Packing,
-                                           geometry_of)
+    from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant, Packing, geometry_of
 
     wm, wk, mt, pl, st, l2, sk, red = pat
     try:
@@ -334,7 +333,7 @@ class Pool:
         for t in tasks:
             groups.setdefault(t["group"], []).append(t)
         w = 0
-        for g, ts in groups.items():
+        for ts in groups.values():
             ws = [(w + j) % self.n for j in range(min(slots_per_group, self.n))]
             w = (w + len(ws)) % self.n
             for j, t in enumerate(ts):
@@ -798,8 +797,9 @@ def table() -> list[str]:
                 mine = ranked(recs, kind="layer", shape=shape, fmt="mxfp4",
                               mode="none" if label == "plain" else "full", m=m)
                 if t and mine:
+                    us = mine[0]["median_us"]
                     lines.append(f"triton mxfp4 {shape:7} M={m:>2} {label}: {t:7.2f} us, ours "
-                                 f"{mine[0]['median_us']:6.2f} us -> x{t / mine[0]['median_us']:.2f}"
+                                 f"{us:6.2f} us -> x{t / us:.2f}"
                                  f" (target x5 for M-Ext)")
     return lines
 
@@ -926,7 +926,7 @@ def _report(lines: list[str], path: Path) -> None:
     failed = [r for r in recs if r.get("error") and not r["error"].startswith("skipped")]
     skipped = [r for r in recs if str(r.get("error", "")).startswith("skipped")]
     eager = [r for r in recs if r.get("timing_mode") == "eager"]
-    keep = [ln for ln in lines if not ln or not ln.split()[0] in SHAPES
+    keep = [ln for ln in lines if not ln or ln.split()[0] not in SHAPES
             or ln.split()[3] in ("M", "1", "16", "64")]
     print("\n".join(keep))
     for r in failed[:10]:

@@ -285,7 +285,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return table(headers, rows)
 
 
-# -- tune -------------------------------------------------------------------------------------------
+# -- tune ------------------------------------------------------------------------------------------
 class _Usage(Exception):
     """A user error: printed as one line, exit code 2."""
 
@@ -720,7 +720,7 @@ def _summary_text(summaries: list, compile_only: bool, elapsed: float, db_path: 
     return "\n".join(text)
 
 
-# -- show -------------------------------------------------------------------------------------------
+# -- show ------------------------------------------------------------------------------------------
 def _printable(text: Any, limit: int = 80) -> str:
     """Untrusted text (a GPU name from a shared table) as one printable line: control and
     other non-printable characters escaped, cut to `limit` characters."""
@@ -884,7 +884,7 @@ def _show_served(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- bench ------------------------------------------------------------------------------------------
+# -- bench -----------------------------------------------------------------------------------------
 def _load_baselines() -> Any:
     """cuBLAS BF16 / FP8, Triton MXFP4 and the HBM floor (resgen.baselines: package code, so
     `resgen bench` works from an installed copy)."""
@@ -1079,7 +1079,7 @@ def _bench_triton(bl: Any, x: Any, p: Any, policy: Any) -> dict[str, Any]:
     return out
 
 
-# -- db ---------------------------------------------------------------------------------------------
+# -- db --------------------------------------------------------------------------------------------
 def _parse_key(kind: str, key: str) -> str | None:
     """Validated parse of a stored key through its family's types; error text or None."""
     from .search.family import families, get_family
@@ -1228,7 +1228,7 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 2
 
 
-# -- entry --------------------------------------------------------------------------------------------
+# -- entry -----------------------------------------------------------------------------------------
 _QUALITY_HINT = "scripts/install.sh .venv --quality (or pip install 'resgen[quality]')"
 
 

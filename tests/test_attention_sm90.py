@@ -409,7 +409,8 @@ COMPILE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: c[0].name() if hasattr(c, "name") else str(c))
+@pytest.mark.parametrize("case", COMPILE_CASES,
+                         ids=lambda c: c[0].name() if hasattr(c, "name") else str(c))
 def test_compiles_for_sm90a_without_spills(case, tmp_path, monkeypatch):
     v, p, mmas_per_chunk = case
     out = _compile(v, p)

@@ -125,7 +125,8 @@ def test_tune_gpu_path_with_fake_timings(tmp_path, capsys, monkeypatch):
     assert set(summary["phase_s"]) == {"compile", "wait", "prep", "check", "time"}
     assert summary["phase_s"]["time"] > 0
     assert all(w["stage"] == "cover+refine" for w in summary["workloads"]), \
-        [(w["stage"], w["search"], w["stopped_by"], w["error"], w["timed"]) for w in summary["workloads"] if w["stage"] != "cover+refine"]
+        [(w["stage"], w["search"], w["stopped_by"], w["error"], w["timed"])
+         for w in summary["workloads"] if w["stage"] != "cover+refine"]
     assert "PLAN: 16 tuning jobs (family x workload) over 16 unique" in err
     assert "seconds by phase" in out
     assert "GPU held" in out and "TOTAL" in out

@@ -1,6 +1,7 @@
-"""CPU tests of bench/report/plot_linear.py (relative-latency figure of the Hopper linear kernels) and
-bench/report/svgplot.py (the SVG writer it shares with bench/report/plot_attention.py), on synthetic reports
-with the structure of the committed H200 JSON files."""
+"""CPU tests of bench/report/plot_linear.py (relative-latency figure of the Hopper linear
+kernels) and bench/report/svgplot.py (the SVG writer it shares with
+bench/report/plot_attention.py), on synthetic reports with the structure of the committed H200
+JSON files."""
 
 from __future__ import annotations
 

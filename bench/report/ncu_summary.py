@@ -49,7 +49,7 @@ def table(csv_path: Path, order_path: Path) -> list[str]:
     import baselines as B
 
     launches = load(csv_path)
-    names = [l.split() for l in order_path.read_text().splitlines() if l.strip()]
+    names = [ln.split() for ln in order_path.read_text().splitlines() if ln.strip()]
     head = ["shape", "mode", "variant", "floor us"] + [c[1] for c in COLUMNS] + ["% of floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for i, (shape, mode, name) in enumerate(names):

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
         print(__doc__)
         return 2
     src = Path(argv[0])
-    out = Path(argv[1]) if len(argv) > 1 else src.with_name(src.name.removesuffix(".xz")).with_suffix(".svg")
+    out = Path(argv[1]) if len(argv) > 1 else \
+        src.with_name(src.name.removesuffix(".xz")).with_suffix(".svg")
     out.write_text(render(load_json(src)))
     print(f"wrote {out}")
     return 0
