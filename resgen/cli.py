@@ -243,7 +243,8 @@ def _import_all(mods: Sequence[str]) -> None:
 
 class _Progress:
     """A tqdm bar on a terminal; into a log (stderr not a terminal) one line per 10 % of the
-    work or per minute instead of thousands of carriage-return updates."""
+    work or per minute instead of thousands of carriage-return updates (tqdm, a dependency,
+    has no line-oriented mode: it redraws with carriage returns at any interval)."""
 
     def __init__(self, total: int, desc: str, stream: Any = None) -> None:
         self.total, self.n, self.desc = total, 0, desc

@@ -1,4 +1,5 @@
-"""SVG plot of bench/gpu_attention_check.py results (no plotting library needed).
+"""SVG plot of bench/gpu_attention_check.py results (drawn by svgplot, whose docstring says
+why not matplotlib).
 
     python bench/report/plot_attention.py bench/results/h200/attention_sm90_check.json[.xz] \
         [out.svg]
