@@ -248,3 +248,12 @@ def test_planner_is_compared_with_the_best_uniform_ratio_at_no_fewer_bits():
     assert len(t) == 1
     # The comparison is the error-score 0.125 run (best at the fewest bits >= 4.5), which wins.
     assert t[0]["measured"] == {"plan_ppl": 17.7, "uniform_ppl": 17.5} and not t[0]["met"]
+
+
+def test_summary_of_a_partial_run_skips_what_is_missing():
+    """An assembled report of an interrupted run: a format without its plain / full rows is
+    left out of the targets instead of failing."""
+    res = [r for r in _fake_results() if r["method"]["fmt"] == "nvfp4"]
+    s = report.summarize(res)
+    assert {t["target"].split(" ")[0] for t in s["targets"]} == {"nvfp4"}
+    assert report.summarize(res[:1])["rows"] == []
