@@ -79,3 +79,26 @@ def test_run_record_names_the_command_that_reproduces_the_run(monkeypatch):
     assert rec["env"]["OUT"] == "/tmp/out dir" and "OUT=" not in rec["command"]
     assert rec["policy"] == {"label": DEFAULT_POLICY.label, **DEFAULT_POLICY.as_dict()}
     assert rec["budget_s"] == 140.0 and rec["argv"] == ["--out", "a b"] and rec["date"]
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("gpu_attention_check.py", ["--budget-s", "--out", "--no-tests"]),
+    ("gpu_prefill_check.py", ["--budget-s", "--total-s", "--out", "--no-tests"]),
+    ("gpu_linear_check.py", ["--budget-s", "--hang-s", "--plan", "--workers", "--out"]),
+])
+def test_gpu_entry_points_take_the_flags_bench_readme_names(script, flags):
+    """The flags replace RESGEN_BENCH_* variables (which stay their defaults); --help runs on
+    a CPU, and bench/README.md's commands use them."""
+    import os
+    import sys
+
+    r = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    for f in flags:
+        assert f in r.stdout, (script, f)
+    readme_cmd = next(ln for ln in (BENCH / "README.md").read_text().splitlines()
+                      if ln.startswith(f"| `{script}`"))
+    for f in re.findall(r"--[a-z][\w-]*", readme_cmd.split("|")[-2]):
+        assert f in r.stdout, (script, f)
