@@ -83,14 +83,14 @@ def attention_on_cache(qeff: torch.Tensor, cache: PagedKVCache, bt, n: int,
     g = qeff.shape[0] // hkv
     s = (qeff.double().reshape(hkv, g, d) @ ku.transpose(1, 2)) * float(cache.k_scale) * d ** -0.5
     p = torch.exp(s - s.amax(-1, keepdim=True))
-    l = p.sum(-1, keepdim=True)
+    denom = p.sum(-1, keepdim=True)
     if pv == "f16":
         p = p.to(torch.float16).double()
         v = vu
     else:
         p = R._round_e4m3(p.float() * R.FP8_P_SCALE).double() / R.FP8_P_SCALE
         v = R._round_e4m3(vu.float()).double()
-    return ((p @ v) / l * float(cache.v_scale)).reshape(hkv * g, d).float()
+    return ((p @ v) / denom * float(cache.v_scale)).reshape(hkv * g, d).float()
 
 
 def run(args) -> dict:
@@ -187,7 +187,7 @@ def to_markdown(doc: dict) -> str:
              f"{doc['sequences']} sequences x positions {doc['positions']} (one instance = one "
              f"query position, all {doc['geometry']['q_heads']} heads); paged NVFP4 KV, page "
              f"{doc['page_size']}. Pooled NMSE (lower is better).", ""]
-    for cname, r in doc["results"].items():
+    for r in doc["results"].values():
         lines += [f"## KV global scales: {r['k_scale']} ({r['instances']} instances)", "",
                   "| method | vs FP32 on same NVFP4 KV | vs FP32 on BF16 KV |", "|---|---|---|"]
         for m in doc["methods"]:
@@ -228,7 +228,10 @@ def main(argv=None) -> int:
     doc = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy.json").write_text(json.dumps(doc, indent=1))
+    from run_record import run_record
+
+    (out / "accuracy.json").write_text(json.dumps({**doc, "run": run_record(__file__, argv)},
+                                                  indent=1))
     (out / "accuracy.md").write_text(to_markdown(doc))
     print(to_markdown(doc))
     return 0

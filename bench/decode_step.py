@@ -1,6 +1,6 @@
 """One decoder layer's decode step measured end to end: the projections, the attention and the
 torch glue between them chained in ONE CUDA graph, resgen against BF16 (the step that
-bench/decode_layer_model.py can only approximate by summing kernels measured alone).
+bench/report/decode_layer_model.py can only approximate by summing kernels measured alone).
 
 Per layer (Qwen3 geometry, batch B tokens, every sequence KV_LEN long):
 
@@ -488,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(os.environ.get("OUT", "bench/results/h200"))
     out.mkdir(parents=True, exist_ok=True)
+    from resgen.search.timing import DEFAULT_POLICY
+    from run_record import run_record
+
+    run = run_record(__file__, argv, policy=DEFAULT_POLICY)
     rows: list[dict[str, Any]] = []
     for m in args.model.split(","):
         for b in (int(x) for x in args.batch.split(",")):
@@ -502,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{s} {(rows[-1][s].get('us') or float('nan')) / args.layers:.1f} us/layer"
                     for s in STACKS + ("glue",))), flush=True)
                 (out / "decode_step.json").write_text(json.dumps(
-                    {"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+                    {"run": run, "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     if args.profile:
         print(profile_table([r for r in rows if "error" not in r]))
     print(table([r for r in rows if "error" not in r]))

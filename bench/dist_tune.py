@@ -204,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         if merge.returncode == 0:
             state["compare"] = _compare(_table_facts(one_db), _table_facts(merged))
         state_path.write_text(json.dumps(state, indent=1))
+    from resgen.search.timing import TUNE_POLICY
+    from run_record import run_record
+
+    # one record per call (the GPU check runs the phases in two calls; the tuner's policy)
+    state.setdefault("runs", []).append(run_record(__file__, argv, policy=TUNE_POLICY))
     (out_dir / "dist_tune.json").write_text(json.dumps(state, indent=1))
     b, d, c = state.get("baseline", {}), state.get("distributed", {}), state.get("compare", {})
     rows = [("single GPU wall s", f"{b.get('wall_s', 0):.1f}", f"rc {b.get('rc')}")]

@@ -32,8 +32,8 @@ table's variants: give it RESGEN_BENCH_BUDGET_S=240 and a 270 s timeout):
 The time budget (RESGEN_BENCH_BUDGET_S, default 205 s from the start) stops starting new points;
 a failing variant / point is recorded and skipped; SIGINT (timeout -s INT) ends the run with
 the results so far. JSON is rewritten after every point. Output in $OUT (default
-bench/results/h200): attention_sm90_check.json, attention_sm90_check.svg (bench/plot_attention.py),
-attention_sm90_pytest.xml. A short table is printed last.
+bench/results/h200): attention_sm90_check.json, attention_sm90_check.svg
+(bench/report/plot_attention.py), attention_sm90_pytest.xml. A short table is printed last.
 FlashInfer's fa2 decode (NVFP4 KV on the same cache bytes, BF16 query) is timed at every point
 as a peer when RESGEN_FLASHINFER points at an unpacked FlashInfer (bench/flashinfer_peer.py
 says how it reaches the GPU machine); otherwise the JSON says why it is absent.
@@ -51,7 +51,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "tests" / "gpu", ROOT / "bench"):
+for _p in (ROOT, ROOT / "tests" / "gpu", ROOT / "bench", ROOT / "bench" / "report"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -509,12 +509,27 @@ def finish(bench: Bench) -> None:
 
 
 def main(argv: list[str]) -> int:
-    out_dir = Path(os.environ.get("OUT", ROOT / "bench" / "results" / "h200"))
-    bench = Bench(out_dir, float(os.environ.get("RESGEN_BENCH_BUDGET_S", "205")))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget-s", type=float,
+                    default=float(os.environ.get("RESGEN_BENCH_BUDGET_S", "205")),
+                    help="seconds before no new point starts (default: RESGEN_BENCH_BUDGET_S, "
+                         "else 205)")
+    ap.add_argument("--out", type=Path,
+                    default=Path(os.environ.get("OUT", ROOT / "bench" / "results" / "h200")),
+                    help="output folder (default: $OUT, else bench/results/h200)")
+    ap.add_argument("--no-tests", action="store_true", help="skip the GPU test file")
+    args = ap.parse_args(argv)
+    from run_record import run_record
+
+    bench = Bench(args.out, args.budget_s)
+    bench.report["run"] = run_record(__file__, argv, policy=DEFAULT_POLICY,
+                                     budget_s=args.budget_s)
     try:
         bench.report["env"] = env()
         bench.log(f"{bench.report['env']['gpu']}, budget {bench.budget_s:.0f} s")
-        if "--no-tests" not in argv and not run_tests(bench):
+        if not args.no_tests and not run_tests(bench):
             raise KeyboardInterrupt
         for geom, b, n in grid_order():
             if bench.left() < 0:

@@ -66,6 +66,8 @@ GRACE_S = 120.0
 _QWEN3_8B = get_model("qwen3-8b").linear_nk()
 SHAPES = {name: _QWEN3_8B[name] for name in ("gate_up", "down", "qkv", "o")}   # priority
 PLAN = os.environ.get("RESGEN_BENCH_PLAN", "full")
+WORKERS = int(os.environ.get("RESGEN_BENCH_WORKERS",
+                             str(max(2, min(14, (os.cpu_count() or 4) - 2)))))
 MS_PHASE2 = (16, 4, 64, 8, 2, 32)        # priority order (a budget cut drops the last)
 BASE_MS = (1, 2, 4, 8, 16, 32, 64, 128)
 T0 = time.time()
@@ -98,8 +100,7 @@ def _patterns():
 
 def _make(pat, nt, act, pdl, p):
     """The variant of pattern `pat` for problem p, or None if it is not valid there."""
-    from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant, Packing,
-                                           geometry_of)
+    from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant, Packing, geometry_of
 
     wm, wk, mt, pl, st, l2, sk, red = pat
     try:
@@ -332,7 +333,7 @@ class Pool:
         for t in tasks:
             groups.setdefault(t["group"], []).append(t)
         w = 0
-        for g, ts in groups.items():
+        for ts in groups.values():
             ws = [(w + j) % self.n for j in range(min(slots_per_group, self.n))]
             w = (w + len(ws)) % self.n
             for j, t in enumerate(ts):
@@ -796,8 +797,9 @@ def table() -> list[str]:
                 mine = ranked(recs, kind="layer", shape=shape, fmt="mxfp4",
                               mode="none" if label == "plain" else "full", m=m)
                 if t and mine:
+                    us = mine[0]["median_us"]
                     lines.append(f"triton mxfp4 {shape:7} M={m:>2} {label}: {t:7.2f} us, ours "
-                                 f"{mine[0]['median_us']:6.2f} us -> x{t / mine[0]['median_us']:.2f}"
+                                 f"{us:6.2f} us -> x{t / us:.2f}"
                                  f" (target x5 for M-Ext)")
     return lines
 
@@ -806,8 +808,31 @@ def write(path: Path) -> None:
     path.write_text(json.dumps(REPORT, indent=1, default=str))
 
 
-def main() -> None:
-    global T0
+def main(argv: list[str] | None = None) -> None:
+    """argv: the command-line flags (None: none; the RESGEN_BENCH_* environment variables are
+    their defaults, so the commands cited in bench/results/h200 still work)."""
+    global T0, OUT, BUDGET_S, HANG_S, PLAN, WORKERS
+    import argparse
+
+    from resgen.search.timing import DEFAULT_POLICY
+    from run_record import run_record
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help="seconds before no new task starts (RESGEN_BENCH_BUDGET_S, else 340)")
+    ap.add_argument("--hang-s", type=float, default=HANG_S,
+                    help="a task silent this long is killed (RESGEN_BENCH_HANG_S, else 60)")
+    ap.add_argument("--plan", choices=("full", "cluster"), default=PLAN,
+                    help="the three phases, or the cluster study (RESGEN_BENCH_PLAN)")
+    ap.add_argument("--workers", type=int, default=WORKERS,
+                    help="compile/check/time processes (RESGEN_BENCH_WORKERS, else "
+                         "cores - 2, 2..14)")
+    ap.add_argument("--out", type=Path, default=OUT, help="output folder (default: $OUT)")
+    args = ap.parse_args([] if argv is None else argv)
+    OUT, BUDGET_S, HANG_S, PLAN, WORKERS = (args.out, args.budget_s, args.hang_s, args.plan,
+                                            args.workers)
+    REPORT["run"] = run_record(__file__, [] if argv is None else argv, policy=DEFAULT_POLICY,
+                               budget_s=BUDGET_S, plan=PLAN, workers=WORKERS)
     # the run's budget counts from here, not from the import (an in-process caller such as
     # the tests imports the module long before it calls main(): on a loaded CPU the
     # watchdog then fired at once and killed pytest with exit code 4)
@@ -840,8 +865,7 @@ def main() -> None:
 def _main_body(path: Path) -> None:
     import torch
 
-    ncpu = os.cpu_count() or 4
-    nw = int(os.environ.get("RESGEN_BENCH_WORKERS", str(max(2, min(14, ncpu - 2)))))
+    nw = WORKERS
     lock = f"/tmp/resgen_linear_bench_{os.getpid()}.lock"
     pool = Pool(nw, lock)
     stop = threading.Event()
@@ -902,7 +926,7 @@ def _report(lines: list[str], path: Path) -> None:
     failed = [r for r in recs if r.get("error") and not r["error"].startswith("skipped")]
     skipped = [r for r in recs if str(r.get("error", "")).startswith("skipped")]
     eager = [r for r in recs if r.get("timing_mode") == "eager"]
-    keep = [ln for ln in lines if not ln or not ln.split()[0] in SHAPES
+    keep = [ln for ln in lines if not ln or ln.split()[0] not in SHAPES
             or ln.split()[3] in ("M", "1", "16", "64")]
     print("\n".join(keep))
     for r in failed[:10]:
@@ -922,4 +946,4 @@ def _report(lines: list[str], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -177,6 +177,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
+    from run_record import run_record
+
+    REPORT["run"] = run_record(__file__, policy=DEFAULT_POLICY)
     REPORT["environment"] = current_environment().as_dict()
     (OUT / "pipeline_check.sqlite").unlink(missing_ok=True)
     for name, fn in STEPS:

@@ -312,8 +312,27 @@ def run_tests() -> bool:
     return True
 
 
-def main() -> None:
-    global T0
+def main(argv: list[str] | None = None) -> None:
+    """argv: the command-line flags (None: none; the environment variables of the module
+    docstring are their defaults, so the commands cited in bench/results/h200 still work)."""
+    global T0, OUT, BUDGET_S, TOTAL_S
+    import argparse
+
+    from run_record import run_record
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help="seconds for the layer timings (default: RESGEN_BENCH_BUDGET_S, "
+                         "else 280)")
+    ap.add_argument("--total-s", type=float, default=TOTAL_S,
+                    help="seconds from the start that cap everything (default: "
+                         "RESGEN_TOTAL_S, else 560)")
+    ap.add_argument("--out", type=Path, default=OUT, help="output folder (default: $OUT)")
+    ap.add_argument("--no-tests", action="store_true", help="skip the GPU test file")
+    args = ap.parse_args([] if argv is None else argv)
+    OUT, BUDGET_S, TOTAL_S = args.out, args.budget_s, args.total_s
+    REPORT["run"] = run_record(__file__, [] if argv is None else argv, policy=DEFAULT_POLICY,
+                               budget_s=BUDGET_S, total_s=TOTAL_S)
     OUT.mkdir(parents=True, exist_ok=True)
     try:
         REPORT["environment"] = environment()
@@ -321,7 +340,7 @@ def main() -> None:
         REPORT["errors"].append(f"environment: {type(e).__name__}: {e}")
     path = OUT / "linear_sm90_wgmma_prefill.json"
     go = True
-    if "--no-tests" not in sys.argv:
+    if not args.no_tests:
         try:
             go = run_tests()
         except KeyboardInterrupt:
@@ -378,4 +397,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -220,7 +220,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "quant_sm90_h200.json"
-    path.write_text(json.dumps({"env": env_info(), "policy": policy.as_dict(),
+    from run_record import run_record
+
+    path.write_text(json.dumps({"run": run_record(__file__, policy=policy),
+                                "env": env_info(), "policy": policy.as_dict(),
                                 "hbm_bytes_per_s": HBM, "records": records,
                                 "summary": {"variants_passed": n_ok, "failed": n_fail,
                                             "skipped": n_skip,

@@ -41,7 +41,7 @@ from typing import Any, Iterator
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "report"))
 
 from report_io import read_text  # noqa: E402
 

@@ -8,7 +8,8 @@ last.
 --cover (default): linear_sm100_tc.covering_cases() + quant_sm100.covering_cases(), what
 tests/test_sm100_compile.py compiles. --wide adds, for the Qwen3-8B linear shapes at M in
 --m (default 1, 16, 128), every format and compensation, the --per best variants of the
-analytical prior and --spread more spread evenly over the space: the larger covering run (minutes; not in CI).
+analytical prior and --spread more spread evenly over the space: the larger covering run
+(minutes; not in CI).
 Nothing is run: compile-only, as `resgen tune --arch sm_100a --compile-only`.
 """
 

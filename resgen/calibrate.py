@@ -261,7 +261,8 @@ def prepare_weight(w: torch.Tensor, fmt: str, selection: Selection | None = None
     shared by q/k/v so they fuse exactly, as ModelOpt's export does); None for MXFP4.
     """
     if w.dim() != 2:
-        raise ValueError(f"a linear weight is [out_features, in_features], got shape {tuple(w.shape)}")
+        raise ValueError("a linear weight is [out_features, in_features], got shape "
+                         f"{tuple(w.shape)}")
     full = w if selection is None else extend_weight(w, selection, fmt)
     if fmt == "nvfp4":
         # The extension only copies channels, so amax (and alpha) is that of W itself.

@@ -243,7 +243,8 @@ def _import_all(mods: Sequence[str]) -> None:
 
 class _Progress:
     """A tqdm bar on a terminal; into a log (stderr not a terminal) one line per 10 % of the
-    work or per minute instead of thousands of carriage-return updates."""
+    work or per minute instead of thousands of carriage-return updates (tqdm, a dependency,
+    has no line-oriented mode: it redraws with carriage returns at any interval)."""
 
     def __init__(self, total: int, desc: str, stream: Any = None) -> None:
         self.total, self.n, self.desc = total, 0, desc
@@ -285,7 +286,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return table(headers, rows)
 
 
-# -- tune -------------------------------------------------------------------------------------------
+# -- tune ------------------------------------------------------------------------------------------
 class _Usage(Exception):
     """A user error: printed as one line, exit code 2."""
 
@@ -720,7 +721,7 @@ def _summary_text(summaries: list, compile_only: bool, elapsed: float, db_path: 
     return "\n".join(text)
 
 
-# -- show -------------------------------------------------------------------------------------------
+# -- show ------------------------------------------------------------------------------------------
 def _printable(text: Any, limit: int = 80) -> str:
     """Untrusted text (a GPU name from a shared table) as one printable line: control and
     other non-printable characters escaped, cut to `limit` characters."""
@@ -884,7 +885,7 @@ def _show_served(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- bench ------------------------------------------------------------------------------------------
+# -- bench -----------------------------------------------------------------------------------------
 def _load_baselines() -> Any:
     """cuBLAS BF16 / FP8, Triton MXFP4 and the HBM floor (resgen.baselines: package code, so
     `resgen bench` works from an installed copy)."""
@@ -1079,7 +1080,7 @@ def _bench_triton(bl: Any, x: Any, p: Any, policy: Any) -> dict[str, Any]:
     return out
 
 
-# -- db ---------------------------------------------------------------------------------------------
+# -- db --------------------------------------------------------------------------------------------
 def _parse_key(kind: str, key: str) -> str | None:
     """Validated parse of a stored key through its family's types; error text or None."""
     from .search.family import families, get_family
@@ -1207,7 +1208,7 @@ def cmd_db(args: argparse.Namespace) -> int:
             return 0
         if args.dbcmd == "export" and args.winners:
             with TuningDB(args.path, readonly=True) as db:
-                counts = db.export_winners(args.out, _fresh_filter() if args.fresh_only
+                counts = db.export_winners(args.out, _servable_filter(True) if args.fresh_only
                                            else None)
             print(f"{args.path} -> {args.out} (winners): {counts}")
             return 0
@@ -1228,7 +1229,7 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 2
 
 
-# -- entry --------------------------------------------------------------------------------------------
+# -- entry -----------------------------------------------------------------------------------------
 _QUALITY_HINT = "scripts/install.sh .venv --quality (or pip install 'resgen[quality]')"
 
 

@@ -155,7 +155,7 @@ def _solve_milp(vals, costs, cap) -> list[int]:
         raise ValueError(f"the MILP solver found no plan: {res.message}")
     x = np.round(res.x).astype(int)
     pick, j = [], 0
-    for cs, n in zip(costs, sizes):
+    for _cs, n in zip(costs, sizes):
         pick.append(int(np.argmax(x[j: j + n])))
         j += n
     if sum(cs[i] for cs, i in zip(costs, pick)) > cap:

@@ -2,9 +2,9 @@
 
 Databases are consulted in order (resgen.settings): an explicit path, RESGEN_DB, the user's
 cache database, then the shipped `tuned/<gpu>.sqlite` for this GPU (tuned/h200.sqlite on the
-H200; or its xz-compressed form tuned/h200.sqlite.xz). Tuned buckets are tried nearest first, and for the same bucket the database earlier in
-that order answers (an exact bucket in the shipped table beats a neighbouring bucket in the
-cache database). A row is acceptable only if
+H200; or its xz-compressed form tuned/h200.sqlite.xz). Tuned buckets are tried nearest first,
+and for the same bucket the database earlier in that order answers (an exact bucket in the
+shipped table beats a neighbouring bucket in the cache database). A row is acceptable only if
 - it is a timed "ok" result from an environment with this GPU's name and arch;
 - its checksum matches its content (a row `resgen db verify` reports as altered or torn is
   never served; checked once per table load) and its workload and variant keys match their

@@ -187,7 +187,8 @@ def search_scales(w: torch.Tensor, fmt: str, *, importance: torch.Tensor | None 
 
 def four_over_six(w: torch.Tensor, *, importance: torch.Tensor | None = None,
                   global_scale: torch.Tensor | None = None) -> QuantizedTensor:
-    """NVFP4 adaptive block scaling: each block scales its amax to 6 or to 4, whichever errs less."""
+    """NVFP4 adaptive block scaling: each block scales its amax to 6 or to 4, whichever errs
+    less."""
     return search_scales(w, "nvfp4", importance=importance, targets=(6.0, 4.0),
                          global_scale=global_scale)
 

@@ -101,7 +101,7 @@ def test_reference_linear_edge_shapes():
         R.linear(torch.zeros(3, 32), qw)
 
 
-# -- item 6: checkpoints ----------------------------------------------------------------------------
+# -- item 6: checkpoints ---------------------------------------------------------------------------
 def _ckpt(tmp_path, mutate=None, meta=None, fmt="nvfp4"):
     from safetensors.torch import load_file, save_file
 
@@ -160,7 +160,7 @@ def test_checkpoint_metadata_and_files(tmp_path):
         load_layers(tmp_path / "missing.safetensors")
 
 
-# -- item 17: nits ------------------------------------------------------------------------------------
+# -- item 17: nits ---------------------------------------------------------------------------------
 def test_selection_ratio_and_cache_geometry():
     masks = torch.full((8,), 0xFF, dtype=torch.uint8)
     assert Selection(masks, 1.0).k == 8

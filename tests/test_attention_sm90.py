@@ -409,7 +409,8 @@ COMPILE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: c[0].name() if hasattr(c, "name") else str(c))
+@pytest.mark.parametrize("case", COMPILE_CASES,
+                         ids=lambda c: c[0].name() if hasattr(c, "name") else str(c))
 def test_compiles_for_sm90a_without_spills(case, tmp_path, monkeypatch):
     v, p, mmas_per_chunk = case
     out = _compile(v, p)
@@ -498,7 +499,7 @@ def test_launch_wrappers_reject_bad_inputs_before_launching():
 def test_benchmark_plot_renders_one_line_per_batch():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "bench" / "plot_attention.py"
+    path = Path(__file__).resolve().parent.parent / "bench" / "report" / "plot_attention.py"
     spec = importlib.util.spec_from_file_location("plot_attention", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,4 +1,4 @@
-"""bench/attention_targets.py: one row per geometry and batch with the worst point over KV
+"""bench/report/attention_targets.py: one row per geometry and batch with the worst point over KV
 lengths >= 32K, recomputed here from the raw configs for one row; the committed table is the
 one the script writes."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH / "report"))
 
 import attention_targets as A  # noqa: E402
 from report_io import load_json  # noqa: E402

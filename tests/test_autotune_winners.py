@@ -100,3 +100,22 @@ def test_winners_export_reimports_and_serves_the_same_variants(tmp_path, capsys)
     assert a == b
     assert main(["db", "export", str(full), "--winners", "--out", str(win)]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_winners_export_fresh_only_keeps_rows_of_this_checkout(tmp_path, capsys, monkeypatch):
+    """`db export --winners --fresh-only` (it raised NameError before ruff found the undefined
+    helper): fresh rows export as without the flag; rows whose fingerprint this checkout does
+    not reproduce are left out."""
+    import resgen.search.build as build
+
+    full = tmp_path / "full.sqlite"
+    fakefam.tune_fake(full, ms=[1, 16], max_variants=4)
+    fresh = tmp_path / "fresh.sqlite"
+    assert main(["db", "export", str(full), "--winners", "--fresh-only", "--out",
+                 str(fresh)]) == 0
+    assert "'winners': 2" in capsys.readouterr().out
+    monkeypatch.setattr(build, "memo_fingerprint", lambda *a, **k: "another checkout")
+    stale = tmp_path / "stale.sqlite"
+    assert main(["db", "export", str(full), "--winners", "--fresh-only", "--out",
+                 str(stale)]) == 0
+    assert "'winners': 0" in capsys.readouterr().out

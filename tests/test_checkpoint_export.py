@@ -95,7 +95,8 @@ def site_inputs(src: Path, calib: Path, seq_len: int) -> dict[str, torch.Tensor]
     for name, mod in m.named_modules():
         if isinstance(mod, torch.nn.Linear) and ".layers." in name:
             hs.append(mod.register_forward_pre_hook(
-                lambda _m, a, n=name: rows.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]))))
+                lambda _m, a, n=name: rows.setdefault(n, []).append(
+                    a[0].reshape(-1, a[0].shape[-1]))))
     with torch.no_grad():
         m(input_ids=seqs, use_cache=False)
     for h in hs:

@@ -92,7 +92,8 @@ def test_input_scales_kext_and_shape_checks():
     assert f.selection is sel and f.q.shape == (64, 64 + 32)
     x = torch.randn(2, 64, generator=g)
     assert torch.equal(reference.linear(x, f, 0.25),
-                       torch.cat([reference.linear(x, ka, 0.25), reference.linear(x, kb, 0.25)], -1))
+                       torch.cat([reference.linear(x, ka, 0.25),
+                                  reference.linear(x, kb, 0.25)], -1))
     with pytest.raises(ValueError, match="selection"):
         fuse_linears([ka, prepare_weight(w[32:], "mxfp4", other)])
     with pytest.raises(ValueError, match="selection"):

@@ -125,7 +125,8 @@ def test_tune_gpu_path_with_fake_timings(tmp_path, capsys, monkeypatch):
     assert set(summary["phase_s"]) == {"compile", "wait", "prep", "check", "time"}
     assert summary["phase_s"]["time"] > 0
     assert all(w["stage"] == "cover+refine" for w in summary["workloads"]), \
-        [(w["stage"], w["search"], w["stopped_by"], w["error"], w["timed"]) for w in summary["workloads"] if w["stage"] != "cover+refine"]
+        [(w["stage"], w["search"], w["stopped_by"], w["error"], w["timed"])
+         for w in summary["workloads"] if w["stage"] != "cover+refine"]
     assert "PLAN: 16 tuning jobs (family x workload) over 16 unique" in err
     assert "seconds by phase" in out
     assert "GPU held" in out and "TOTAL" in out
@@ -304,7 +305,7 @@ def test_bench_sums_add_layers_per_format_mode_and_m():
 
 
 def test_time_layer_compiles_once_per_key_checks_then_times(monkeypatch, isolated_cache):
-    """resgen bench's (and bench/gpu_splitk_check.py's) per-variant step on the fake family:
+    """resgen bench's (and bench/probes/gpu_splitk_check.py's) per-variant step on the fake family:
     one compile per compile key across M, the whole-layer time of a correct variant, no time
     and the check's detail for a wrong one."""
     import dataclasses

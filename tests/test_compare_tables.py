@@ -1,4 +1,4 @@
-"""bench/compare_tables.py on two small tables with the dispatch database's columns."""
+"""bench/report/compare_tables.py on two small tables with the dispatch database's columns."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "report"))
 
 import compare_tables as C  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""bench/decode_layer_model.py: the per-layer sums are the committed reports' numbers added
+"""bench/report/decode_layer_model.py: the per-layer sums are the committed reports' numbers added
 up (recomputed here from the raw rows for one point), every model x batch x KV point where
 both reports measured is listed, and the markdown it writes is the committed one."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH / "report"))
 
 import decode_layer_model as D  # noqa: E402
 from report_io import load_json  # noqa: E402

@@ -1,6 +1,7 @@
-"""CPU test of bench/layer_probe.py (the driver of bench/bulk_probe.py, bench/ragged_probe.py
-and bench/prologue_probe.py) with a fake timer: every case is recorded once, invalid variants say
-why, failures keep their error, and the JSON is rewritten after each case."""
+"""CPU test of bench/probes/layer_probe.py (the driver of bench/probes/bulk_probe.py,
+bench/probes/ragged_probe.py and bench/probes/prologue_probe.py) with a fake timer: every case
+is recorded once, invalid variants say why, failures keep their error, and the JSON is rewritten
+after each case."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path[:0] = [str(BENCH), str(BENCH / "probes")]
 
 import layer_probe  # noqa: E402
 import prologue_probe  # noqa: E402
@@ -59,7 +60,7 @@ def test_prologue_probe_pairs_each_source_with_and_without_the_l2_prefetch():
     invalid = [(p, ex) for p, fam, v, ex in cases if fam.why_invalid(v, p, layer_probe.ARCH)]
     assert {(p.m, p.compensation, p.k, ex["source"].startswith("fused"))
             for p, ex in invalid} == {(4, "full", 12288, True)}
-    for p, fam, v, ex in cases:
+    for _p, _fam, v, ex in cases:
         assert (v.l2_prefetch > v.stages) == ex["l2_all"]
 
 

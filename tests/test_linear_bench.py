@@ -169,11 +169,13 @@ def test_main_end_to_end_with_a_fake_worker(monkeypatch, tmp_path):
     import torch
 
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setenv("RESGEN_BENCH_WORKERS", "3")
-    B.main()
+    B.main(["--workers", "3", "--out", str(tmp_path)])
     monkeypatch.undo()
     rep = json.loads((tmp_path / "linear_sm90_check.json").read_text())
     assert rep["tasks"] and all(t.get("median_us") for t in rep["tasks"])
+    assert rep["run"]["argv"] == ["--workers", "3", "--out", str(tmp_path)]
+    assert rep["run"]["command"].startswith("python3 bench/gpu_linear_check.py --workers 3")
+    assert rep["run"]["policy"]["name"] == "cold-l2-graph" and rep["run"]["workers"] == 3
     sums = [ln for ln in rep["table"] if ln.startswith("sum nvfp4")]
     assert any("none  M=  1" in ln for ln in sums) and any("full  M= 16" in ln for ln in sums)
     assert any(ln.startswith("triton mxfp4") for ln in rep["table"])

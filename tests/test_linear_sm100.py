@@ -7,7 +7,6 @@ analytical latency model. Compiles: tests/test_sm100_compile.py."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch

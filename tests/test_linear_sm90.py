@@ -419,8 +419,10 @@ def test_bulk_ring_validity_rules():
     ok = LinearSm90Variant(1, 8, 1, 1, 1, Pipeline.BULK, 2)
     assert FAMILY.why_invalid(ok, p, ARCH) is None
     assert "stages >= 2" in FAMILY.why_invalid(dataclasses.replace(ok, stages=1), p, ARCH)
-    assert "bulk ring of 3 stages for 2" in FAMILY.why_invalid(dataclasses.replace(ok, stages=3), p, ARCH)
-    assert "within the bulk ring" in FAMILY.why_invalid(dataclasses.replace(ok, l2_prefetch=2), p, ARCH)
+    assert "bulk ring of 3 stages for 2" in FAMILY.why_invalid(
+        dataclasses.replace(ok, stages=3), p, ARCH)
+    assert "within the bulk ring" in FAMILY.why_invalid(
+        dataclasses.replace(ok, l2_prefetch=2), p, ARCH)
     assert any(v.pipeline == Pipeline.BULK for v in FAMILY.space(
         LinearProblem("nvfp4", "full", 1, 24576, 4096), ARCH))
 

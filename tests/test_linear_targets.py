@@ -1,4 +1,4 @@
-"""CPU test of bench/linear_targets.py on a synthetic `resgen bench` report: the ratios are
+"""CPU test of bench/report/linear_targets.py on a synthetic `resgen bench` report: the ratios are
 ratios of four-shape sums, rows with a failed check or a missing shape are not summed, and
 each target's verdict follows its threshold."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "report"))
 
 import linear_targets as LT  # noqa: E402
 

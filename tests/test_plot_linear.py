@@ -1,6 +1,7 @@
-"""CPU tests of bench/plot_linear.py (relative-latency figure of the Hopper linear kernels) and
-bench/svgplot.py (the SVG writer it shares with bench/plot_attention.py), on synthetic reports
-with the structure of the committed H200 JSON files."""
+"""CPU tests of bench/report/plot_linear.py (relative-latency figure of the Hopper linear
+kernels) and bench/report/svgplot.py (the SVG writer it shares with
+bench/report/plot_attention.py), on synthetic reports with the structure of the committed H200
+JSON files."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH / "report"))
 
 import plot_attention  # noqa: E402
 import plot_linear as PL  # noqa: E402

@@ -407,7 +407,8 @@ def test_reference_operand_layout_against_formats(fmt, comp, layout):
                            .to(torch.bfloat16))
         written[rr] = True
         if layout == "row_pair":
-            assert rb.tolist() == list(range(0, 2 * m, 2)) and rr.tolist() == list(range(1, 2 * m, 2))
+            assert rb.tolist() == list(range(0, 2 * m, 2))
+            assert rr.tolist() == list(range(1, 2 * m, 2))
         else:
             assert rb[:8].tolist() == list(range(8)) and rr[:8].tolist() == list(range(8, 16))
             assert rb[8:].tolist() == list(range(16, 16 + m - 8))

@@ -1,4 +1,4 @@
-"""bench/gpu_read_floor.py on the CPU: its sizes are the NVFP4 bytes whose HBM floor the
+"""bench/probes/gpu_read_floor.py on the CPU: its sizes are the NVFP4 bytes whose HBM floor the
 benchmarks report (the Qwen3-8B M = 1 floors of `resgen bench`: 3.18 / 2.12 / 12.72 / 6.36 us)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "probes"))
 
 import gpu_read_floor as G  # noqa: E402
 

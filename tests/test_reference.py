@@ -27,7 +27,8 @@ def _layer(fmt, ratio=None, n=32, k=128, seed=0, input_scale=None):
 def test_linear_plain_and_full_match_hand_composition(fmt):
     x, w, qw = _layer(fmt)
     base, res = F.quantize_with_residue(x, fmt)
-    xb, xr, wh = F.dequantize(base).double(), F.dequantize(res).double(), F.dequantize(qw.q).double()
+    xb, xr = F.dequantize(base).double(), F.dequantize(res).double()
+    wh = F.dequantize(qw.q).double()
     y0 = R.linear(x, qw, "none")
     y1 = R.linear(x, qw, "full")
     assert y0.dtype == torch.float32 and y0.shape == (6, 32)
@@ -163,7 +164,8 @@ def test_decode_attention_matches_dense_softmax_on_same_kv():
     cache, bt, sl = PagedKVCache.from_dense(ks, vs, page_size=8)
     q = torch.randn(1, 2, 32)
     base, res, alpha = R.quantize_query(q)
-    qh = (F.dequantize(base, apply_global_scale=False) + F.dequantize(res, apply_global_scale=False)) * alpha
+    qh = (F.dequantize(base, apply_global_scale=False)
+          + F.dequantize(res, apply_global_scale=False)) * alpha
     k, v = cache.gather(bt[0], 50)
     s = (qh[0].double() @ k[0].double().T) / 32 ** 0.5
     expect = torch.softmax(s, -1) @ v[0].double()

@@ -165,5 +165,6 @@ def test_capture_is_retried_once_and_failures_are_recorded():
         raise ValueError("no")
     g, note = capture_with_retry(broken, lambda: syncs.append(2))
     assert g is None and syncs == [1, 2, 2]
-    assert note.count("graph capture failed") == 2 and note.endswith("timed eagerly: ValueError: no")
+    assert note.count("graph capture failed") == 2
+    assert note.endswith("timed eagerly: ValueError: no")
     assert capture_with_retry(lambda: "g", lambda: None) == ("g", "")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Produce the shipped dispatch table tuned/h200.sqlite.xz on one H200, in one device call
-# that ends within about 8.5 minutes (see tuned/README.md). Run from the repository root on
-# the GPU machine, with .devcache carried (made by scripts/devcache.sh on the development
-# machine):
+# Produce a shipped dispatch table (tuned/h200.sqlite.xz on the H200) in one run that ends
+# within about 8.5 minutes at the default budget (see tuned/README.md). Run from the
+# repository root on the GPU machine, with resgen's python3 first on PATH (an activated
+# scripts/install.sh venv); on the development machine's H200, .devcache (scripts/devcache.sh)
+# supplies CuTe DSL instead:
 #
 #     bash tuned/produce_h200.sh
 #
@@ -23,7 +24,12 @@ OUT=${OUT:-/tmp/resgen-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # shellcheck disable=SC1091
-source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
+if [ -f .devcache/device/env.sh ]; then
+    source .devcache/device/env.sh
+elif ! python3 -c "import cutlass" 2>/dev/null; then
+    echo "no CuTe DSL for python3: activate the venv of scripts/install.sh (or, on the" \
+         "development machine's H200, carry .devcache)"; exit 2
+fi
 export RESGEN_CACHE_DIR=/tmp/resgen-cache
 BUDGET=${RESGEN_TUNE_BUDGET:-400}
 WORK=${RESGEN_TUNE_WORK:-/tmp/h200-work.sqlite}   # resumed if this machine already tuned into it

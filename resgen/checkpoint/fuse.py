@@ -21,9 +21,10 @@ Exactness and cost:
   for alpha_i / alpha in 0.37-0.8, on top of FP4's own 9.5% (so its total weight error grows
   by about 3.5%); a per-block scale search (resgen.weights.search_scales) gains nothing here.
   When alpha / alpha_i is a power of two the values are unchanged. Cost: one dequantize +
-  quantize of the requantized parts, O(N K), once at load. vLLM instead takes max(weight_scale_2) WITHOUT requantizing, which is exact only
-  when the scales are equal. on_mismatch="error" refuses, so the caller serves the parts unfused
-  (each with its own tuned entry, or the family default).
+  quantize of the requantized parts, O(N K), once at load. vLLM instead takes
+  max(weight_scale_2) WITHOUT requantizing, which is exact only when the scales are equal.
+  on_mismatch="error" refuses, so the caller serves the parts unfused (each with its own tuned
+  entry, or the family default).
 - Static input scales (input_scale): the parts read one tensor, so a consistent checkpoint has
   one value; if they differ, "requantize" takes the largest (as vLLM does: every part's
   calibrated range still fits) and "error" refuses.

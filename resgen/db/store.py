@@ -287,20 +287,20 @@ class TuningDB:
             self._check_meta(tables)
             return
         db = self.db
-        db["meta"].create({"key": str, "value": str}, pk="key")
-        db["environments"].create(
+        db.table("meta").create({"key": str, "value": str}, pk="key")
+        db.table("environments").create(
             {"id": int, "digest": str, "gpu_name": str, "arch": str, "compute_capability": str,
              "sm_count": int, "driver": str, "cuda": str, "torch": str, "cute_dsl": str,
              "resgen": str, "compile_only": int, "created": str},
             pk="id", not_null={"digest", "gpu_name", "arch", "compile_only"})
-        db["workloads"].create(
+        db.table("workloads").create(
             {"id": int, "digest": str, "op": str, "key": str, "fmt": str, "compensation": str,
              "m": int, "n": int, "k": int, "created": str},
             pk="id", not_null={"digest", "op", "key"})
-        db["variants"].create(
+        db.table("variants").create(
             {"id": int, "digest": str, "family": str, "key": str, "name": str},
             pk="id", not_null={"digest", "family", "key", "name"})
-        db["results"].create(
+        db.table("results").create(
             {"id": int, "workload_id": int, "variant_id": int, "environment_id": int,
              "fingerprint": str, "space_index": int, "status": str, "median_us": float,
              "q10_us": float, "q90_us": float, "samples": str, "launches": int, "n_sets": int,
@@ -313,10 +313,10 @@ class TuningDB:
             foreign_keys=[("workload_id", "workloads", "id"), ("variant_id", "variants", "id"),
                           ("environment_id", "environments", "id")])
         for t in ("environments", "workloads", "variants"):
-            db[t].create_index(["digest"], unique=True)
-        db["results"].create_index(["workload_id", "variant_id", "fingerprint",
-                                    "environment_id"], unique=True)
-        db["results"].create_index(["status", "environment_id"])
+            db.table(t).create_index(["digest"], unique=True)
+        db.table("results").create_index(["workload_id", "variant_id", "fingerprint",
+                                          "environment_id"], unique=True)
+        db.table("results").create_index(["status", "environment_id"])
         self.conn.execute("INSERT INTO meta(key, value) VALUES ('app', ?), "
                           "('schema_version', ?), ('created', ?)",
                           (APP, str(SCHEMA_VERSION), _now()))
@@ -380,7 +380,7 @@ class TuningDB:
         return self._ensure("environments", env.digest, d)
 
     def _ensure_workload(self, problem: ProblemBase) -> int:
-        row = {"op": type(problem).OP, "key": problem.key()}
+        row: dict[str, Any] = {"op": type(problem).OP, "key": problem.key()}
         for c in _WORKLOAD_COLUMNS:
             v = getattr(problem, c, None)
             row[c] = v if isinstance(v, (int, str)) and not isinstance(v, bool) else None
@@ -472,7 +472,8 @@ class TuningDB:
              gpu_name: str | None = None, arch: str | None = None,
              compile_only: bool | None = None) -> list[dict[str, Any]]:
         """Results joined with their workload, variant and environment."""
-        where, args = [], []
+        where: list[str] = []
+        args: list[Any] = []
         for col, val in (("w.op", op), ("r.status", status), ("e.gpu_name", gpu_name),
                          ("e.arch", arch)):
             if val is not None:
@@ -498,7 +499,7 @@ class TuningDB:
 
     def best(self, problem: ProblemBase, *, gpu_name: str, arch: str,
              accept: Callable[[Mapping[str, Any]], bool] = lambda row: True,
-             tie_rel: float | None = None) -> dict[str, Any] | None:
+             tie_rel: float | None = None) -> Mapping[str, Any] | None:
         """Winning timed row for exactly this workload on this GPU and arch, among rows that
         `accept` (the runtime passes a current-fingerprint and validity check)."""
         rows = [r for r in self.rows(status=Status.OK, gpu_name=gpu_name, arch=arch)
@@ -608,7 +609,7 @@ class TuningDB:
                 continue
             env = dict(envs[row["environment_digest"]])
 
-            def tx(row=row, env=env) -> bool:
+            def tx(row=row, env=env) -> str:
                 env_id = self._ensure("environments", env["digest"],
                                       {k: env[k] for k in (*_ENV_FIELDS, "created")})
                 src_w = other.conn.execute(

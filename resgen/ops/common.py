@@ -5,10 +5,13 @@ process."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..search.family import KernelFamily
 from ..search.variant import ProblemBase
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["compile_cached", "choose_variant", "MAX_PLANS", "require_cuda_device",
            "SUPPORTED_GPUS", "UnsupportedDeviceError"]

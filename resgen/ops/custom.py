@@ -9,10 +9,10 @@ and torch.export, with fake (meta) implementations.
                                block_tables, positions, handle)     (mutates the cache)
 
 A handle is a string naming a registered op object (`register`): a resgen.ops.Linear, a
-LayerQuantizer, a DecodeAttention or a KVAppend (or an object with the same call contract,
-e.g. resgen.ops.cpu's reference stand-ins, registered with its kind). This is vLLM's pattern for its attention op
-(`unified_attention(..., layer_name)`, registered with direct_register_custom_op), chosen here
-for the same reasons:
+LayerQuantizer, a DecodeAttention or a KVAppend (or an object with the same call contract, e.g.
+resgen.ops.cpu's reference stand-ins, registered with its kind). This is vLLM's pattern for its
+attention op (`unified_attention(..., layer_name)`, registered with direct_register_custom_op),
+chosen here for the same reasons:
 - the op object holds what cannot be a tensor argument: the per-shape plans (the variant the
   dispatch table picks for each M or KV-length class, possibly of different kernel families
   with different weight layouts), the compiled kernels and their workspaces. Passing the weight

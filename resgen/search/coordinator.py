@@ -56,6 +56,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import AbstractSet as Set
 from typing import Any, Iterator, Mapping, Sequence
 
 from .record import Environment, ResultRecord, Status, gpu_slug
@@ -499,7 +500,7 @@ class Coordinator:
         return ids
 
     # -- claiming work ---------------------------------------------------------------------------
-    def claim(self, mine: set[tuple[str, str]], *, compiled: set[str] = frozenset(),
+    def claim(self, mine: set[tuple[str, str]], *, compiled: Set[str] = frozenset(),
               classes: Sequence[str] = (), deadline: float | None = None,
               should_stop: Any = None) -> Item | None:
         """Claim the next trial of this run's settings for one of the jobs in `mine`

@@ -343,8 +343,8 @@ def _final(coord: Coordinator, jobs: Sequence[Job], parts: Sequence[WorkloadSumm
     """One summary per job: what this host's processes did, with the winner and the number of
     results that the whole study knows (every host's)."""
     by: dict[tuple[str, str, str], list[WorkloadSummary]] = collections.defaultdict(list)
-    for p in parts:
-        by[(p.family, p.problem_key, p.stage)].append(p)
+    for part in parts:
+        by[(part.family, part.problem_key, part.stage)].append(part)
     staged = merge_summaries([_combine(v) for v in by.values()])
     mine = {(s.family, s.problem_key): s for s in staged}
     coord.snapshot()                            # the registry, as every host left it

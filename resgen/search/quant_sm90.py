@@ -19,7 +19,6 @@ Layout contract, numerics and costs: resgen/kernels/quant_sm90.py.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Sequence
 

@@ -77,7 +77,7 @@ def _versions() -> dict[str, str]:
     try:
         import torch
 
-        tv = torch.__version__
+        tv = str(torch.__version__)
     except Exception:          # the database layer can be used without torch
         tv = "absent"
     return {"torch": tv, "cute_dsl": cute_dsl_version(), "resgen": __version__}

@@ -218,7 +218,7 @@ def capture_with_retry(capture: Callable[[], Any], sync: Callable[[], None],
     mode (on the H200: a dead kernel's finalizer run by Python's collector, which capture_graph
     now prevents; README, "CUDA graphs"); the retry keeps a timing run going if anything
     else does."""
-    notes = []
+    notes: list[str] = []
     for attempt in range(attempts):
         try:
             return capture(), " ".join(notes)

@@ -317,7 +317,10 @@ class Tuner:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
         t0 = time.monotonic()
         s = WorkloadSummary(family=family.NAME, problem_key=problem.key(), stage=stage)
-        out_of_time = (lambda: deadline is not None and time.monotonic() > deadline)
+
+        def out_of_time() -> bool:
+            return deadline is not None and time.monotonic() > deadline
+
         if stage != "full" and out_of_time():
             s.search, s.stopped_by = "skipped", "time_budget"
             return s

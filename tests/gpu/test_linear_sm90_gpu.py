@@ -1,9 +1,10 @@
 """linear_sm90_mma on an H200: a covering subset of the space of small problems (every field value
 of the space at least once, both formats, every compensation), the nib / 2-group variants
 outside the space, fused quantization at partial tiles and K-Ext (per CTA and shared by a
-cluster of 2; a cluster of 4 outside the space), the Qwen3-8B shapes (with bulk-ring variants); fresh
-random inputs, NaN-poisoned outputs, ||out - ref|| / ||ref|| <= 3e-3 vs resgen.reference.linear,
-bit-identical reruns for deterministic variants, repeated calls (semaphores / workspace reset),
+cluster of 2; a cluster of 4 outside the space), the Qwen3-8B shapes (with bulk-ring variants);
+fresh random inputs, NaN-poisoned outputs, ||out - ref|| / ||ref|| <= 3e-3 vs
+resgen.reference.linear, bit-identical reruns for deterministic variants, repeated calls
+(semaphores / workspace reset),
 CUDA-graph replay, and two PDL layers chained through their activations (the second must wait
 for the first's output)."""
 

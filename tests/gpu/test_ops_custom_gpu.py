@@ -141,7 +141,7 @@ def test_compiled_decode_step_replays_in_cuda_graphs_like_eager():
     gc.collect()
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     outs = []
-    for i, a in enumerate(inputs[:3]):
+    for a in inputs[:3]:
         torch.compiler.cudagraph_mark_step_begin()
         outs.append(compiled(*a).clone())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

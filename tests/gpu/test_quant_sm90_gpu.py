@@ -3,7 +3,8 @@ then every output of every variant bit-exact against operand_reference on random
 adversarial inputs (ties, saturation, zeros, tiny, huge, mixed), both formats, all layouts,
 K-Ext at every ratio, static and dynamic alpha; poisoned outputs, determinism, graph capture.
 
-Run on the H200:  source .devcache/device/env.sh && python3 -m pytest -m gpu -q tests/gpu/test_quant_sm90_gpu.py
+Run on the H200:
+    source .devcache/device/env.sh && python3 -m pytest -m gpu -q tests/gpu/test_quant_sm90_gpu.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 floor the M = 1 decode layers are compared with (the HBM floor of BENCH.md assumes 4.45 TB/s
 from the first byte; small layers never get there: launch, ramp and tail are fixed costs).
 
-    source .devcache/device/env.sh && python3 bench/gpu_read_floor.py      # JSON to $OUT
+    source .devcache/device/env.sh && python3 bench/probes/gpu_read_floor.py      # JSON to $OUT
 
 For each size (the NVFP4 weight + scale bytes of the Qwen3-8B projections, plus a sweep),
 torch reads the bytes under the same timing policy as the tuner and `resgen bench`
@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -2,7 +2,7 @@
 one op that both tables hold of old best median / new best median (> 1: the new table is
 faster). Buckets: M for linear layers, (batch, KV length) for decode attention, else the op.
 
-    python3 bench/compare_tables.py OLD.sqlite[.xz] NEW.sqlite[.xz] [--op decode_attention]
+    python3 bench/report/compare_tables.py OLD.sqlite[.xz] NEW.sqlite[.xz] [--op decode_attention]
 
 Reads only the `results` / `workloads` rows with status 'ok' (the best median per workload,
 whatever family or variant won); both files are opened read-only (an .xz table is unpacked to

@@ -2,12 +2,12 @@
 its warps): Qwen3-4B's layers whose K groups (of 256 columns) have no factor 4 or 8 (down:
 K = 9728 = 38 groups; qkv and gate_up: K = 2560 = 10), NVFP4, M = 1, plain and M-Ext, whole
 layers (fused quantization), each variant checked against resgen.reference.linear before it
-is timed (resgen.cli.time_layer, the tuner's policy; bench/layer_probe.py), beside the layouts
-the tune13a table dispatched there (bench_qwen3_4b_table13.json.xz), timed in the same run
+is timed (resgen.cli.time_layer, the tuner's policy; bench/probes/layer_probe.py), beside the
+layouts the tune13a table dispatched there (bench_qwen3_4b_table13.json.xz), timed in the same run
 (results: bench/results/h200/ragged_probe.{json,log}):
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        timeout -k 5 -s INT 150 python3 bench/ragged_probe.py       # JSON to $OUT
+        timeout -k 5 -s INT 150 python3 bench/probes/ragged_probe.py       # JSON to $OUT
 
 Prints one line per variant as it goes (R: ragged) and writes $OUT/ragged_probe.json after
 each.
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from layer_probe import ARCH, probe  # noqa: E402
 from resgen.search.linear_sm90 import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402

@@ -5,7 +5,7 @@ the head dim: base and residue operand tiles feed ONE FP32 accumulator tile) aga
 (bench/results/h200/attention_targets.md; Nsight Compute in ncu_limits.md: at G = 8 the pair
 variants hold 168-224 registers against dense's 128-174, half the occupancy).
 
-    source .devcache/device/env.sh && timeout -k 5 -s INT 170 python3 bench/stack_probe.py
+    source .devcache/device/env.sh && timeout -k 5 -s INT 170 python3 bench/probes/stack_probe.py
 
 Per (geometry, batch, KV length) each packing runs the same small set of layouts (warps,
 prefetch; the split count and reduction of the fallback rule, and one split where the batch
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 GEOMS = {"qwen3-32b": (64, 8, 128), "qwen3-8b": (32, 8, 128), "d256": (16, 2, 256)}
 POINTS = [("qwen3-32b", 1, 32768), ("qwen3-32b", 8, 32768), ("qwen3-32b", 32, 32768),

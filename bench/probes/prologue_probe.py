@@ -6,10 +6,10 @@ with the activation source varied: fused per CTA, fused once per cluster of 2 / 
 without an L2 prefetch of the warp's whole K slice issued before the prologue (not in the
 tuner's space yet: the cp.async ring keeps only 2 iterations in flight while a fused CTA
 quantizes). Every variant is checked against resgen.reference.linear before it is timed as
-the whole layer (resgen.cli.time_layer, the tuner's policy; bench/layer_probe.py):
+the whole layer (resgen.cli.time_layer, the tuner's policy; bench/probes/layer_probe.py):
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        timeout -k 5 -s INT 200 python3 bench/prologue_probe.py      # JSON to $OUT
+        timeout -k 5 -s INT 200 python3 bench/probes/prologue_probe.py      # JSON to $OUT
 
 Questions it answers (docs/linear_sm90.md, "Where M-Ext costs"): how much of M-Ext / plain
 at M = 1 is the residue's share of the per-CTA quantization (fused M-Ext - fused plain
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from layer_probe import probe  # noqa: E402
 from resgen.search.linear_sm90 import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402

@@ -1,7 +1,7 @@
-"""Summarize bench/ncu_decode_m1.py's Nsight Compute CSV: one row per profiled variant (the
+"""Summarize bench/probes/ncu_decode_m1.py's Nsight Compute CSV: one row per profiled variant (the
 second of its two launches), the figures that say what bounds a small decode layer.
 
-    python bench/ncu_summary.py bench/results/h200/ncu_decode_m1.csv.xz \\
+    python bench/report/ncu_summary.py bench/results/h200/ncu_decode_m1.csv.xz \\
         bench/results/h200/ncu_decode_m1.order.txt > bench/results/h200/ncu_decode_m1.md
 """
 
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probes"))   # SHAPES
 
 from ncu_decode_m1 import SHAPES  # noqa: E402
 from report_io import read_text  # noqa: E402
@@ -48,7 +49,7 @@ def table(csv_path: Path, order_path: Path) -> list[str]:
     import baselines as B
 
     launches = load(csv_path)
-    names = [l.split() for l in order_path.read_text().splitlines() if l.strip()]
+    names = [ln.split() for ln in order_path.read_text().splitlines() if ln.strip()]
     head = ["shape", "mode", "variant", "floor us"] + [c[1] for c in COLUMNS] + ["% of floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for i, (shape, mode, name) in enumerate(names):

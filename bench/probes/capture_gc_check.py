@@ -13,7 +13,7 @@ capture"). Four captures of the same two torch ops, each with garbage made just 
    keeps the collector off during the capture).
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        timeout 150 python3 bench/capture_gc_check.py      # -> $OUT/capture_gc_check.json
+        timeout 150 python3 bench/probes/capture_gc_check.py      # -> $OUT/capture_gc_check.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

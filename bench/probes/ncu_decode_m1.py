@@ -6,13 +6,13 @@ timing) for the four Qwen3-8B shapes, NVFP4 plain and M-Ext, launched under Nsig
         --kernel-name regex:kernel_cutlass_linear --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section WarpStateStats --section SchedulerStats --csv \\
         --page details --log-file $OUT/ncu_decode_m1.csv \\
-        python3 bench/ncu_decode_m1.py > $OUT/ncu_decode_m1.order.txt
+        python3 bench/probes/ncu_decode_m1.py > $OUT/ncu_decode_m1.order.txt
 
 (--clock-control none: real boost clocks; ncu's default locks the SM at base clock, 1.33 GHz.)
 
 Each variant is launched twice (the first launch warms instruction caches and TLBs); the
-order file names the variant of every pair of profiled launches. bench/ncu_summary.py turns the
-CSV into a table.
+order file names the variant of every pair of profiled launches. bench/report/ncu_summary.py
+turns the CSV into a table.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "bench" / "report")]
 
 from gpu_linear_check import SHAPES  # noqa: E402  (the benchmark whose winners are profiled)
 from report_io import load_json  # noqa: E402

@@ -1,7 +1,7 @@
 """Split-K for linear_sm90_wgmma at decode / mid-size M on the Qwen3-8B shapes, one process:
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        timeout -k 10 -s INT 400 python3 bench/gpu_splitk_check.py      # JSON to $OUT
+        timeout -k 10 -s INT 400 python3 bench/probes/gpu_splitk_check.py      # JSON to $OUT
 
 For every (shape, M in 16 / 32 / 64 / 128, NVFP4 plain and M-Ext):
   - "table": what the runtime dispatches from the shipped table (tuned/h200.sqlite.xz) for the
@@ -27,8 +27,8 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # baselines
 
 import torch  # noqa: E402
 

@@ -1,6 +1,8 @@
-"""SVG plot of bench/gpu_attention_check.py results (no plotting library needed).
+"""SVG plot of bench/gpu_attention_check.py results (drawn by svgplot, whose docstring says
+why not matplotlib).
 
-    python bench/plot_attention.py bench/results/h200/attention_sm90_check.json[.xz] [out.svg]
+    python bench/report/plot_attention.py bench/results/h200/attention_sm90_check.json[.xz] \
+        [out.svg]
 
 Two rows of panels, one panel per geometry (like the paper's Fig. 10 a-c): top, ResAttn's
 speedup over torch SDPA with BF16 KV against KV length, one line per batch, with the 2.9x target;
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
         print(__doc__)
         return 2
     src = Path(argv[0])
-    out = Path(argv[1]) if len(argv) > 1 else src.with_name(src.name.removesuffix(".xz")).with_suffix(".svg")
+    out = Path(argv[1]) if len(argv) > 1 else \
+        src.with_name(src.name.removesuffix(".xz")).with_suffix(".svg")
     out.write_text(render(load_json(src)))
     print(f"wrote {out}")
     return 0

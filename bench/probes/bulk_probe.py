@@ -1,10 +1,10 @@
 """First H200 look at the bulk ring of linear_sm90_mma (pipeline "bulk"): the shipped table's
 M = 1 winners of the two widest Qwen3-8B layers against bulk-ring twins, NVFP4 plain and M-Ext,
 whole layers (fused quantization), each checked against resgen.reference.linear before it is
-timed (resgen.cli.time_layer, the tuner's policy; bench/layer_probe.py). About a minute:
+timed (resgen.cli.time_layer, the tuner's policy; bench/probes/layer_probe.py). About a minute:
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        timeout -k 5 -s INT 90 python3 bench/bulk_probe.py          # JSON to $OUT
+        timeout -k 5 -s INT 90 python3 bench/probes/bulk_probe.py          # JSON to $OUT
 
 Prints one line per variant as it goes and writes $OUT/bulk_probe.json after each.
 """
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from layer_probe import probe  # noqa: E402
 from resgen.search.linear_sm90 import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402

@@ -3,11 +3,11 @@ bulk rings of 2 / 4 slots and cp.async rings of 3 / 4, so a CTA has at most 4 it
 its warps' weights in flight while its fused prologue quantizes x. Qwen3-8B down (K = 12288:
 6-12 iterations per warp, the longest prologue, 61% of the NVFP4 floor) and gate_up, NVFP4
 plain and M-Ext, whole layers, each variant checked against resgen.reference.linear before it
-is timed (bench/layer_probe.py; the table's variant first, then deeper rings of 6 / 8 slots
+is timed (bench/probes/layer_probe.py; the table's variant first, then deeper rings of 6 / 8 slots
 with layouts that keep one wave of CTAs on the 132 SMs). About two minutes:
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        timeout -k 5 -s INT 300 python3 bench/deep_ring_probe.py      # JSON to $OUT
+        timeout -k 5 -s INT 300 python3 bench/probes/deep_ring_probe.py      # JSON to $OUT
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from layer_probe import probe  # noqa: E402
 from resgen.search.linear_sm90 import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402

@@ -1,8 +1,9 @@
-"""Shared driver of the small H200 probes (bench/bulk_probe.py, bench/ragged_probe.py): each
-variant of a list is compiled, checked against resgen.reference.linear (fresh inputs, poisoned
-output) and, if correct, timed as the whole layer under the tuner's policy
-(resgen.cli.time_layer); one line is printed per variant as it goes and $OUT/<name>.json is
-rewritten after each, so a probe cut short by its timeout keeps what it measured."""
+"""Shared driver of the small H200 probes (bench/probes/bulk_probe.py,
+bench/probes/ragged_probe.py, ...): each variant of a list is compiled, checked against
+resgen.reference.linear (fresh inputs, poisoned output) and, if correct, timed as the whole
+layer under the tuner's policy (resgen.cli.time_layer); one line is printed per variant as it
+goes and $OUT/<name>.json is rewritten after each, so a probe cut short by its timeout keeps
+what it measured."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -12,7 +12,7 @@ For each point and variant: check against the reference (bench/gpu_attention_che
 _check), then, for seeds 1..SEEDS (fresh caches each), measure twice, variants interleaved.
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        timeout -k 5 -s INT 200 python3 bench/attention_variance.py     # JSON to $OUT
+        timeout -k 5 -s INT 200 python3 bench/probes/attention_variance.py     # JSON to $OUT
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 for _p in (ROOT, ROOT / "tests" / "gpu", ROOT / "bench"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
