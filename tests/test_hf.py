@@ -386,8 +386,9 @@ def test_same_greedy_tokens_as_the_engine_for_the_same_checkpoint(name):
     the engine's logits (its decode path: paged NVFP4 cache, decode attention) are HF's to
     within the FP4 rounding flips that the two float paths (BF16 engine, FP32 HF) cause in
     the cache: the prefill's to 4 BF16 ulps (2^-6 of the largest logit), every decode step's
-    to 5 % of the largest logit; and the engine's greedy choice is HF's wherever HF's top-2 margin exceeds that step's
-    difference (the fixtures' logits are flat, ties within an ulp occur). (The partial
+    to 5 % of the largest logit; and the engine's greedy choice is HF's wherever HF's top-2
+    margin exceeds that step's difference (the fixtures' logits are flat, ties within an ulp
+    occur). (The partial
     fixture is left out: the engine refuses checkpoints with unquantized decoder linears.)"""
     pytest.importorskip("resgen.engine")
     import resgen
