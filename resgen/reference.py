@@ -16,8 +16,8 @@ from .calibrate import QLinearWeight
 from .formats import QuantizedTensor
 from .kvcache import PagedKVCache
 
-__all__ = ["Compensation", "linear", "decode_attention", "nmse", "attention_fp32",
-           "quantize_query", "check_compensation"]
+__all__ = ["Compensation", "linear", "linear_w4a16", "decode_attention", "nmse",
+           "attention_fp32", "quantize_query", "check_compensation"]
 
 Compensation = Union[Literal["none", "full"], float]
 
@@ -90,6 +90,28 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
     else:
         xe = torch.cat([_unit(base), _unit(res)], dim=-1)
         y = (xe @ _unit(w).T).float() * ab
+    return y.reshape(*lead, -1)
+
+
+def linear_w4a16(x: torch.Tensor, qweight: QLinearWeight) -> torch.Tensor:
+    """Reference W4A16 linear layer (FP4 weights, BF16 activations). x: [..., K] float ->
+    float32 [..., N].
+
+        Y = bf16(X) W_hat^T
+
+    The activations are rounded to BF16 (round to nearest even) and never quantized to FP4;
+    the weight is the base FP4 weight (a K-Ext weight's extension is unused) with its global
+    scale applied once; the product is exact (float64) and returned in FP32. This is the
+    Hopper-native W4A16 mode (what Marlin computes) and the one definition of its numerics:
+    the quality study's fake-quant path is checked against it.
+    """
+    k = qweight.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"input has K={x.shape[-1]}, the weight expects K={k}")
+    lead = x.shape[:-1]
+    xb = x.reshape(-1, k).to(torch.bfloat16).double()
+    w = qweight.q.to(x.device)
+    y = (xb @ _unit(w)[:, :k].T).float() * _global(w)
     return y.reshape(*lead, -1)
 
 

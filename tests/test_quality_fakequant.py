@@ -73,3 +73,37 @@ def test_fake_quant_linear_rejects_wrong_ratio():
     qw = prepare_weight(w, "nvfp4", selection=select_channels(torch.rand(64), 0.25))
     with pytest.raises(ValueError):
         FakeQuantLinear(qw, 0.5)
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_w4a16_fake_quant_equals_reference_and_beats_w4a4(fmt):
+    """W4A16: activations rounded to BF16 (not quantized), FP4 weights; the fast path equals
+    resgen.reference.linear_w4a16 to FP32 rounding, and its error against the unquantized
+    layer is below plain W4A4's (only the weight and the BF16 rounding are lossy)."""
+    n, k = 48, 128
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = _heavy((2, 9, k), 3)
+    qw = prepare_weight(w, fmt)
+    want = reference.linear_w4a16(x, qw)
+    got = FakeQuantLinear(qw, "w4a16")(x)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * float(want.abs().max()))
+    # independent formula: bf16-rounded x against the dequantized weight, float64
+    indep = (x.to(torch.bfloat16).double() @ formats.dequantize(qw.q).double().T).float()
+    torch.testing.assert_close(want, indep, rtol=1e-6, atol=1e-6 * float(indep.abs().max()))
+    exact = x.double() @ w.double().T
+    assert reference.nmse(want, exact) < reference.nmse(reference.linear(x, qw, "none"), exact)
+    # a K-Ext weight serves W4A16 through its base part
+    sel = select_channels(x.abs().mean((0, 1)), 0.25)
+    qe = prepare_weight(w, fmt, selection=sel)
+    assert torch.equal(FakeQuantLinear(qe, "w4a16")(x), got)
+
+
+def test_fake_quant_bias_is_added_in_fp32():
+    w = torch.randn(16, 64)
+    b = torch.randn(16)
+    qw = prepare_weight(w, "nvfp4")
+    x = _heavy((5, 64), 2)
+    for comp in ("none", "full", "w4a16"):
+        plain = FakeQuantLinear(qw, comp)(x)
+        torch.testing.assert_close(FakeQuantLinear(qw, comp, bias=b)(x), plain + b)

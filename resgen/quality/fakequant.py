@@ -12,6 +12,7 @@ Method semantics (paper Eq. 5-6):
     "full"  full residue (M-Ext)  y = X_hat W_hat^T + R_hat W_hat^T  (two products, FP32 add)
     ratio   K-Ext                 y = X_hat W_hat^T + R_hat_S W_hat_S^T, where W_S is the
                                   selected weight columns quantized in the extended layout
+    "w4a16" FP4 weights only      y = bf16(X) W_hat^T (resgen.reference.linear_w4a16)
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import torch.nn.functional as F
 from .. import formats
 from ..calibrate import QLinearWeight
 
-__all__ = ["qdq", "qdq_with_residue", "FakeQuantLinear"]
+__all__ = ["qdq", "qdq_with_residue", "FakeQuantLinear", "COMPENSATIONS_EXTRA"]
+
+# Compensation values of the study beyond resgen.reference.Compensation (no activation FP4).
+COMPENSATIONS_EXTRA: tuple[str, ...] = ("w4a16",)
 
 _BLOCK = {"nvfp4": 16, "mxfp4": 32}
 
@@ -79,15 +83,19 @@ class FakeQuantLinear(torch.nn.Module):
 
     qweight: the prepared weight (resgen.calibrate.prepare_weight, or a weight-side method's
         result wrapped in QLinearWeight): its codes/scales are dequantized ONCE here.
-    compensation: "none", "full", or the ratio of qweight.selection.
+    compensation: "none", "full", the ratio of qweight.selection, or "w4a16" (activations
+        rounded to BF16, not quantized).
+    bias: float [N] or None, added in FP32 (exact in every method).
     x: [..., K] float -> y: [..., N] in x's dtype.
     """
 
-    def __init__(self, qweight: QLinearWeight, compensation="none"):
+    def __init__(self, qweight: QLinearWeight, compensation="none",
+                 bias: torch.Tensor | None = None):
         super().__init__()
         from ..reference import check_compensation
 
-        check_compensation(compensation, qweight)
+        if compensation not in COMPENSATIONS_EXTRA:
+            check_compensation(compensation, qweight)
         self.fmt = qweight.fmt
         self.compensation = compensation
         k = qweight.in_features
@@ -96,9 +104,12 @@ class FakeQuantLinear(torch.nn.Module):
         self.register_buffer("w_ext", w[:, k:].contiguous() if w.shape[1] > k else None,
                              persistent=False)
         idx = None
-        if compensation not in ("none", "full"):
+        if compensation not in ("none", "full", *COMPENSATIONS_EXTRA):
             idx = qweight.selection.indices
         self.register_buffer("idx", idx, persistent=False)
+        if bias is not None:
+            bias = bias.detach().to(torch.float32).reshape(w.shape[0])
+        self.register_buffer("bias", bias, persistent=False)
         self.input_scale = qweight.input_scale
         self.in_features = k
         self.out_features = w.shape[0]
@@ -106,6 +117,9 @@ class FakeQuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         xf = x.reshape(-1, self.in_features).to(torch.float32)
+        if self.compensation == "w4a16":
+            y = F.linear(xf.to(torch.bfloat16).to(torch.float32), self.w_base, self.bias)
+            return y.reshape(*lead, -1).to(x.dtype)
         alpha = None
         if self.fmt == "nvfp4":
             alpha = (self.input_scale if self.input_scale is not None
@@ -118,8 +132,11 @@ class FakeQuantLinear(torch.nn.Module):
         else:
             x_hat, r_hat = qdq_with_residue(xf, self.fmt, alpha, self.idx)
             y = F.linear(x_hat, self.w_base) + F.linear(r_hat, self.w_ext)
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*lead, -1).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"fmt={self.fmt}, compensation={self.compensation}")
+                f"fmt={self.fmt}, compensation={self.compensation}, "
+                f"bias={self.bias is not None}")

