@@ -324,3 +324,28 @@ def test_linear_modes_are_the_problem_modes():
     field = {f.name: f for f in dataclasses.fields(LinearProblem)}["compensation"]
     assert set(field.metadata["allowed"]) == set(LINEAR_MODES)
     assert "w4a16" not in COMPENSATIONS       # the shipped table does not cover it yet
+
+
+def test_the_device_script_tests_tunes_then_benches(tmp_path):
+    """bench/w4a16_h200.sh with recording stand-ins for python3 (tests/test_device_scripts):
+    the GPU tests, then the W4A16 tune (linear families, warm-started from the shipped
+    table), then the bench of plain against W4A16; a failing step fails the call."""
+    import subprocess
+
+    from test_device_scripts import _fake_repo
+
+    repo, env = _fake_repo(tmp_path, "bench/w4a16_h200.sh")
+    r = subprocess.run(["bash", str(repo / "bench" / "w4a16_h200.sh")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    steps = [c for c in calls if " -m pytest " in c or " resgen " in c]
+    assert len(steps) == 3
+    assert "tests/gpu/test_w4a16_gpu.py" in steps[0]
+    assert " resgen tune " in steps[1] and "--compensations w4a16" in steps[1] and \
+        "--ops linear" in steps[1] and "--warm-start tuned/h200.sqlite.xz" in steps[1]
+    assert " resgen bench " in steps[2] and "--compensations none,w4a16" in steps[2]
+    env["FAKE_FAIL"] = "resgen bench"
+    r = subprocess.run(["bash", str(repo / "bench" / "w4a16_h200.sh")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3 and "bench: rc=3" in r.stdout
