@@ -206,16 +206,21 @@ def static_alpha(qweight: QLinearWeight, device: torch.device | str) -> torch.Te
 
 
 def prepare_weight(w: torch.Tensor, fmt: str, selection: Selection | None = None,
-                   input_scale=None) -> QLinearWeight:
-    """Quantize a linear weight W: [N, K] (out x in) offline, optionally in the K-Ext layout."""
+                   input_scale=None, global_scale=None) -> QLinearWeight:
+    """Quantize a linear weight W: [N, K] (out x in) offline, optionally in the K-Ext layout.
+
+    global_scale: NVFP4 tensor scale alpha to use instead of amax(W) / 2688 (e.g. one alpha
+    shared by q/k/v so they fuse exactly, as ModelOpt's export does); None for MXFP4.
+    """
     if w.dim() != 2:
         raise ValueError(f"a linear weight is [out_features, in_features], got shape {tuple(w.shape)}")
     full = w if selection is None else extend_weight(w, selection, fmt)
     if fmt == "nvfp4":
         # The extension only copies channels, so amax (and alpha) is that of W itself.
-        q = formats.quantize(full, fmt, global_scale=formats.nvfp4_global_scale(w.float()))
+        alpha = formats.nvfp4_global_scale(w.float()) if global_scale is None else global_scale
+        q = formats.quantize(full, fmt, global_scale=alpha)
     else:
-        q = formats.quantize(full, fmt)
+        q = formats.quantize(full, fmt, global_scale=global_scale)
     isc = None
     if input_scale is not None:
         if fmt != "nvfp4":

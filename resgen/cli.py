@@ -188,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, required=True)
     e.add_argument("--format", choices=["json", "sqlite"], default=None,
                    help="default: from the --out suffix")
+    e.add_argument("--winners", action="store_true",
+                   help="only the winning timed row per workload and GPU (a small SQLite "
+                        "database to share; `resgen db merge` imports it)")
+    e.add_argument("--fresh-only", action="store_true",
+                   help="with --winners: choose among rows tuned with this checkout's "
+                        "templates and versions only")
+
+    from .checkpoint import cli as checkpoint_cli       # `resgen quantize`
+    checkpoint_cli.add_parser(sub)
 
     for name, what in (("report", "quality report (resgen.quality)"),
                        ("plan", "layer-wise compensation planner (resgen.quality)")):
@@ -1095,6 +1104,12 @@ def cmd_db(args: argparse.Namespace) -> int:
                         counts = dst.merge_from(s, keep=keep)
                     print(f"{src} -> {args.into}: {counts}")
             return 0
+        if args.dbcmd == "export" and args.winners:
+            with TuningDB(args.path, readonly=True) as db:
+                counts = db.export_winners(args.out, _fresh_filter() if args.fresh_only
+                                           else None)
+            print(f"{args.path} -> {args.out} (winners): {counts}")
+            return 0
         if args.dbcmd == "export":
             fmt = args.format or ("sqlite" if args.out.name.endswith(
                 (".sqlite", ".db", ".sqlite.xz", ".db.xz")) else "json")
@@ -1147,7 +1162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
-    handler = {"tune": cmd_tune, "show": cmd_show, "bench": cmd_bench, "db": cmd_db}
+    from .checkpoint import cli as checkpoint_cli
+
+    handler = {"tune": cmd_tune, "show": cmd_show, "bench": cmd_bench, "db": cmd_db,
+               "quantize": checkpoint_cli.run}
     try:
         return handler[args.cmd](args)
     except _Usage as e:

@@ -60,7 +60,7 @@ def _global(q: QuantizedTensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation = "none",
-           *, fold: Fold = "exact") -> torch.Tensor:
+           *, weight_unit: torch.Tensor | None = None, fold: Fold = "exact") -> torch.Tensor:
     """Reference FP4 linear layer. x: [..., K] float -> float32 [..., N].
 
     compensation:
@@ -75,6 +75,9 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
       "none" has no residue: presum is plain W4A4 (X_hat is exact in FP16).
     Activations are quantized with qweight.input_scale (static NVFP4 alpha) when set, else
     dynamically. Global scales alpha_x * alpha_w (FP32) are applied once per product.
+    weight_unit: dequantize(qweight.q) without the global scale, [N, K (+ ext)] float (exact in
+    FP32), when the caller keeps it across calls (resgen.ops.cpu.ReferenceLinear); computed
+    here otherwise.
     """
     if fold not in FOLDS:
         raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
@@ -95,7 +98,8 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
                                               global_scale=qweight.input_scale)
     w = qweight.q.to(x.device)
     ab = _global(base) * _global(w)
-    wb = _unit(w)[:, :k]
+    wu = _unit(w) if weight_unit is None else weight_unit.to(x.device).double()
+    wb = wu[:, :k]
     if fold == "presum":
         s = _unit(base).float()
         if compensation == "full":
@@ -115,11 +119,12 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
         y = (_unit(base) @ wb.T).float() * ab + (_unit(res) @ wb.T).float() * ab
     else:
         xe = torch.cat([_unit(base), _unit(res)], dim=-1)
-        y = (xe @ _unit(w).T).float() * ab
+        y = (xe @ wu.T).float() * ab
     return y.reshape(*lead, -1)
 
 
-def linear_w4a16(x: torch.Tensor, qweight: QLinearWeight) -> torch.Tensor:
+def linear_w4a16(x: torch.Tensor, qweight: QLinearWeight, *,
+                 weight_unit: torch.Tensor | None = None) -> torch.Tensor:
     """Reference W4A16 linear layer (FP4 weights, BF16 activations). x: [..., K] float ->
     float32 [..., N].
 
@@ -129,7 +134,7 @@ def linear_w4a16(x: torch.Tensor, qweight: QLinearWeight) -> torch.Tensor:
     the weight is the base FP4 weight (a K-Ext weight's extension is unused) with its global
     scale applied once; the product is exact (float64) and returned in FP32. This is the
     Hopper-native W4A16 mode (what Marlin computes) and the one definition of its numerics:
-    the quality study's fake-quant path is checked against it.
+    the quality study's fake-quant path is checked against it. weight_unit: as for linear.
     """
     k = qweight.in_features
     if x.shape[-1] != k:
@@ -137,7 +142,8 @@ def linear_w4a16(x: torch.Tensor, qweight: QLinearWeight) -> torch.Tensor:
     lead = x.shape[:-1]
     xb = x.reshape(-1, k).to(torch.bfloat16).double()
     w = qweight.q.to(x.device)
-    y = (xb @ _unit(w)[:, :k].T).float() * _global(w)
+    wu = _unit(w) if weight_unit is None else weight_unit.to(x.device).double()
+    y = (xb @ wu[:, :k].T).float() * _global(w)
     return y.reshape(*lead, -1)
 
 

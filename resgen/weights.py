@@ -257,7 +257,8 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, fmt: str, *, damp: float = 0.01
 def prepare(w: torch.Tensor, fmt: str, method: str = "amax", *,
             selection: Selection | None = None, importance: torch.Tensor | None = None,
             ext_importance: torch.Tensor | None = None, hessian: torch.Tensor | None = None,
-            input_scale=None, base: QuantizedTensor | None = None) -> QLinearWeight:
+            input_scale=None, base: QuantizedTensor | None = None,
+            global_scale=None) -> QLinearWeight:
     """resgen.calibrate.prepare_weight with a weight-side method. w: [N, K] float.
 
     importance: [K] for the base columns (E[x^2]); ext_importance: [len(selection.indices)]
@@ -266,16 +267,23 @@ def prepare(w: torch.Tensor, fmt: str, method: str = "amax", *,
     base: a precomputed base QuantizedTensor [N, K] of this method (a cache: GPTQ's base does
         not depend on the selection); None computes it.
     The base part and the extension are quantized independently, as formats' blocks never
-    straddle K; the NVFP4 global scale is amax(W) / 2688 for both (prepare_weight's rule).
+    straddle K; the NVFP4 global scale is amax(W) / 2688 for both (prepare_weight's rule), or
+    global_scale when given (e.g. one alpha shared by layers that are fused at load).
     """
     if method not in WEIGHT_METHODS:
         raise ValueError(f"unknown weight method {method!r}; expected one of {WEIGHT_METHODS}")
     from .calibrate import prepare_weight
 
     if method == "amax":
-        return prepare_weight(w, fmt, selection=selection, input_scale=input_scale)
+        return prepare_weight(w, fmt, selection=selection, input_scale=input_scale,
+                              global_scale=global_scale)
     wf = _check_weight(w, fmt)
-    alpha = formats.nvfp4_global_scale(wf) if fmt == "nvfp4" else None
+    alpha = None
+    if fmt == "nvfp4":
+        alpha = formats.nvfp4_global_scale(wf) if global_scale is None else \
+            formats._check_global_scale(global_scale, wf.device)
+    elif global_scale is not None:
+        raise ValueError("MXFP4 has no global scale")
     if base is not None:
         if base.fmt != fmt or tuple(base.shape) != tuple(wf.shape):
             raise ValueError("the precomputed base does not match the weight / format")

@@ -43,7 +43,7 @@ def _x(seed=0, m=3):
 def test_state_dict_round_trip(fmt, comp, static, tmp_path):
     mod, qw = _module(fmt, comp, static)
     sd = mod.state_dict()
-    want = {"weight", "weight_scale", "resgen_in_features", "bias"}
+    want = {"weight", "weight_scale", "bias"}
     want |= {"weight_scale_2"} if fmt == "nvfp4" else set()
     want |= {"input_scale"} if static else set()
     want |= {"resgen_channel_mask", "resgen_ratio"} if comp == "0.25" else set()

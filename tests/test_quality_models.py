@@ -217,3 +217,56 @@ def test_report_cli_bad_input_is_one_line(tmp_path, capsys, bos_model):
     assert main(["report", "--model", str(folder), "--text", str(text), "--out",
                  str(tmp_path), "--stem", "bad", "--assemble"]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def modelopt_ckpt(tmp_path_factory):
+    """The ModelOpt NVFP4 fixture (written by nvidia-modelopt 0.47, tests/fixtures/modelopt)
+    with a tokenizer beside it (the fixture has none; its vocabulary of 128 holds the
+    fixture tokenizer's 63 ids)."""
+    import shutil
+
+    src = Path(__file__).parent / "fixtures" / "modelopt" / "llama_nvfp4_sharded"
+    root = tmp_path_factory.mktemp("ckpt")
+    dst = root / "llama_nvfp4_sharded"
+    shutil.copytree(src, dst)
+    make_tokenizer(add_bos=True).save_pretrained(dst)
+    return dst, write_text(root / "t.txt", 2500, seed=3)
+
+
+def test_study_on_a_modelopt_checkpoint(modelopt_ckpt):
+    pytest.importorskip("resgen.checkpoint")
+    from resgen import formats
+    from resgen.checkpoint import load_checkpoint
+
+    folder, text = modelopt_ckpt
+    assert QM.resolve_model(folder).kind == "checkpoint"
+    cfg = StudyConfig(seq_len=24, n_calib=2, n_eval=2, n_nmse=1, n_grad=1, batch=2,
+                      text=str(text), model_dir=str(folder))
+    study = Study(cfg, log=lambda s: None)
+    assert study.model_info["kind"] == "checkpoint" and "dequantized" in \
+        study.model_info["reference"]
+    ck = load_checkpoint(folder, serve_check=False)
+    name = "model.layers.1.mlp.down_proj"
+    want = formats.dequantize(ck.linears[name].base())
+    assert torch.equal(study.weight["layers.1.mlp.down_proj"], want)   # the reference
+    qw = study.qweight("layers.1.mlp.down_proj", Method("nvfp4", "none"), "none")
+    assert torch.equal(qw.q.codes, ck.linears[name].q.codes)           # its own codes
+    assert qw.input_scale is None
+    r = study.evaluate(Method("nvfp4", "w4a16"))
+    # W4A16 on the checkpoint's own weights: only the BF16 rounding of activations is left
+    assert max(r["layer_nmse"].values()) < 1e-4
+    assert study.evaluate(Method("nvfp4", "none"))["ppl"] > 0
+
+
+
+def test_report_cli_on_a_checkpoint(modelopt_ckpt, tmp_path):
+    pytest.importorskip("resgen.checkpoint")
+    from resgen.cli import main
+
+    folder, text = modelopt_ckpt
+    assert main(["report", "--model", str(folder), "--text", str(text), "--seq-len", "24",
+                 "--calib-seqs", "2", "--eval-seqs", "2", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "llama_nvfp4_sharded.json").read_text())
+    assert doc["model"]["kind"] == "checkpoint" and doc["model"]["name"] == "llama_nvfp4_sharded"
+    assert doc["text"]["bos"]["token_id"] == 1

@@ -633,6 +633,47 @@ class TuningDB:
         return {"added": added, "already_present": skipped, "bad_checksum": bad,
                 "dropped": dropped}
 
+    def winner_ids(self, keep: Callable[[Mapping[str, Any]], bool] | None = None) -> set[int]:
+        """Result ids of the winning timed row per (workload, GPU name, arch): among the "ok"
+        rows (that `keep` accepts) under the newest measurement policy present (version,
+        then name: medians of different policies are not compared, as resgen.runtime does),
+        the lowest median with ties to the lowest space index (pick_winner)."""
+        groups: dict[tuple, list[dict[str, Any]]] = {}
+        for r in self.rows(status=Status.OK, compile_only=False):
+            if keep is not None and not keep(r):
+                continue
+            groups.setdefault((r["workload_digest"], r["gpu_name"], r["arch"]), []).append(r)
+        out: set[int] = set()
+        for rows in groups.values():
+            def pol(r: Mapping[str, Any]) -> tuple[int, str]:
+                try:
+                    d = json.loads(r["policy"] or "{}")
+                    return int(d.get("version", 0)), str(d.get("name", ""))
+                except (ValueError, TypeError):
+                    return 0, ""
+            newest = max(pol(r) for r in rows)
+            rows = [r for r in rows if pol(r) == newest]
+            win = pick_winner(rows, _tie_rel(rows))
+            if win is not None:
+                out.add(int(win["id"]))
+        return out
+
+    def export_winners(self, dest: str | os.PathLike,
+                       keep: Callable[[Mapping[str, Any]], bool] | None = None
+                       ) -> dict[str, int]:
+        """A new tuning database at `dest` holding only the winner rows (winner_ids) with
+        their workloads, variants and environments: small enough to share, and a database
+        like any other (`resgen db merge` imports it, RESGEN_DB serves it). The rows keep
+        their checksums. Returns {"workloads": winners written, "rows_scanned": ...}."""
+        dest = Path(dest)
+        if dest.exists():
+            raise FileExistsError(f"{dest} exists; remove it first")
+        ids = self.winner_ids(keep)
+        with TuningDB(dest) as out:
+            counts = out.merge_from(self, keep=lambda row: int(row["id"]) in ids)
+        return {"winners": counts["added"], "rows_scanned": len(self),
+                "bad_checksum": counts["bad_checksum"]}
+
     def export_json(self) -> dict[str, Any]:
         """Every result joined with its workload, variant and environment (plain data)."""
         out = []

@@ -46,7 +46,9 @@ serves shorter sequences (the batch's shorter rows are served the same way).
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,7 +60,8 @@ from .kv_append import KVAppend
 from .linear import Linear
 from .quantizer import LayerQuantizer
 
-__all__ = ["register", "resolve", "unregister", "handles", "cache_args", "NAMESPACE", "OPS"]
+__all__ = ["register", "resolve", "unregister", "handles", "cache_args", "NAMESPACE", "OPS",
+           "Recorder", "recording", "push_recorder", "pop_recorder"]
 
 NAMESPACE = "resgen"
 OPS = ("linear", "quantize", "decode_attention", "kv_append")
@@ -107,6 +110,58 @@ def resolve(handle: str, kind: str | None = None) -> Any:
     return obj
 
 
+@dataclass
+class Recorder:
+    """The distinct problems the ops looked up while it was active, per op name, in first-
+    seen order (resgen.autotune tunes them)."""
+
+    problems: dict[str, list] = field(default_factory=dict)
+    summary: list = field(default_factory=list)
+    db: Any = None
+
+    def add(self, op: str, problem: Any) -> None:
+        seen = self.problems.setdefault(op, [])
+        if problem not in seen:
+            seen.append(problem)
+
+    def count(self) -> int:
+        return sum(len(v) for v in self.problems.values())
+
+
+_LOCAL = threading.local()
+
+
+def push_recorder() -> Recorder:
+    """Start recording on this thread (nested recorders: the innermost records)."""
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    rec = Recorder()
+    stack.append(rec)
+    return rec
+
+
+def pop_recorder(rec: Recorder) -> None:
+    _LOCAL.stack.remove(rec)
+
+
+def recording() -> Recorder | None:
+    """The innermost active recorder of this thread, or None."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _record(op: str, obj: Any, *shape: int) -> None:
+    """Tell an active `resgen.autotune()` which problem this call looks up (cheap no-op
+    otherwise; stand-ins without a `problem` method are not recorded)."""
+    rec = recording()
+    if rec is not None and hasattr(obj, "problem"):
+        try:
+            rec.add(op, obj.problem(*shape))
+        except (ValueError, TypeError):
+            pass            # a shape the family cannot key: the call itself reports it
+
+
 def _cache(k_codes, k_sf, v_codes, v_sf, k_scale, v_scale) -> PagedKVCache:
     """The PagedKVCache over the op's tensors; k_sf / v_sf arrive as uint8 E4M3 bit patterns
     (see the module docstring) and are viewed back as float8_e4m3fn (same storage)."""
@@ -131,7 +186,11 @@ def cache_args(cache: PagedKVCache) -> tuple[torch.Tensor, ...]:
 @torch.library.custom_op(f"{NAMESPACE}::linear", mutates_args=())
 def linear(x: torch.Tensor, handle: str) -> torch.Tensor:
     """x: bf16 [..., K] -> bf16 [..., N] through the Linear registered under handle."""
-    return resolve(handle, "linear")(x)
+    op = resolve(handle, "linear")
+    m = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if m:
+        _record("linear", op, m)
+    return op(x)
 
 
 @linear.register_fake
@@ -151,7 +210,10 @@ def _linear_fake(x: torch.Tensor, handle: str) -> torch.Tensor:
 @torch.library.custom_op(f"{NAMESPACE}::quantize", mutates_args=())
 def quantize(x: torch.Tensor, handle: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: bf16 [M, K] -> (codes uint8 [T, KQ/2], scales [T, KQ/block], alpha float32 [1])."""
-    return resolve(handle, "quantize")(x)
+    op = resolve(handle, "quantize")
+    if x.dim() == 2 and x.shape[0]:
+        _record("quantize", op, x.shape[0])
+    return op(x)
 
 
 @quantize.register_fake
@@ -176,6 +238,9 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_sf: torch.Tensor,
                      max_kv_len: int, sm_scale: float | None, handle: str) -> torch.Tensor:
     """q: bf16 [B, Hq, D] over the paged NVFP4 cache (its six tensors) -> bf16 [B, Hq, D]."""
     op = resolve(handle, "decode_attention")
+    if q.dim() == 3 and q.shape[0] and max_kv_len > 0:
+        # the plan's key: the batch and the power-of-two class of the longest sequence
+        _record("decode_attention", op, q.shape[0], 1 << max(0, max_kv_len - 1).bit_length())
     return op(q, _cache(k_codes, k_sf, v_codes, v_sf, k_scale, v_scale), block_tables,
               seq_lens, max_kv_len=max_kv_len, sm_scale=sm_scale)
 

@@ -5,8 +5,8 @@ into their pages of a resgen.kvcache.PagedKVCache, in place.
     append = KVAppend(kv_heads=8, head_dim=128, page_size=32)
     append(cache, k, v, block_tables, positions)   # k, v: bf16 [T, Hkv, D]; positions [T, 2]
 
-The kernel is compiled once per geometry and process (resgen.kernels.attention_sm90.
-compile_append keeps it: a compiled kernel collected during a CUDA graph capture breaks the
+The kernel comes from the attention family (`bind_append`: compiled once per geometry and
+process, and kept: a compiled kernel collected during a CUDA graph capture breaks the
 capture) on the first call or `warmup()`; it is bit-exact to PagedKVCache.append, the
 reference (tests/gpu/test_attention_sm90_gpu.py).
 """
@@ -38,10 +38,10 @@ class KVAppend:
         self._kernel: Any = None
 
     def _compile(self) -> Any:
-        from ..kernels.attention_sm90 import KVAppendSm90, compile_append
+        from ..search.family import get_family
 
-        res, _ = compile_append(self.head_dim, self.kv_heads, self.page_size, arch=self.arch)
-        return KVAppendSm90(res.fn, self.head_dim, self.kv_heads, self.page_size)
+        return get_family("attention_sm90").bind_append(self.head_dim, self.kv_heads,
+                                                        self.page_size, self.arch)
 
     def warmup(self) -> Any:
         """Compile (and load) the kernel now, e.g. before CUDA graph capture."""

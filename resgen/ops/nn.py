@@ -12,12 +12,13 @@ ModelOpt Hugging Face export (and resgen.calibrate.save_layers) names them, so `
     weight_scale          NVFP4 float8_e4m3fn / MXFP4 uint8 E8M0 [N, (K + ext) / block]
     weight_scale_2        float32 []  NVFP4 weight tensor scale (absent for MXFP4)
     input_scale           float32 []  NVFP4 static activation scale (absent when dynamic)
-    resgen_in_features    int64 []    K
     resgen_channel_mask   uint8 [K / 8]   K-Ext selection (absent otherwise)
     resgen_ratio          float32 []      its ratio
     bias                  float32 [N] (absent without a bias)
 
-`.to(dtype)` / `.half()` move these buffers but never change their dtypes (a float8 or float32
+K is the module's configuration (in_features), not a tensor: the state dict holds exactly a
+ModelOpt NVFP4 layer's tensors (plus resgen's K-Ext fields; save_layers also writes
+resgen_in_features). `.to(dtype)` / `.half()` move these buffers but never change their dtypes (a float8 or float32
 scale cast to BF16 would change the weight). After a move or a `load_state_dict` the run-time
 op is rebuilt from the buffers (its plans, prepared weight layouts and compiled kernels are per
 device and per weight).
@@ -46,8 +47,8 @@ __all__ = ["FP4Linear", "BACKENDS"]
 
 BACKENDS: tuple[str, ...] = ("kernels", "reference")
 # buffers whose dtype is part of the format (never converted by Module.to(dtype))
-_FIXED = ("weight", "weight_scale", "weight_scale_2", "input_scale", "resgen_in_features",
-          "resgen_channel_mask", "resgen_ratio", "bias")
+_FIXED = ("weight", "weight_scale", "weight_scale_2", "input_scale", "resgen_channel_mask",
+          "resgen_ratio", "bias")
 
 
 def _comp_string(c: str | float) -> str:
@@ -98,8 +99,6 @@ class FP4Linear(torch.nn.Module):
         isc = qweight.input_scale
         self.register_buffer("input_scale", None if isc is None else
                              torch.as_tensor(isc, dtype=torch.float32).to(device).reshape(()))
-        self.register_buffer("resgen_in_features",
-                             torch.tensor(qweight.in_features, dtype=torch.int64, device=device))
         sel = qweight.selection
         self.register_buffer("resgen_channel_mask", None if sel is None else
                              sel.masks.to(device))
@@ -125,11 +124,11 @@ class FP4Linear(torch.nn.Module):
         """Quantize an nn.Linear's weight (offline): NVFP4 with a static activation scale
         (`input_scale`, e.g. amax / (6 * 448) from calibration) or dynamic scales (None),
         or MXFP4; a K-Ext ratio needs the calibrated channel `selection` of that ratio."""
-        if kwargs.get("backend", "kernels") == "kernels":
+        if kwargs.get("backend", "kernels") == "kernels":      # before quantizing
             require_cuda_device(kwargs.get("device"), kwargs.get("arch") or _default_arch(),
-                                what="resgen.ops.FP4Linear", simulated=bool(
-                                    kwargs.get("compile_fn") or
-                                    kwargs.get("quantizer_fn")))    # before quantizing
+                                what="resgen.ops.FP4Linear",
+                                simulated=bool(kwargs.get("compile_fn") or
+                                               kwargs.get("quantizer_fn")))
         w = linear.weight.detach().float().cpu()
         qw = prepare_weight(w, fmt, selection, input_scale=input_scale)
         bias = None if linear.bias is None else linear.bias.detach().float()
@@ -142,26 +141,29 @@ class FP4Linear(torch.nn.Module):
         """A module with the buffers of this configuration, zero-filled (the codes decode to
         zeros; an NVFP4 tensor scale of 1), for load_state_dict / from_pretrained to fill."""
         bs = formats.block_size(fmt)
+        cpu = torch.device("cpu")   # explicit: transformers builds models under a meta context
         sel = None
         ext = 0
         if ratio is not None:
             from ..calibrate import select_channels
 
-            sel = select_channels(torch.zeros(in_features), ratio)
+            sel = select_channels(torch.zeros(in_features, device=cpu), ratio)
             ext = sel.extension_length(fmt)
         width = in_features + ext
-        scales = torch.zeros(out_features, width // bs, dtype=torch.uint8)
+        scales = torch.zeros(out_features, width // bs, dtype=torch.uint8, device=cpu)
         if fmt == "nvfp4":
             scales = scales.view(torch.float8_e4m3fn)
-        q = formats.QuantizedTensor(fmt, torch.zeros(out_features, width // 2, dtype=torch.uint8),
-                                    scales, torch.ones(()) if fmt == "nvfp4" else None)
-        isc = torch.ones(()) if static_scale and fmt == "nvfp4" else None
+        q = formats.QuantizedTensor(
+            fmt, torch.zeros(out_features, width // 2, dtype=torch.uint8, device=cpu), scales,
+            torch.ones((), device=cpu) if fmt == "nvfp4" else None)
+        isc = torch.ones((), device=cpu) if static_scale and fmt == "nvfp4" else None
         qw = QLinearWeight(q, in_features, sel, isc)
-        return cls(qw, compensation, torch.zeros(out_features) if bias else None, **kwargs)
+        return cls(qw, compensation, torch.zeros(out_features, device=cpu) if bias else None,
+                   **kwargs)
 
     def qweight(self) -> QLinearWeight:
         """The weight as a QLinearWeight over the current buffers (validated)."""
-        k = int(self.resgen_in_features)
+        k = self.in_features
         mask = self.resgen_channel_mask
         sel = None if mask is None else Selection(mask.cpu(), float(self.resgen_ratio))
         fmt = self.fmt

@@ -15,9 +15,10 @@ row 2j the base of token j and row 2j + 1 its residue; a K-Ext ratio T = M, KQ =
 selected channels' residue appended, resgen.formats.quantize_with_residue's order).
 
 Per row count M a plan is built once: the variant from resgen.runtime (op "quantize", outputs
-"codes"), compiled once per process, with its workspace; every call returns fresh output
-tensors (a custom op must not hand out buffers a later call overwrites). Build plans before
-CUDA graph capture (`warmup`).
+"codes"), compiled once per process and bound by its family (quant_sm90's `bind`, reached
+through the family registry), with its workspace; every call returns fresh output tensors (a
+custom op must not hand out buffers a later call overwrites). Build plans before CUDA graph
+capture (`warmup`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .. import formats
-from ..search.quant_sm90 import QuantProblem
+from ..calibrate import GROUP
+from ..search.family import get_family
 from . import common
 from .common import choose_variant, compile_cached
 
 __all__ = ["LayerQuantizer", "QuantPlan", "operand_rows"]
+
+FAMILY = "quant_sm90"
 
 
 def operand_rows(m: Any, layout: str) -> Any:
@@ -50,15 +54,13 @@ def operand_rows(m: Any, layout: str) -> Any:
 
 @dataclass
 class QuantPlan:
-    """What runs for one row count: the problem, the variant and where it came from, the
-    bound kernel (resgen.kernels.quant_sm90.QuantKernel) and its persistent workspace."""
+    """What runs for one row count: the problem, the variant and where it came from, and the
+    bound op (the family's bind: op(x, alpha, masks) -> (codes, scales, alpha))."""
 
-    problem: QuantProblem
+    problem: Any
     variant: Any
     source: str
-    kernel: Any
-    workspace: torch.Tensor
-    dummy: torch.Tensor
+    op: Any
 
 
 class LayerQuantizer:
@@ -77,13 +79,10 @@ class LayerQuantizer:
                  masks: torch.Tensor | None = None, layout: str | None = None,
                  device: torch.device | str | None = None, arch: str = "sm_90a",
                  variant: Any = None, dispatcher: Any = None,
-                 compile_fn: Callable[[Any, Any, QuantProblem, str], Any] | None = None
-                 ) -> None:
-        from ..kernels.quant_sm90 import mode_of
-
+                 compile_fn: Callable[[Any, Any, Any, str], Any] | None = None) -> None:
         formats.block_size(fmt)
         comp = compensation if compensation in ("none", "full") else str(float(compensation))
-        mode = mode_of(comp)
+        mode = {"none": "plain", "full": "mext"}.get(comp, "kext")
         if layout is None:
             layout = "row_pair" if mode == "mext" else "plain"
         if (mode == "mext") == (layout == "plain"):
@@ -97,12 +96,14 @@ class LayerQuantizer:
                 if torch.cuda.is_available() else torch.device("cpu")
         self.device = torch.device(device)
         self.fmt, self.compensation, self.k, self.layout = fmt, comp, int(k), layout
+        self.mode = mode
         self.static_scale = fmt == "mxfp4" or input_scale is not None
         self.alpha = (None if input_scale is None else
                       torch.as_tensor(input_scale, dtype=torch.float32)
                       .reshape(1).to(self.device))
         self.masks = None if masks is None else masks.to(self.device)
         self.arch, self.variant = arch, variant
+        self._family = get_family(FAMILY)
         self._dispatcher = dispatcher
         self._compile = compile_fn or compile_cached
         self._plans: OrderedDict[int, QuantPlan] = OrderedDict()
@@ -110,21 +111,17 @@ class LayerQuantizer:
 
     @property
     def ext(self) -> int:
-        from ..kernels.quant_sm90 import operand_shape
+        """K-Ext extension channels (the selected channels padded to the block), else 0."""
+        if self.mode != "kext":
+            return 0
+        ksel = int(round(GROUP * float(self.compensation)))
+        return formats.extension_length(self.k * ksel // GROUP, self.fmt)
 
-        return operand_shape(self.fmt, self.compensation, self.k, 1, self.layout).ext
-
-    def problem(self, m: int) -> QuantProblem:
-        try:        # problems validate their fields at construction (e.g. K's range)
-            p = QuantProblem(fmt=self.fmt, compensation=self.compensation, m=int(m), k=self.k,
-                             static_scale=self.static_scale, layout=self.layout,
-                             outputs="codes", kp_align=64)
-        except ValueError as e:
-            raise ValueError(f"no quantizer for fmt={self.fmt} compensation="
-                             f"{self.compensation} K={self.k}: {e}") from None
-        from ..search.quant_sm90 import FAMILY
-
-        why = FAMILY.problem_invalid(p)
+    def problem(self, m: int) -> Any:
+        p = self._family.PROBLEM(fmt=self.fmt, compensation=self.compensation, m=int(m),
+                                 k=self.k, static_scale=self.static_scale, layout=self.layout,
+                                 outputs="codes", kp_align=64)
+        why = self._family.problem_invalid(p)
         if why is not None:
             raise ValueError(f"no quantizer for {p.key()}: {why}")
         return p
@@ -152,21 +149,14 @@ class LayerQuantizer:
         return [self.plan(int(m)) for m in ms]
 
     def _build(self, m: int) -> QuantPlan:
-        from ..kernels.quant_sm90 import QuantKernel
-        from ..search.quant_sm90 import config_of
-
         p = self.problem(m)
         fam, v, src = choose_variant("quantize", p, self.arch, None, self.variant,
                                      self._dispatcher)
         compiled = self._compile(fam, v, p, self.arch)
-        kernel = QuantKernel(config_of(v, p), compiled)
-        scratch = kernel.outputs(1, device=self.device)     # workspace + dummy, kept
-        return QuantPlan(p, v, src, kernel, scratch.workspace, scratch.dummy)
+        return QuantPlan(p, v, src, fam.bind(compiled, v, p, self.device))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: bf16 [M, K] contiguous on the op's device -> (codes, scales, alpha)."""
-        from ..kernels.quant_sm90 import QuantOperand, QuantOutputs, operand_shape
-
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
             raise TypeError("x must be a bf16 [M, K] tensor")
         if x.shape[1] != self.k:
@@ -174,21 +164,10 @@ class LayerQuantizer:
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the quantizer on {self.device}")
         m = x.shape[0]
-        (t, cw), (_, sw) = self.output_shapes(m)
-        sdt = torch.float8_e4m3fn if self.fmt == "nvfp4" else torch.uint8
-        codes = torch.empty(t, cw, dtype=torch.uint8, device=self.device)
-        scales = torch.empty(t, sw, dtype=torch.uint8, device=self.device)
-        alpha = torch.ones(1, dtype=torch.float32, device=self.device)
         if m == 0:
-            return codes, scales.view(sdt), alpha
-        plan = self.plan(m)
-        s = operand_shape(self.fmt, self.compensation, self.k, m, self.layout, 1, 64)
-        xop = plan.dummy[:0].view(torch.bfloat16)
-        op = QuantOperand(s, codes, scales.view(sdt) if self.fmt == "nvfp4" else scales, xop,
-                          alpha if self.fmt == "nvfp4" else None)
-        out = QuantOutputs(op, plan.workspace, plan.dummy)
-        res = plan.kernel(x.contiguous(), out, alpha=self.alpha if plan.kernel.config.alpha
-                          == "static" else None, masks=self.masks)
-        if self.fmt == "nvfp4" and res.alpha is not alpha:
-            alpha = res.alpha.clone()        # static: the given scale, in a fresh tensor
-        return codes, scales.view(sdt), alpha
+            (t, cw), (_, sw) = self.output_shapes(0)
+            sdt = torch.float8_e4m3fn if self.fmt == "nvfp4" else torch.uint8
+            return (torch.empty(t, cw, dtype=torch.uint8, device=self.device),
+                    torch.empty(t, sw, dtype=torch.uint8, device=self.device).view(sdt),
+                    torch.ones(1, dtype=torch.float32, device=self.device))
+        return self.plan(m).op(x.contiguous(), alpha=self.alpha, masks=self.masks)

@@ -170,16 +170,43 @@ def load_model(model_dir: str | Path | ModelSource | None = None, gguf_file: str
 
 
 def _load_checkpoint_model(src: ModelSource):
-    """An FP4 checkpoint as an FP32 model (its dequantized weights are the reference)."""
-    try:
-        from ..checkpoint import load_checkpoint  # noqa: F401
-    except ImportError:
-        raise ValueError(f"model {src.path}: an FP4 checkpoint (quantization config found); "
-                         "this resgen has no resgen.checkpoint reader, so pass the original "
-                         "Hugging Face folder or a GGUF file") from None
-    from ..checkpoint import dequantized_model
+    """An FP4 checkpoint (resgen.checkpoint.load_checkpoint: ModelOpt NVFP4 / MXFP4,
+    compressed-tensors, resgen's own) as an FP32 model whose quantized linears hold their
+    dequantized FP4 weights: that model is the reference. The checkpoint's QLinearWeights
+    are kept on the model (`_resgen_checkpoint`: quality name -> QLinearWeight, and its
+    format) so that the study's methods of that format reuse the stored codes exactly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return dequantized_model(src.path, dtype=torch.float32)
+    from .. import formats
+    from ..checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        ck = load_checkpoint(src.path, serve_check=False)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    config = AutoConfig.from_pretrained(src.path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config).float()
+    sd: dict[str, torch.Tensor] = {}
+    for name in ck.tensors:
+        t = ck.tensors[name]
+        sd[name] = t.float() if t.is_floating_point() else t
+    fp4 = {}
+    for name in ck.linears:
+        qw = ck.linears[name]
+        sd[f"{name}.weight"] = formats.dequantize(qw.base()).float()
+        fp4[name[len("model."):] if name.startswith("model.") else name] = qw
+    missing, _ = model.load_state_dict(sd, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing:
+        raise ValueError(f"model {src.path}: the checkpoint lacks {len(missing)} tensors the "
+                         f"{type(model).__name__} needs, e.g. {missing[0]}")
+    if tied:
+        model.tie_weights()
+    model._resgen_checkpoint = {"fmt": ck.fmt, "linears": fp4}
+    return model
 
 
 def load_tokenizer(model_dir: str | Path | ModelSource | None = None,

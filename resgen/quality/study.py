@@ -6,6 +6,11 @@ FP4 weights with BF16 activations, resgen.reference.linear_w4a16), the channel s
 the weight-side method and the activation tensor-scale mode. Study caches what methods share
 (prepared weights, GPTQ bases, planner scores).
 
+An FP4 checkpoint as the model (ModelOpt / compressed-tensors / resgen, read by
+resgen.checkpoint): the reference is its dequantized weights in FP32; methods of the
+checkpoint's own format with the plain weight method reuse its stored codes and scales
+exactly; other formats, weight methods and K-Ext extensions quantize the dequantized weights.
+
 Cost (CPU, FP32): memory is about 4 B per parameter for the model, 4 more while a method's
 fake-quant layers exist, ~0.6 per prepared weight configuration kept (one per distinct format /
 weight method / K-Ext ratio of the suite), plus the captured layer inputs (n_nmse * seq_len rows
@@ -171,6 +176,15 @@ class Study:
         st = self.stats[site_of(name)]
         sel = select(m.score, st, w, m.fmt, ratio) if kext else None
         isc = st.input_scale() if m.input_scale == "static" else None
+        ck = getattr(self.model, "_resgen_checkpoint", None)
+        if (ck is not None and ck["fmt"] == m.fmt and m.weights == "amax" and not kext
+                and name in ck["linears"]):
+            # an FP4 checkpoint's own codes and scales (requantizing its dequantized weight
+            # would not reproduce them); the activation scale is the method's
+            src = ck["linears"][name]
+            qw = QLinearWeight(src.base(), src.in_features, None, isc, src.meta)
+            self._qw[key] = qw
+            return qw
         base = None
         if m.weights == "gptq":
             bkey = (name, m.fmt)

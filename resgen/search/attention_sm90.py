@@ -274,6 +274,16 @@ class AttentionSm90Family(KernelFamilyBase):
                device: Any, n_sets: int = 1, seed: int = 0) -> "AttentionSm90Runner":
         return AttentionSm90Runner(compiled, variant, problem, device, n_sets, seed)
 
+    def bind_append(self, head_dim: int, kv_heads: int, page_size: int,
+                    arch: str = "sm_90a") -> Any:
+        """The KV append of a cache geometry (not tuned: one kernel per geometry, compiled
+        once per process by resgen.kernels.attention_sm90.compile_append): a KVAppendSm90,
+        op(cache, k, v, block_tables, positions). What resgen.ops.kv_append serves."""
+        from ..kernels.attention_sm90 import KVAppendSm90, compile_append
+
+        res, _ = compile_append(head_dim, kv_heads, page_size, arch=arch)
+        return KVAppendSm90(res.fn, head_dim, kv_heads, page_size)
+
 
 FAMILY = register(AttentionSm90Family())
 

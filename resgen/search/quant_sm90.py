@@ -205,6 +205,52 @@ class QuantSm90Family(KernelFamilyBase):
                device: Any, n_sets: int = 1, seed: int = 0) -> "QuantSm90Runner":
         return QuantSm90Runner(compiled, variant, problem, device, n_sets, seed)
 
+    def bind(self, compiled: Any, variant: QuantSm90Variant, problem: QuantProblem,
+             device: Any) -> "QuantCodesOp":
+        """The layer quantizer as a run-time op writing FP4 codes (resgen.ops.quantizer):
+        op(x, alpha=None, masks=None) -> (codes, scales, alpha), fresh tensors per call, the
+        workspace allocated now and kept."""
+        return QuantCodesOp(Q.QuantKernel(config_of(variant, problem), compiled), problem,
+                            torch.device(device))
+
+    @staticmethod
+    def operand_geometry(problem: QuantProblem) -> tuple[int, int]:
+        """(rows T, columns KQ) of the operand for problem.m tokens and a row multiple of 1."""
+        s = Q.operand_shape(problem.fmt, problem.compensation, problem.k, problem.m,
+                            problem.layout, 1, problem.kp_align)
+        return s.t_pad, s.kq
+
+
+class QuantCodesOp:
+    """A compiled quant_sm90 variant that writes codes and scales (outputs "codes"), called
+    with fresh output tensors every time (see QuantSm90Family.bind)."""
+
+    def __init__(self, kernel: Any, problem: QuantProblem, device: torch.device) -> None:
+        if problem.outputs != "codes":
+            raise ValueError("QuantCodesOp serves the 'codes' outputs")
+        self.kernel, self.problem, self.device = kernel, problem, device
+        scratch = kernel.outputs(1, device=device)
+        self.workspace, self.dummy = scratch.workspace, scratch.dummy
+
+    def __call__(self, x: torch.Tensor, alpha: torch.Tensor | None = None,
+                 masks: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.problem
+        s = Q.operand_shape(p.fmt, p.compensation, p.k, x.shape[0], p.layout, 1, p.kp_align)
+        codes = torch.empty(s.t_pad, s.kq // 2, dtype=torch.uint8, device=self.device)
+        scales = torch.empty(s.t_pad, s.kq // s.block, dtype=torch.uint8, device=self.device)
+        if p.fmt == "nvfp4":
+            scales = scales.view(torch.float8_e4m3fn)
+        out_alpha = torch.ones(1, dtype=torch.float32, device=self.device)
+        op = Q.QuantOperand(s, codes, scales, self.dummy[:0].view(torch.bfloat16),
+                            out_alpha if p.fmt == "nvfp4" else None)
+        res = self.kernel(x, Q.QuantOutputs(op, self.workspace, self.dummy),
+                          alpha=alpha if self.kernel.config.alpha == "static" else None,
+                          masks=masks)
+        if p.fmt == "nvfp4" and res.alpha is not out_alpha:
+            out_alpha = res.alpha.clone()         # static: the given scale, a fresh tensor
+        return codes, scales, out_alpha
+
 
 FAMILY = register(QuantSm90Family())
 

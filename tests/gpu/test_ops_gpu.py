@@ -12,6 +12,7 @@ import torch
 from resgen import calibrate as C
 from resgen import reference as R
 from resgen.ops import Linear
+from resgen.search.variant import LinearProblem
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -133,3 +134,46 @@ def test_decode_attention_graph_after_warmup():
     torch.cuda.synchronize()
     eager = attn(q, cache, bt, sl, max_kv_len=5000)
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+
+
+# ----------------------------------------------------------------------------- served == tuned
+
+
+def _bind_cases():
+    from resgen.search import linear_sm90 as LS
+    from resgen.search import linear_sm90_wgmma as LW
+
+    return [("linear_sm90_mma", LS.LinearSm90Variant(1, 8, 1, 1, 1, LS.Pipeline.CP_ASYNC, 3)),
+            ("linear_sm90_mma", LS.LinearSm90Variant(1, 8, 1, 1, 1, LS.Pipeline.CP_ASYNC, 3,
+                                                     act=LS.Act.FUSED, pdl=True)),
+            ("linear_sm90_mma", LS.LinearSm90Variant(1, 4, 1, 1, 1, LS.Pipeline.CP_ASYNC, 3,
+                                                     0, 2, LS.Reduction.WORKSPACE)),
+            ("linear_sm90_wgmma", LW.LinearSm90WgmmaVariant(1, 1, 32, 6, LW.Raster.TOK,
+                                                            LS.Packing.SPLIT, 2, True))]
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("fmt, comp", [("nvfp4", "none"), ("nvfp4", "full"), ("mxfp4", "full"),
+                                       ("nvfp4", "0.25")])
+def test_served_layer_is_the_tuned_call_bit_for_bit(case, fmt, comp):
+    """The tuner's runner (family.runner, as_layer, check, the timed call on set 1) and
+    resgen.ops.Linear on that set's weight and activations run the same bound layer
+    (family.bind): bit-identical outputs with the real kernels and quantizer."""
+    from resgen.ops.common import compile_cached
+    from resgen.search.family import get_family
+
+    name, v = _bind_cases()[case]
+    fam = get_family(name)
+    p = LinearProblem(fmt, comp, 3, 4096, 4096)
+    assert fam.why_invalid(v, p, "sm_90a") is None, fam.why_invalid(v, p, "sm_90a")
+    compiled = compile_cached(fam, v, p, "sm_90a")
+    r = fam.runner(compiled, v, p, "cuda", n_sets=2, seed=5)
+    r.as_layer()
+    chk = r.check()
+    assert chk.ok, chk.detail
+    r.rotate(1)
+    tuned = r().clone()
+    layer = Linear(r.sets[1][0], comp, variant=v)
+    served = layer(r.xbs[1])
+    torch.cuda.synchronize()
+    assert torch.equal(served.view(torch.int16), tuned.view(torch.int16)), v.name()

@@ -1,0 +1,261 @@
+"""Building a DecoderModel from a ModelSource: the dense form (BF16 / FP32 linears), its
+calibration, and the FP4 form on a backend's kernels.
+
+Fusion: q/k/v and gate/up are concatenated along N before quantizing, so they hit the tuned
+fused shapes (qkv, gate_up) with ONE NVFP4 weight tensor scale computed from the fused
+weight's amax. That quantizes exactly the fused weight (no requantization, nothing lost: the
+per-16 block scales never straddle rows); it differs from quantizing q, k, v separately only
+in the tensor scale each row's block scales are relative to. FP4 checkpoints are fused by
+resgen.checkpoint.fuse_linears (requantizing exactly when the parts' global scales differ).
+
+Compensation: "none" (plain W4A4), "full" (M-Ext), a K-Ext ratio (0.125 / 0.25 / 0.5 / 1.0:
+needs calibration for the channel selection), or a per-layer plan (a resgen.plan.Plan or a
+mapping {layer name: ratio}; names as the quality study and the planner write them,
+"layers.3.self_attn.q_proj", or the engine's "layers.3.qkv"; ratio 0 = none, 1 = full). A
+fused projection runs one compensation: where a plan gives q/k/v (or gate/up) different
+ratios, the largest is used (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+
+from ..calibrate import QLinearWeight, prepare_weight
+from .backend import Backend
+from .calib import LINEAR_SITE, Calibration, site_name
+from .config import DecoderConfig
+from .model import DecoderModel, DenseLinear, LayerOps, Proj
+from .source import ModelSource
+
+__all__ = ["HF_PARTS", "dense_model", "quantized_model", "compensation_of", "calibrate",
+           "FORMATS"]
+
+log = logging.getLogger("resgen.engine")
+
+FORMATS = ("nvfp4", "mxfp4", "bf16")
+# engine projection -> its Hugging Face modules, in fused (N) order
+HF_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+            "down": ("mlp.down_proj",)}
+_RATIO_NAMES = {0.0: "none", 1.0: "full"}
+
+
+def _prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def _norms(src: ModelSource, cfg: DecoderConfig, i: int, device: torch.device,
+           dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+    p = _prefix(i)
+
+    def get(name: str) -> torch.Tensor:
+        return src.tensor(p + name).to(device, dtype)
+    out: dict[str, torch.Tensor | None] = {"in_norm": get("input_layernorm.weight"),
+                                           "post_norm": get("post_attention_layernorm.weight"),
+                                           "q_norm": None, "k_norm": None}
+    if cfg.qk_norm:
+        out["q_norm"], out["k_norm"] = get("self_attn.q_norm.weight"), \
+            get("self_attn.k_norm.weight")
+    return out
+
+
+def _bias(src: ModelSource, cfg: DecoderConfig, i: int, proj: str, device: torch.device
+          ) -> torch.Tensor | None:
+    """float32 [N] on `device`: the fused projection's bias, or None."""
+    want = cfg.qkv_bias if proj == "qkv" else (cfg.o_bias if proj == "o" else False)
+    if not want:
+        return None
+    b = torch.cat([src.tensor(_prefix(i) + part + ".bias").float() for part in HF_PARTS[proj]])
+    if b.shape != (cfg.linear_shapes()[proj][0],):
+        raise ValueError(f"layer {i} {proj} bias has shape {tuple(b.shape)}")
+    return b.to(device)
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, the config needs {shape}")
+
+
+def _head_weights(src: ModelSource, cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:
+    embed = src.tensor("model.embed_tokens.weight")
+    _check_shape("model.embed_tokens.weight", embed, (cfg.vocab_size, cfg.hidden))
+    if cfg.tie_embeddings or not src.has("lm_head.weight"):
+        if not cfg.tie_embeddings:
+            raise KeyError(f"{src.name}: tensor 'lm_head.weight' is missing and the config "
+                           "does not tie the embeddings")
+        head = embed
+    else:
+        head = src.tensor("lm_head.weight")
+        _check_shape("lm_head.weight", head, (cfg.vocab_size, cfg.hidden))
+    return embed, src.tensor("model.norm.weight"), head
+
+
+def dense_model(src: ModelSource, cfg: DecoderConfig, device: torch.device, glue: str,
+                weight_dtype: torch.dtype) -> DecoderModel:
+    """The unquantized model: fused BF16 / FP32 linears (DenseLinear), keeping the source
+    values for quantization."""
+    from .model import GLUE
+
+    g = GLUE[glue]
+    shapes = cfg.linear_shapes()
+    layers = []
+    for i in range(cfg.layers):
+        projs = {}
+        for proj, parts in HF_PARTS.items():
+            ws = []
+            for part in parts:
+                name = _prefix(i) + part + ".weight"
+                ws.append(src.tensor(name))
+            w = torch.cat(ws).to(device) if len(ws) > 1 else ws[0].to(device)
+            _check_shape(f"layer {i} {proj} ({' + '.join(parts)})", w, shapes[proj])
+            projs[proj] = Proj(DenseLinear(w, weight_dtype), weight_dtype, g,
+                               _bias(src, cfg, i, proj, device))
+        layers.append(LayerOps(**projs, **_norms(src, cfg, i, device, g)))
+    embed, norm, head = _head_weights(src, cfg)
+    head_dtype = torch.bfloat16 if glue == "bf16" else torch.float32
+    m = DecoderModel(cfg, layers, embed, norm, head.to(head_dtype), glue, device,
+                     weight_dtype)
+    return m
+
+
+def compensation_of(spec: Any, cfg: DecoderConfig) -> dict[tuple[int, str], str]:
+    """{(layer, projection): "none" | "full" | K-Ext ratio string} for every fused projection
+    (see the module docstring)."""
+    from ..ops.linear import _compensation_string
+
+    ratios = getattr(spec, "ratios", spec)
+    if not isinstance(ratios, Mapping):
+        c = _compensation_string(spec)
+        return {(i, p): c for i in range(cfg.layers) for p in HF_PARTS}
+    out: dict[tuple[int, str], str] = {}
+    for i in range(cfg.layers):
+        for proj, parts in HF_PARTS.items():
+            names = [f"layers.{i}.{part}" for part in parts]
+            got = [ratios.get(n, ratios.get("model." + n)) for n in names]
+            if all(r is None for r in got):
+                r = ratios.get(f"layers.{i}.{proj}")
+                if r is None:
+                    raise ValueError(f"the compensation plan has no entry for layer {i} "
+                                     f"{proj} ({', '.join(names)})")
+                got = [r]
+            vals = [_plan_value(r, names) for r in got if r is not None]
+            if len(set(vals)) > 1:
+                log.warning("plan gives layer %d %s different ratios %s: the fused projection "
+                            "runs the largest", i, proj, vals)
+            out[(i, proj)] = _compensation_string(_RATIO_NAMES.get(max(vals), max(vals)))
+    return out
+
+
+def _plan_value(r: Any, names: list[str]) -> float:
+    if r in ("none", "full"):
+        return 0.0 if r == "none" else 1.0
+    try:
+        return float(r)
+    except (TypeError, ValueError):
+        raise ValueError(f"plan ratio {r!r} for {names[0]} is not a number") from None
+
+
+def quantized_model(dense: DecoderModel, backend: Backend, fmt: str, compensation: Any,
+                    calib: Calibration | None, quant_device: torch.device | None = None
+                    ) -> DecoderModel:
+    """The FP4 model on `backend` from a dense model's source weights: per fused projection,
+    resgen.calibrate.prepare_weight (fmt; the K-Ext selection and the static NVFP4 input scale
+    from `calib` where given, else dynamic scales) and backend.linear. The dense weights are
+    dropped from the result (norms, embeddings and the LM head are shared)."""
+    if fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4' to quantize, got {fmt!r}")
+    cfg = dense.cfg
+    comps = compensation_of(compensation, cfg)
+    qdev = quant_device or dense.device
+    layers = []
+    for i, L in enumerate(dense.layers):
+        projs = {}
+        for proj, p in L.projections().items():
+            comp = comps[(i, proj)]
+            ratio = None if comp in ("none", "full") else float(comp)
+            site = calib.site(site_name(i, proj)) if calib is not None else None
+            if ratio is not None and site is None:
+                raise ValueError(f"compensation ratio {comp} (K-Ext) needs a channel "
+                                 "selection: pass calib= (token ids, text or a calibration "
+                                 "file)")
+            sel = site.selection(ratio) if ratio is not None else None
+            isc = site.input_scale() if (site is not None and fmt == "nvfp4") else None
+            w = p.op.source.to(qdev).float()
+            qw = prepare_weight(w, fmt, sel, input_scale=isc)
+            del w
+            projs[proj] = Proj(backend.linear(qw, comp), backend.io_dtype, dense.glue, p.bias,
+                               qw, comp)
+        layers.append(LayerOps(**projs, in_norm=L.in_norm, post_norm=L.post_norm,
+                               q_norm=L.q_norm, k_norm=L.k_norm))
+    m = DecoderModel.__new__(DecoderModel)
+    m.__dict__.update(dense.__dict__)
+    m.layers = layers
+    m.io_dtype = backend.io_dtype
+    m.pad_rows = backend.name != "reference"
+    return m
+
+
+def checkpoint_model(src: ModelSource, cfg: DecoderConfig, backend: Backend, compensation: Any,
+                     device: torch.device, glue: str) -> DecoderModel:
+    """The FP4 model of an FP4 checkpoint (src.qlinears from resgen.checkpoint): q/k/v and
+    gate/up fused with resgen.checkpoint.fuse_linears."""
+    from ..checkpoint import fuse_linears
+    from .model import GLUE
+
+    comps = compensation_of(compensation, cfg)
+    shapes = cfg.linear_shapes()
+    layers = []
+    for i in range(cfg.layers):
+        projs = {}
+        for proj, parts in HF_PARTS.items():
+            names = [_prefix(i) + part for part in parts]
+            missing = [n for n in names if n not in src.qlinears]
+            if missing:
+                raise KeyError(f"{src.name}: the FP4 checkpoint has no quantized {missing[0]}")
+            qws = [src.qlinears[n] for n in names]
+            qw: QLinearWeight = fuse_linears(qws) if len(qws) > 1 else qws[0]
+            if (qw.out_features, qw.in_features) != shapes[proj]:
+                raise ValueError(f"{src.name}: layer {i} {proj} is {qw.out_features} x "
+                                 f"{qw.in_features}, the config needs {shapes[proj]}")
+            projs[proj] = Proj(backend.linear(qw, comps[(i, proj)]), backend.io_dtype,
+                               GLUE[glue], _bias(src, cfg, i, proj, device), qw,
+                               comps[(i, proj)])
+        layers.append(LayerOps(**projs, **_norms(src, cfg, i, device, GLUE[glue])))
+    embed, norm, head = _head_weights(src, cfg)
+    head_dtype = torch.bfloat16 if glue == "bf16" else torch.float32
+    m = DecoderModel(cfg, layers, embed, norm, head.to(head_dtype), glue, device,
+                     backend.io_dtype)
+    m.pad_rows = backend.name != "reference"
+    return m
+
+
+@torch.no_grad()
+def calibrate(dense: DecoderModel, seqs: list[torch.Tensor], batch_tokens: int = 4096
+              ) -> Calibration:
+    """Site statistics (resgen.engine.calib) of the dense model over token sequences."""
+    cal = Calibration()
+    group: list[torch.Tensor] = []
+    n = 0
+
+    def flush() -> None:
+        if group:
+            dense.prefill(group, store=False, want="none", record=cal.recorder)
+            group.clear()
+    for s in seqs:
+        if n + s.numel() > batch_tokens:
+            flush()
+            n = 0
+        group.append(s)
+        n += s.numel()
+    flush()
+    cal.tokens = sum(int(s.numel()) for s in seqs)
+    if not cal.sites:
+        raise ValueError("no calibration tokens")
+    return cal
+
+
+__all__ += ["checkpoint_model", "LINEAR_SITE"]
