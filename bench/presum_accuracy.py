@@ -17,10 +17,12 @@ form Blackwell computes (resgen.reference.linear, fold "exact"). Measured here:
 4. the ResAttn query analogue (reference.decode_attention(..., fold="presum")) on random
    queries and NVFP4 KV, Qwen3-8B geometry, against the attention family's tolerance.
 
-    python bench/presum_accuracy.py [--quick] [--out bench/results/quality/presum_accuracy.json]
+    python bench/presum_accuracy.py [--quick] [--parts random,attention,smollm2]
+        [--out bench/results/quality/presum_accuracy.json]
 
-writes the JSON and prints a short table last. --quick: smaller shapes and the quality study's
-smoke-test size (a CPU test runs it).
+writes the JSON (--parts: only those parts, replacing them in an existing file; each part
+records the command that produced it) and prints a short table last. --quick: smaller shapes
+and the quality study's smoke-test size (a CPU test runs it).
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ from resgen import reference as R  # noqa: E402
 
 TOLERANCE = 3e-3            # the linear kernels' check (resgen.search.sm90_linear.TOLERANCE)
 COMPS = ("full", 0.125, 0.25, 0.5)
-QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
-            "down": (4096, 12288)}
+PPL_COMPS = ("full", 0.125, 0.5)        # perplexity: M-Ext and the K-Ext ends (CPU time)
+# Qwen3-8B's projection shapes with distinct (N, K); gate_up (24576 x 4096) has qkv's K and
+# would only repeat a random 4096-deep layer at four times the CPU cost
+QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 12288)}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -94,10 +98,8 @@ def random_layers(quick: bool, seed: int = 0) -> list[dict]:
     m = 8 if quick else 32
     out = []
     for fmt, static in (("nvfp4", False), ("nvfp4", True), ("mxfp4", False)):
-        for name, (n, k) in shapes.items():
-            if name == "gate_up":
-                n = 6144            # a slice of the 24576 channels: same K, same statistics
-            g = torch.Generator().manual_seed(seed + n + k)
+        for j, (name, (n, k)) in enumerate(shapes.items()):
+            g = torch.Generator().manual_seed(seed + 1000 * j + n + k)
             xcal = _heavy(64, k, g)
             for comp in COMPS:
                 qw, w = _weight(n, k, fmt, g, None if comp == "full" else comp, xcal, static)
@@ -116,10 +118,13 @@ def random_layers(quick: bool, seed: int = 0) -> list[dict]:
 class _PresumStudy:
     """The quality study with FakeQuantLinear's fold chosen per evaluation."""
 
-    def __init__(self, quick: bool, log=print):
+    def __init__(self, quick: bool, log=print, **sizes: int):
+        import dataclasses
+
         from resgen.quality.study import Study, StudyConfig
 
         cfg = StudyConfig.quick() if quick else StudyConfig()
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in sizes.items() if v})
         self.study = Study(cfg, log=log)
         self.cfg = cfg
 
@@ -136,30 +141,48 @@ class _PresumStudy:
         assert isinstance(m, Method)
         return out
 
+    @torch.no_grad()
     def window_nll(self, mods: dict | None) -> list[float]:
-        """Mean NLL of every held-out window (one forward each) under the given modules."""
-        from resgen.quality.evaluate import perplexity
+        """Mean next-token NLL (nats) of every held-out window under the given modules (the
+        quality study's perplexity, kept per window for the paired noise estimate)."""
+        import torch.nn.functional as TF
+
         from resgen.quality.model import replace_linears
 
         st = self.study
+        seqs, b = st.split.eval, st.config.batch
         old = replace_linears(st.model, mods) if mods is not None else None
+        out: list[float] = []
         try:
-            return [perplexity(st.model, st.split.eval[i: i + 1], batch=1)["nll"]
-                    for i in range(st.split.eval.shape[0])]
+            for i in range(0, seqs.shape[0], b):
+                ids = seqs[i: i + b]
+                logits = st.model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+                nll = TF.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       ids[:, 1:].reshape(-1), reduction="none")
+                out += nll.double().reshape(ids.shape[0], -1).mean(1).tolist()
         finally:
             if old is not None:
                 replace_linears(st.model, old)
+        return out
 
 
-def smollm2(quick: bool) -> dict:
+def smollm2(quick: bool, **sizes: int) -> dict:
+    """sizes: StudyConfig fields to override (seq_len, n_calib, n_eval)."""
     from resgen.quality.capture import site_of
     from resgen.quality.study import Method
 
     t0 = time.time()
-    ps = _PresumStudy(quick)
+
+    def say(what: str) -> None:
+        print(f"[{time.time() - t0:7.1f} s] smollm2 {what}", flush=True)
+
+    ps = _PresumStudy(quick, **sizes)
     st = ps.study
     res: dict = {"model": "SmolLM2-135M", "config": dict(st.config.__dict__),
-                 "layers": len(st.weight), "load_s": round(time.time() - t0, 1)}
+                 "layers": len(st.weight), "load_s": round(time.time() - t0, 1),
+                 "noise": "paired: per held-out window, NLL(presum) - NLL(exact); within "
+                          "noise when |mean| <= 2 standard errors of that mean"}
+    say("loaded and calibrated")
     ref_nll = ps.window_nll(None)
     res["ref"] = {"ppl": math.exp(statistics.fmean(ref_nll)), "window_nll": ref_nll}
     layer_recs, ppl_recs = [], []
@@ -170,6 +193,7 @@ def smollm2(quick: bool) -> dict:
                          "ppl": math.exp(statistics.fmean(plain)), "window_nll": plain})
         ppl_recs.append({"fmt": fmt, "comp": "w4a16", "fold": "exact",
                          "ppl": math.exp(statistics.fmean(w16)), "window_nll": w16})
+        say(f"{fmt} plain and w4a16 perplexity")
         for comp in COMPS:
             m = Method(fmt, comp)
             # layer outputs on the captured inputs, through the reference (float64)
@@ -192,9 +216,10 @@ def smollm2(quick: bool) -> dict:
                 "mean_nmse_presum": statistics.fmean(n_pre),
                 "mean_nmse_ratio_presum_over_exact": statistics.fmean(
                     p / e for p, e in zip(n_pre, n_ex))})
-            print(f"smollm2 {fmt} {comp}: layers presum/exact max "
-                  f"{max(rels):.2e}, NMSE ratio {layer_recs[-1]['mean_nmse_ratio_presum_over_exact']:.4f}",
-                  flush=True)
+            say(f"{fmt} {comp}: layers presum/exact max {max(rels):.2e}, NMSE ratio "
+                f"{layer_recs[-1]['mean_nmse_ratio_presum_over_exact']:.4f}")
+            if comp not in PPL_COMPS:
+                continue
             nll = {fold: ps.window_nll(ps.modules(m, fold)) for fold in ("exact", "presum")}
             d = [b - a for a, b in zip(nll["exact"], nll["presum"])]
             se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
@@ -205,6 +230,7 @@ def smollm2(quick: bool) -> dict:
             ppl_recs[-1]["paired_dnll_mean"] = statistics.fmean(d)
             ppl_recs[-1]["paired_dnll_se"] = se
             ppl_recs[-1]["within_noise"] = abs(statistics.fmean(d)) <= 2 * se
+            say(f"{fmt} {comp}: ppl {ppl_recs[-2]['ppl']:.3f} -> {ppl_recs[-1]['ppl']:.3f}")
     res["layer_outputs"] = layer_recs
     res["perplexity"] = ppl_recs
     res["seconds"] = round(time.time() - t0, 1)
@@ -248,7 +274,7 @@ def summary(res: dict) -> str:
     lines = ["| part | fmt | comp | presum vs exact (max rel) | bf16(presum) vs exact "
              "(max rel; check 3e-3) | NMSE presum / exact | ppl exact -> presum "
              "(paired dNLL +- SE) |", "|---|---|---|---:|---:|---:|---|"]
-    rnd = res["random"]
+    rnd = res.get("random", [])
     for fmt, static in (("nvfp4", False), ("nvfp4", True), ("mxfp4", False)):
         for comp in COMPS:
             rs = [r for r in rnd if r["fmt"] == fmt and r["static_scale"] == static
@@ -265,14 +291,16 @@ def summary(res: dict) -> str:
         for lr in sm["layer_outputs"]:
             pp = {p["fold"]: p for p in sm["perplexity"]
                   if p["fmt"] == lr["fmt"] and p["comp"] == lr["comp"]}
-            pe, pr = pp["exact"], pp["presum"]
+            ppl = "-"
+            if "presum" in pp:
+                pe, pr = pp["exact"], pp["presum"]
+                ppl = (f"{pe['ppl']:.3f} -> {pr['ppl']:.3f} ({pr['paired_dnll_mean']:+.1e} "
+                       f"+- {pr['paired_dnll_se']:.1e})")
             lines.append(f"| SmolLM2 | {lr['fmt']} | {lr['comp']} | "
                          f"{lr['rel_presum_vs_exact_max']:.2e} | "
                          f"{lr['rel_bf16_presum_vs_exact_max']:.2e} | "
-                         f"{lr['mean_nmse_ratio_presum_over_exact']:.4f} | "
-                         f"{pe['ppl']:.3f} -> {pr['ppl']:.3f} ({pr['paired_dnll_mean']:+.1e} "
-                         f"+- {pr['paired_dnll_se']:.1e}) |")
-    for a in res["attention"]:
+                         f"{lr['mean_nmse_ratio_presum_over_exact']:.4f} | {ppl} |")
+    for a in res.get("attention", []):
         lines.append(f"| attention q x{a['query_scale']:g} | nvfp4 | ResAttn | "
                      f"{a['rel_presum_vs_exact']:.2e} | - (tol {a['tolerance_f16']}) | "
                      f"{a['nmse_presum'] / a['nmse_exact']:.4f} | - |")
@@ -282,21 +310,37 @@ def summary(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--no-model", action="store_true", help="skip the SmolLM2 part")
+    p.add_argument("--parts", default="random,attention,smollm2")
+    p.add_argument("--seq-len", type=int, default=0, help="SmolLM2: window length (default: "
+                   "the quality study's 512)")
+    p.add_argument("--calib-seqs", type=int, default=0, help="SmolLM2: calibration windows")
+    p.add_argument("--eval-seqs", type=int, default=0, help="SmolLM2: held-out windows")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/quality/presum_accuracy.json")
     a = p.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    t0 = time.time()
-    res: dict = {"what": "presum fold vs the exact fold (issue 20 section 1), CPU, float64 "
-                         "reference arithmetic", "command": "python bench/presum_accuracy.py"
-                 + (" --quick" if a.quick else "") + (" --no-model" if a.no_model else ""),
-                 "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
-                 "torch": torch.__version__, "tolerance": TOLERANCE}
-    res["random"] = random_layers(a.quick)
-    res["attention"] = attention(a.quick)
-    if not a.no_model:
-        res["smollm2"] = smollm2(a.quick)
-    res["seconds"] = round(time.time() - t0, 1)
+    parts = [x for x in a.parts.split(",") if x]
+    sizes = {"seq_len": a.seq_len, "n_calib": a.calib_seqs, "n_eval": a.eval_seqs}
+    run = {"random": random_layers, "attention": attention,
+           "smollm2": lambda quick: smollm2(quick, **sizes)}
+    if not parts or set(parts) - set(run):
+        print(f"presum_accuracy: --parts from {sorted(run)}", file=sys.stderr)
+        return 2
+    res: dict = {}
+    if a.out.exists() and set(parts) != set(run):
+        res = json.loads(a.out.read_text())
+    res.update({"what": "presum fold vs the exact fold (issue 20 section 1), CPU, float64 "
+                        "reference arithmetic", "tolerance": TOLERANCE})
+    cmd = "python bench/presum_accuracy.py" + (" --quick" if a.quick else "") + \
+        f" --parts {','.join(parts)}" + "".join(
+            f" --{flag} {v}" for flag, v in (("seq-len", a.seq_len), ("calib-seqs", a.calib_seqs),
+                                              ("eval-seqs", a.eval_seqs)) if v)
+    for part in parts:
+        t0 = time.time()
+        out = run[part](a.quick)
+        res[part] = out
+        res.setdefault("provenance", {})[part] = {
+            "command": cmd, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "host": platform.node(), "torch": torch.__version__,
+            "seconds": round(time.time() - t0, 1)}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1))
     print(summary(res))

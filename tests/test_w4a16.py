@@ -172,12 +172,12 @@ def test_wgmma_layer_serves_w4a16(fmt, m, k):
     assert stage.in_place == (k == 512)
 
 
-@pytest.mark.parametrize("m", [3, 8])
-def test_mma_layer_serves_w4a16_from_the_default(m, monkeypatch):
+@pytest.mark.parametrize("fmt, m", [("nvfp4", 3), ("nvfp4", 8), ("mxfp4", 5)])
+def test_mma_layer_serves_w4a16_from_the_default(fmt, m, monkeypatch):
     """linear_sm90_mma through the dispatcher's default (an xop variant): the activations
     copied into a zero-padded operand of whole token tiles (in place when M fills them)."""
     registry = _record_launcher_pointers(monkeypatch)
-    qw = _qweight("nvfp4", n=64, k=1024)
+    qw = _qweight(fmt, n=64, k=1024)
     layer = Linear(qw, "w4a16", device="cpu", family="linear_sm90_mma",
                    dispatcher=Dispatcher(paths=[], device=Device("NVIDIA H200", ARCH)),
                    compile_fn=_Compiles(registry), quantizer_fn=_no_quantizer)
