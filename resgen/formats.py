@@ -50,8 +50,11 @@ __all__ = [
     "pack_fp4",
     "unpack_fp4",
     "nvfp4_global_scale",
+    "presum_fp16",
+    "presum_weight",
     "E2M1_MAX",
     "E4M3_MAX",
+    "PRESUM_TOP",
 ]
 
 Format = Literal["nvfp4", "mxfp4"]
@@ -431,3 +434,66 @@ def cat(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
         raise ValueError("NVFP4 parts must share one global scale to be concatenated")
     return QuantizedTensor(fmt, torch.cat([p.codes for p in parts], -1),
                            torch.cat([p.scales for p in parts], -1), gs)
+
+
+# ----------------------------------------------------------------------------- presum fold
+
+# MXFP4 presum: the power of two that puts a row's largest |value| in [2^11, 2^12) (FP16 holds
+# up to 65504: 16x headroom; its normals start 25 binades lower).
+PRESUM_TOP = 11
+
+
+def _pow2_shift(amax: torch.Tensor) -> torch.Tensor:
+    """int32 t = floor(log2(amax)) - PRESUM_TOP (0 where amax == 0), clamped to [-100, 100] so
+    that 2^t and 2^-t are float32 normals."""
+    exp = torch.frexp(amax).exponent.to(torch.int32) - 1
+    t = torch.where(amax > 0, exp - PRESUM_TOP, torch.zeros_like(exp))
+    return t.clamp(-100, 100)
+
+
+def presum_fp16(s: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The activation operand of the pre-summed ("presum") fold, rounded once to FP16.
+
+    s: float32 [..., K]: the base and residue operand values summed in FP32 (X_hat + R_hat;
+    NVFP4 without the tensor scale alpha, which stays in the epilogue; K-Ext: each selected
+    channel's residue added onto its base channel). Returns float32 [..., K], every value an
+    FP16 value times 2^t:
+      NVFP4: fp16_rne(s), t = 0. Unit values are multiples of 2^-10 (E2M1 steps of 0.5 times
+             E4M3 scales >= 2^-9) and at most about 6 * 448 * (1 + 1/4), so every nonzero
+             |s| is an FP16 normal: relative rounding error <= 2^-11, no overflow.
+      MXFP4: per row (the last dimension: one token's operand row, which the GEMM's FP32
+             epilogue can rescale), t = floor(log2(max |s|)) - PRESUM_TOP and
+             fp16_rne(s * 2^-t) * 2^t: the row's largest value in [2^11, 2^12), relative
+             error <= 2^-11 down to 2^-25 of the row's maximum (FP16 normals), absolute below.
+    The one definition of the presum operand: resgen.reference and the quality study's
+    fake-quant path both call it."""
+    _check_format(fmt)
+    s = s.to(torch.float32)
+    if fmt == "nvfp4":
+        return s.to(torch.float16).to(torch.float32)
+    t = _pow2_shift(s.abs().amax(dim=-1, keepdim=True))
+    return (s * _pow2(-t)).to(torch.float16).to(torch.float32) * _pow2(t)
+
+
+def presum_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The weight operand of the presum fold: the decoded FP4 weight (float [N, K], NVFP4
+    without its tensor scale) as FP16 values times one power of two per layer, which must be
+    exact (the fold rounds only the activation sum). NVFP4: E2M1 x E4M3 products are FP16
+    values (6 significant bits, 2^-10 .. 2688). MXFP4: E2M1 x 2^e scaled by 2^-t (t from the
+    layer's max |w| as in presum_fp16's rows) is exact while the layer's block scales span at
+    most about 34 binades; a ValueError says when they do not. Returns float32 [N, K] equal to
+    w (the check is the point)."""
+    _check_format(fmt)
+    wf = w.to(torch.float32)
+    if fmt == "nvfp4":
+        t = torch.zeros((), dtype=torch.int32, device=wf.device)
+    else:
+        t = _pow2_shift(wf.abs().amax())
+    scaled = wf * _pow2(-t)
+    w16 = scaled.to(torch.float16).to(torch.float32)
+    if not torch.equal(w16, scaled):
+        bad = int((w16 != scaled).sum())
+        raise ValueError(f"presum: {bad} decoded {fmt} weight values are not exact in FP16 "
+                         f"(after the layer's power-of-two shift 2^{int(-t)}): their block "
+                         "scales span more than FP16's exponent range")
+    return w16 * _pow2(t)

@@ -27,12 +27,18 @@ from .search.variant import AttentionProblem, LinearProblem
 
 __all__ = ["ModelSpec", "LinearShape", "AttentionGeometry", "MODELS", "get_model",
            "get_models", "linear_problems", "attention_problems", "tuning_workloads",
-           "COMPENSATIONS", "FORMATS", "ATTENTION_PV"]
+           "COMPENSATIONS", "LINEAR_MODES", "FORMATS", "ATTENTION_PV"]
 
 FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
 _MAX_FEATURES = 1 << 20          # LinearProblem's n and k range
 _MAX_HEAD_DIM = 1024             # AttentionProblem's head_dim range
+# The W4A4 compensation modes (Blackwell-parity numerics): `resgen tune`'s default and what the
+# shipped table must cover (tests/test_tuned_table.py).
 COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
+# Every linear mode a LinearProblem takes: the above and W4A16 (BF16 activations, the
+# Hopper-native mode; tuned on request with --compensations w4a16 until the shipped table
+# covers it).
+LINEAR_MODES: tuple[str, ...] = COMPENSATIONS + ("w4a16",)
 
 
 @dataclass(frozen=True)

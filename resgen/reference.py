@@ -16,10 +16,16 @@ from .calibrate import QLinearWeight
 from .formats import QuantizedTensor
 from .kvcache import PagedKVCache
 
-__all__ = ["Compensation", "linear", "linear_w4a16", "decode_attention", "nmse",
-           "attention_fp32", "quantize_query", "check_compensation"]
+__all__ = ["Compensation", "Fold", "FOLDS", "linear", "linear_w4a16", "decode_attention",
+           "nmse", "attention_fp32", "quantize_query", "check_compensation"]
 
 Compensation = Union[Literal["none", "full"], float]
+# How base and residue meet: "exact" (two products, or one over K + ext, each exact, summed in
+# FP32: Blackwell's block-scaled numerics) or "presum" (X_hat + R_hat summed in FP32, rounded
+# once to FP16 by resgen.formats.presum_fp16, ONE product with the exactly decoded weight: the
+# Hopper-native form of issue 20 section 1; no kernel computes it yet).
+Fold = Literal["exact", "presum"]
+FOLDS: tuple[str, ...] = ("exact", "presum")
 
 
 def nmse(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -54,7 +60,7 @@ def _global(q: QuantizedTensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation = "none",
-           *, weight_unit: torch.Tensor | None = None) -> torch.Tensor:
+           *, weight_unit: torch.Tensor | None = None, fold: Fold = "exact") -> torch.Tensor:
     """Reference FP4 linear layer. x: [..., K] float -> float32 [..., N].
 
     compensation:
@@ -62,12 +68,19 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
       "full"  M-Ext:       Y = X_hat W_hat^T + R_hat W_hat^T, each product formed separately,
                            scaled, then added in FP32 (the fold)
       ratio   K-Ext:       Y = [X_hat | R_hat_S] [W_hat | W_hat_S]^T, one reduction over K + ext
+    fold="presum" (issue 20 section 1): Y = fp16(X_hat + R_hat) W_hat^T, ONE product: the
+      residue (M-Ext: every channel's; K-Ext: the selected channels', added onto their base
+      channels, the extension weight W_hat_S unused) summed with the base in FP32 and rounded
+      once (resgen.formats.presum_fp16; the weight exact in FP16: formats.presum_weight).
+      "none" has no residue: presum is plain W4A4 (X_hat is exact in FP16).
     Activations are quantized with qweight.input_scale (static NVFP4 alpha) when set, else
     dynamically. Global scales alpha_x * alpha_w (FP32) are applied once per product.
     weight_unit: dequantize(qweight.q) without the global scale, [N, K (+ ext)] float (exact in
     FP32), when the caller keeps it across calls (resgen.ops.cpu.ReferenceLinear); computed
     here otherwise.
     """
+    if fold not in FOLDS:
+        raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
     check_compensation(compensation, qweight)
     fmt = qweight.fmt
     k = qweight.in_features
@@ -87,6 +100,19 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
     ab = _global(base) * _global(w)
     wu = _unit(w) if weight_unit is None else weight_unit.to(x.device).double()
     wb = wu[:, :k]
+    if fold == "presum":
+        s = _unit(base).float()
+        if compensation == "full":
+            s = s + _unit(res).float()
+        elif compensation != "none":         # K-Ext: the residues back onto their channels
+            idx = channels.indices.to(x.device)
+            r = torch.zeros_like(s)
+            r[:, idx] = _unit(res).float()[:, : idx.numel()]
+            s = s + r
+        s16 = formats.presum_fp16(s, fmt).double()
+        w16 = formats.presum_weight(wb, fmt).double()
+        y = (s16 @ w16.T).float() * ab
+        return y.reshape(*lead, -1)
     if compensation == "none":
         y = (_unit(base) @ wb.T).float() * ab
     elif compensation == "full":
@@ -168,12 +194,15 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
                      seq_lens: torch.Tensor, *, compensation: bool = True,
                      pv: Literal["fp32", "bf16", "f16", "fp8"] = "fp32",
                      query_scale: Literal["row", "tensor"] = "row",
-                     sm_scale: float | None = None) -> torch.Tensor:
+                     sm_scale: float | None = None, fold: Fold = "exact") -> torch.Tensor:
     """Reference ResAttn decode attention over a paged NVFP4 KV cache.
 
     q: [B, Hq, D] float; block_tables: int [B, max_pages]; seq_lens: int [B].
     scores = (Q_hat K_hat^T + R_hat K_hat^T) * sm_scale, the two products added in FP32 before
-    the softmax (compensation=False drops R_hat: the plain NVFP4-KV baseline).
+    the softmax (compensation=False drops R_hat: the plain NVFP4-KV baseline);
+    fold="presum": scores = fp16(Q_hat + R_hat) K_hat^T * sm_scale, one product (the query's
+    base and residue summed in FP32 and rounded once, resgen.formats.presum_fp16; K_hat is
+    exact in FP16).
     pv: "fp32" exact P V_hat; "bf16" / "f16" P rounded to BF16 / FP16 (V_hat / alpha_v is
         exact in both); "fp8" P * 2^8 and V_hat / alpha_v rounded to E4M3 (the paper's FP8 PV;
         the 2^8 puts P in [0, 256] so probabilities down to 2^-14 stay E4M3 normals).
@@ -183,6 +212,8 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
         raise ValueError(f"pv must be 'fp32', 'bf16', 'f16' or 'fp8', got {pv!r}")
     if query_scale not in ("row", "tensor"):
         raise ValueError(f"query_scale must be 'row' or 'tensor', got {query_scale!r}")
+    if fold not in FOLDS:
+        raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("queries must be a tensor [B, Hq, D]")
     bsz, hq, d = q.shape
@@ -207,6 +238,9 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
     base, res, alpha_q = quantize_query(q, scale=query_scale)
     qu = formats.dequantize(base, apply_global_scale=False).double()
     ru = formats.dequantize(res, apply_global_scale=False).double()
+    if fold == "presum" and compensation:
+        qu = formats.presum_fp16((qu.float() + ru.float()), "nvfp4").double()
+        compensation = False                 # the residue is inside the one operand now
     out = torch.zeros(bsz, hq, d, dtype=torch.float32, device=q.device)
     group = hq // hkv
     for b in range(bsz):

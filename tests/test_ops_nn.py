@@ -118,8 +118,9 @@ def test_reference_backend_and_w4a16():
     w16 = FP4Linear(qw, "w4a16", backend="reference")
     want = R.linear_w4a16(x.to(torch.bfloat16).float(), qw).to(torch.bfloat16).float()
     assert torch.equal(w16(x), want)
-    with pytest.raises(ValueError, match="W4A16"):
-        FP4Linear(qw, "w4a16", **S.linear_kwargs())
+    # the kernels backend serves W4A16 too (tests/test_w4a16.py): within the BF16 tolerance
+    served = FP4Linear(qw, "w4a16", **S.linear_kwargs())(x)
+    assert float((served - want).norm() / want.norm()) <= 3e-3
     with pytest.raises(ValueError, match="backend"):
         FP4Linear(qw, "none", backend="triton")
 

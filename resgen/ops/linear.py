@@ -19,11 +19,14 @@ For each row count M the layer builds a plan once:
      a prepared operand, the layer quantizer (quant_sm90, row pairs for M-Ext, the K-Ext
      extension for a ratio) with its outputs for M rows.
 A call then runs the whole layer: BF16 activations in, quantizer + GEMM (two launches; fused
-linear_sm90_mma variants quantize in their own prologue: one launch), BF16 out, a new tensor.
+linear_sm90_mma variants quantize in their own prologue: one launch; W4A16: the GEMM reads
+the activations themselves, in place or after one padding copy), BF16 out, a new tensor.
 
 Compensation: "none" (plain W4A4), "full" (M-Ext: base and residue products added in FP32 in
-registers) or a K-Ext ratio (0.125 / 0.25 / 0.5 / 1.0, the weight prepared with a selection of
-that ratio); a weight prepared with a selection also serves "none" / "full" (its base part).
+registers), a K-Ext ratio (0.125 / 0.25 / 0.5 / 1.0, the weight prepared with a selection of
+that ratio) or "w4a16" (FP4 weights, BF16 activations never quantized: the Hopper-native mode,
+resgen.reference.linear_w4a16; the same compiled kernels as plain, alpha_x = 1); a weight
+prepared with a selection also serves "none" / "full" / "w4a16" (its base part).
 
 Build the plans of the row counts a CUDA graph will use (`warmup(ms)`) before capturing: a
 missing plan allocates and may compile, which capture forbids (raised as an error). A layer,
@@ -69,7 +72,7 @@ class Linear:
 
     qweight:      resgen.calibrate.QLinearWeight (NVFP4 or MXFP4; any device: copied to
                   `device` once).
-    compensation: "none" | "full" | a K-Ext ratio (float or its string).
+    compensation: "none" | "full" | a K-Ext ratio (float or its string) | "w4a16".
     device:       the CUDA device to run on (default: the current one).
     arch:         compile target (default: resgen.settings, the GPU's arch).
     family / variant: pin a kernel family / one variant instead of the dispatch table.
@@ -88,8 +91,9 @@ class Linear:
         from ..reference import check_compensation
 
         comp = _compensation_string(compensation)
-        ratio = None if comp in ("none", "full") else float(comp)
-        check_compensation(ratio if ratio is not None else comp, qweight)
+        ratio = None if comp in ("none", "full", "w4a16") else float(comp)
+        if comp != "w4a16":
+            check_compensation(ratio if ratio is not None else comp, qweight)
         if ratio is None and qweight.selection is not None:
             # a K-Ext weight serves plain / M-Ext through its base part
             qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
@@ -115,8 +119,10 @@ class Linear:
         self.compensation = comp
         self.fmt = qweight.fmt
         self.k, self.n = qweight.in_features, qweight.out_features
-        # MXFP4 has no tensor scale: its workloads are keyed like static ones
-        self.static_scale = self.fmt == "mxfp4" or qweight.input_scale is not None
+        # MXFP4 has no tensor scale, W4A16 no activation scale at all: their workloads are
+        # keyed like static ones
+        self.static_scale = (self.fmt == "mxfp4" or comp == "w4a16"
+                             or qweight.input_scale is not None)
         self.arch = arch
         # the static NVFP4 activation scale (float32 [1]) the kernels take; None for MXFP4
         # and dynamic NVFP4
@@ -174,7 +180,7 @@ class Linear:
             raise ValueError(f"family {fam.NAME} has no run-time path in resgen.ops")
         compiled = self._compile(fam, v, p, self.arch)
         quantizer = None
-        if self._quantizer is not None and fam.needs_quantizer(v):
+        if self._quantizer is not None and fam.needs_quantizer(v) and not p.w4a16:
             # at the quantizer's K (rounded up to its tiling where needed: the family pads)
             quantizer = self._quantizer(fam.quantizer_problem(p), self.arch)
         run = fam.bind(compiled, v, p, self._weight(fam, v), self.device, quantizer=quantizer,
@@ -224,12 +230,12 @@ _KEXT = ("0.125", "0.25", "0.5", "1.0")
 
 def _compensation_string(c: str | float) -> str:
     if isinstance(c, str):
-        if c in ("none", "full"):
+        if c in ("none", "full", "w4a16"):
             return c
         try:
             c = float(c)
         except ValueError:
-            raise ValueError(f"compensation must be 'none', 'full' or a K-Ext ratio "
+            raise ValueError(f"compensation must be 'none', 'full', 'w4a16' or a K-Ext ratio "
                              f"{_KEXT}, got {c!r}") from None
     s = str(float(c))
     if s not in _KEXT:

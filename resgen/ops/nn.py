@@ -65,7 +65,8 @@ def _default_arch() -> str:
 
 class FP4Linear(torch.nn.Module):
     """y = x W^T + b with W in NVFP4 / MXFP4 and x quantized on the fly (residue compensation
-    "none" / "full" / a K-Ext ratio, or "w4a16" on the reference backend).
+    "none" / "full" / a K-Ext ratio), or x read as BF16 ("w4a16": the Hopper-native mode, the
+    same compiled kernels as plain W4A4 without the activation quantizer).
 
     qweight: the prepared weight; bias: float [N] or None; backend: "kernels" | "reference";
     name: a label for the op's handle (e.g. the module path); further keyword arguments go to
@@ -80,8 +81,6 @@ class FP4Linear(torch.nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         comp = _comp_string(compensation)
-        if comp == "w4a16" and backend != "reference":
-            raise ValueError("W4A16 has no kernel yet: use backend='reference'")
         self.fmt, self.compensation, self.backend, self.name = qweight.fmt, comp, backend, name
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.ratio = qweight.ratio

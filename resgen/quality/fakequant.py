@@ -13,6 +13,9 @@ Method semantics (paper Eq. 5-6):
     ratio   K-Ext                 y = X_hat W_hat^T + R_hat_S W_hat_S^T, where W_S is the
                                   selected weight columns quantized in the extended layout
     "w4a16" FP4 weights only      y = bf16(X) W_hat^T (resgen.reference.linear_w4a16)
+fold="presum" (resgen.reference.linear's fold): y = fp16(X_hat + R_hat) W_hat^T, one product,
+    the sum rounded by resgen.formats.presum_fp16 (K-Ext: the selected residues added onto
+    their base channels; the extension weight unused).
 """
 
 from __future__ import annotations
@@ -86,16 +89,25 @@ class FakeQuantLinear(torch.nn.Module):
     compensation: "none", "full", the ratio of qweight.selection, or "w4a16" (activations
         rounded to BF16, not quantized).
     bias: float [N] or None, added in FP32 (exact in every method).
+    fold: "exact" | "presum" (see the module docstring; W4A16 has no fold).
     x: [..., K] float -> y: [..., N] in x's dtype.
     """
 
     def __init__(self, qweight: QLinearWeight, compensation="none",
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, fold: str = "exact"):
         super().__init__()
-        from ..reference import check_compensation
+        from ..reference import FOLDS, check_compensation
 
         if compensation not in COMPENSATIONS_EXTRA:
             check_compensation(compensation, qweight)
+        if fold not in FOLDS:
+            raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
+        if fold == "presum" and compensation in COMPENSATIONS_EXTRA:
+            raise ValueError(f"{compensation} has no residue to pre-sum")
+        self.fold = fold
+        if fold == "presum":            # the weight must be exact in FP16 (raises otherwise)
+            formats.presum_weight(formats.dequantize(qweight.q, apply_global_scale=False)
+                                  [:, : qweight.in_features], qweight.fmt)
         self.fmt = qweight.fmt
         self.compensation = compensation
         k = qweight.in_features
@@ -126,6 +138,9 @@ class FakeQuantLinear(torch.nn.Module):
                      else formats.nvfp4_global_scale(xf))
         if self.compensation == "none":
             y = F.linear(qdq(xf, self.fmt, alpha), self.w_base)
+        elif self.fold == "presum":
+            x_hat, r_hat = qdq_with_residue(xf, self.fmt, alpha, self.idx)
+            y = F.linear(self._presum(x_hat, r_hat, alpha), self.w_base)
         elif self.compensation == "full":
             x_hat, r_hat = qdq_with_residue(xf, self.fmt, alpha)
             y = F.linear(x_hat, self.w_base) + F.linear(r_hat, self.w_base)
@@ -136,7 +151,21 @@ class FakeQuantLinear(torch.nn.Module):
             y = y + self.bias
         return y.reshape(*lead, -1).to(x.dtype)
 
+    def _presum(self, x_hat: torch.Tensor, r_hat: torch.Tensor,
+                alpha: torch.Tensor | None) -> torch.Tensor:
+        """fp16(X_hat + R_hat) as float32 [M, K] (formats.presum_fp16 on the unit values:
+        NVFP4 divided by alpha, multiplied back after the rounding)."""
+        if self.idx is not None:             # K-Ext: the residues back onto their channels
+            r = torch.zeros_like(x_hat)
+            r[:, self.idx] = r_hat[:, : self.idx.numel()]
+            r_hat = r
+        if self.fmt == "nvfp4":
+            a = torch.as_tensor(alpha, dtype=torch.float32, device=x_hat.device).reshape(())
+            return formats.presum_fp16(x_hat / a + r_hat / a, "nvfp4") * a
+        return formats.presum_fp16(x_hat + r_hat, "mxfp4")
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"fmt={self.fmt}, compensation={self.compensation}, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}" + (", fold=presum" if self.fold == "presum"
+                                                   else ""))

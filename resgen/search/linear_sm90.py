@@ -53,8 +53,8 @@ import torch
 from ..calibrate import QLinearWeight
 from ..kernels.linear_sm90_geom import pow2_ceil
 from .family import register
-from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily, cached_weight_sets, compare,
-                          kp_of, layer_quantizer, random_layer)
+from .sm90_linear import (TOLERANCE, W4A16_FUSED, Packing, Sm90LinearFamily,
+                          cached_weight_sets, compare, kp_of, layer_quantizer, random_layer)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Packing", "Pipeline", "Reduction", "Act", "LinearSm90Variant", "LinearSm90Family",
@@ -144,6 +144,8 @@ def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
 
 def _why_not_fused(v: LinearSm90Variant, p: LinearProblem) -> str | None:
     """Why the fused activation source cannot run p (None: it can)."""
+    if p.w4a16:
+        return W4A16_FUSED
     bs = 16 if p.fmt == "nvfp4" else 32
     if p.fmt == "nvfp4" and not p.static_scale:
         return ("fused quantization needs a static NVFP4 activation scale (a dynamic one is "
@@ -432,10 +434,14 @@ class LinearSm90Family(Sm90LinearFamily):
     def compile_key(self, variant: LinearSm90Variant, problem: LinearProblem) -> LinearProblem:
         """M is a run-time argument (the grid's token tiles): one compile per (fmt, mode, N,
         K(+ext)); fused variants keep the rows of their operand tile (tok_rows_of), so M
-        buckets that share it share a compile."""
+        buckets that share it share a compile. W4A16 runs the plain kernel (an xop variant
+        on the BF16 activations, alpha_x = 1): its compile key is the plain one, so both
+        share one compile and one fingerprint."""
         if variant.fused:
             rpt = 2 if problem.compensation == "full" else 1
             return replace(problem, m=max(1, tok_rows_of(variant, problem) // rpt))
+        if problem.w4a16:
+            return replace(problem, compensation="none", m=1)
         return replace(problem, m=1)
 
     def compile_args(self, variant: LinearSm90Variant, problem: LinearProblem) -> list[Any]:

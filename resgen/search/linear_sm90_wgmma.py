@@ -242,7 +242,8 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
     def compile_key(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem
                     ) -> LinearProblem:
         """N, K(+ext) and M are run-time: the kernel depends only on the format and on M-Ext
-        or not (K-Ext is the plain kernel over K + ext). Canonical m/n/k keep keys valid."""
+        or not (K-Ext is the plain kernel over K + ext, W4A16 the plain kernel on the BF16
+        activations). Canonical m/n/k keep keys valid."""
         comp = "full" if problem.compensation == "full" else "none"
         return LinearProblem(problem.fmt, comp, 1, 4096, 4096, True)
 
@@ -301,6 +302,11 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
 
     def xop_row_multiple(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
         return 8
+
+    def reads_past_rows(self, variant: LinearSm90WgmmaVariant) -> bool:
+        """No: the TMA box reads rows past `rows` as zeros (the tensor map's extent is the
+        real rows), so a W4A16 layer's BF16 activations are read in place where K = Kp."""
+        return False
 
     def launcher(self, compiled: Any, variant: LinearSm90WgmmaVariant, problem: LinearProblem,
                  device: torch.device | str) -> Any:

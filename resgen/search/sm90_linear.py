@@ -13,8 +13,20 @@ what is timed is what is served by construction.
 
 A family built on `Sm90LinearFamily` provides `layout` (the weight in its layout), `launcher`
 (a compiled variant's GEMM launch: the kernels' LinearSm90Launcher / WgmmaLauncher),
-`needs_quantizer`, `xop_row_multiple` (the operand's row padding) and `weight_sets` (its
-bounded cache of prepared random layers).
+`needs_quantizer`, `xop_row_multiple` (the operand's row padding), `reads_past_rows` (whether
+the GEMM loads operand rows past the real ones) and `weight_sets` (its bounded cache of
+prepared random layers).
+
+W4A16 (compensation "w4a16": FP4 weights, BF16 activations never quantized). The GEMMs that
+read the exact-BF16 operand xop [T_pad, Kp] (linear_sm90_mma's xop variants, every
+linear_sm90_wgmma variant) multiply it by the exactly decoded weight with FP32 accumulation
+and scale by alpha_x alpha_w in the FP32 epilogue. With xop = the activations rounded to BF16
+(zero-padded to T_pad rows and Kp columns) and alpha_x = 1 they compute
+resgen.reference.linear_w4a16 up to FP32 summation order, with the SAME compiled kernels (same
+templates and fingerprints as plain W4A4: a W4A16 workload renders the plain kernel). The
+stage in front is `W4A16Operand`: the caller's buffer read in place where it already is the
+operand (K = Kp, rows the GEMM reads = M, 16-byte aligned), else one copy into a zero-padded
+buffer; no quantizer. Fused variants quantize in their prologue and cannot serve W4A16.
 
 Shared math that still lives in linear_sm90_mma's kernel modules (moving a kernel module
 changes every fingerprint): the torch operand `make_xop` (resgen.kernels.linear_sm90) and
@@ -37,7 +49,8 @@ from .family import compare as family_compare
 from .variant import Choice, LinearProblem, VariantBase
 
 __all__ = ["Packing", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensation_of",
-           "quantizer_k", "QUANT_K_ALIGN", "layer_quantizer", "random_layer",
+           "quantizer_k", "QUANT_K_ALIGN", "reference_output", "bf16_operand",
+           "W4A16Operand", "W4A16_FUSED", "layer_quantizer", "random_layer",
            "cached_weight_sets", "clone_tensors",
            "LinearBinding", "Sm90LinearFamily", "Sm90LinearRunner"]
 
@@ -66,7 +79,7 @@ def kp_of(problem: LinearProblem) -> int:
 
 def compensation_of(problem: LinearProblem) -> str | float:
     """The compensation as resgen.reference / make_xop take it: "none", "full" or the K-Ext
-    ratio (float)."""
+    ratio (float); "w4a16" for W4A16 (reference_output, bf16_operand)."""
     return problem.ratio if problem.ratio is not None else problem.compensation
 
 
@@ -91,6 +104,79 @@ def quantizer_k(problem: LinearProblem) -> int:
     return pad_to(problem.k, QUANT_K_ALIGN)
 
 
+def reference_output(x: torch.Tensor, qweight: QLinearWeight, comp: str | float
+                     ) -> torch.Tensor:
+    """The reference a linear kernel is checked against: resgen.reference.linear_w4a16 for
+    "w4a16", else resgen.reference.linear(x, qweight, comp). x: float [M, K] -> float32
+    [M, N]."""
+    from .. import reference
+
+    if comp == "w4a16":
+        return reference.linear_w4a16(x, qweight)
+    return reference.linear(x, qweight, comp)
+
+
+# Why fused variants cannot serve W4A16 (their prologue quantizes the activations to FP4).
+W4A16_FUSED = ("W4A16 reads the BF16 activations unquantized; a fused variant quantizes them "
+               "to FP4 in its prologue (serving W4A16 fused needs a template change)")
+
+
+def bf16_operand(x: torch.Tensor, kp: int, t_multiple: int = 8) -> torch.Tensor:
+    """The W4A16 operand in torch: x: float [M, K] rounded to BF16, zero-padded to
+    bf16 [T_pad, Kp] (T_pad = M rounded up to t_multiple): what W4A16Operand hands the GEMM,
+    the counterpart of make_xop for the quantized modes."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    m, k = x.shape
+    if kp < k:
+        raise ValueError(f"Kp = {kp} < K = {k}")
+    xop = torch.zeros(pad_to(max(m, 1), t_multiple), kp, dtype=torch.bfloat16,
+                      device=x.device)
+    xop[:m, :k] = x.to(torch.bfloat16)
+    return xop
+
+
+class W4A16Operand:
+    """The stage in front of the GEMM of a W4A16 layer: the BF16 activations as the operand.
+
+    m, k: the call's rows and K; kp: the GEMM's padded K (kp_of); row_multiple: the rows the
+    GEMM reads are M rounded up to it where `reads_past_rows` (linear_sm90_mma's unpredicated
+    xop loads), else exactly M (linear_sm90_wgmma's TMA box reads rows past M as zeros).
+    `stage(xb)` (xb: bf16 [M, K] contiguous) returns the operand: xb itself where it already
+    is one (K = Kp, the GEMM reads M rows, 16-byte aligned: no launch at all), else a
+    zero-padded bf16 [T_pad, Kp] buffer owned here with xb copied into its first M rows and K
+    columns (one device copy; the padding stays zero)."""
+
+    def __init__(self, m: int, k: int, kp: int, row_multiple: int, reads_past_rows: bool,
+                 device: torch.device | str) -> None:
+        self.m, self.k, self.kp = int(m), int(k), int(kp)
+        self.rows = pad_to(max(self.m, 1), row_multiple) if reads_past_rows else self.m
+        self.device = torch.device(device)
+        self.in_place = self.k == self.kp and self.rows == self.m
+        self.buf: torch.Tensor | None = None
+        if not self.in_place:
+            self._buffer()
+
+    def _buffer(self) -> torch.Tensor:
+        if self.buf is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the W4A16 operand buffer is allocated on first use: call "
+                                   "the layer once eagerly (warmup) before capturing")
+            self.buf = torch.zeros(self.rows, self.kp, dtype=torch.bfloat16,
+                                   device=self.device)
+        return self.buf
+
+    def __call__(self, xb: torch.Tensor) -> torch.Tensor:
+        if xb.dtype != torch.bfloat16 or xb.shape != (self.m, self.k):
+            raise ValueError(f"W4A16 activations must be bf16 [{self.m}, {self.k}], got "
+                             f"{xb.dtype} {tuple(xb.shape)}")
+        if self.in_place and xb.is_contiguous() and xb.data_ptr() % 16 == 0:
+            return xb
+        buf = self._buffer()
+        buf[: self.m, : self.k].copy_(xb)
+        return buf
+
+
 _LAYER_QUANT: dict[tuple, Any] = {}
 
 
@@ -103,6 +189,9 @@ def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a") -> Any:
     from ..kernels.quant_sm90 import QuantConfig, compile_config
 
     comp = problem.compensation
+    if problem.w4a16:
+        raise ValueError("W4A16 has no activation quantizer: its operand is the BF16 "
+                         "activations (W4A16Operand)")
     alpha = "none" if problem.fmt == "mxfp4" else ("static" if problem.static_scale
                                                    else "dynamic")
     kq = quantizer_k(problem)
@@ -190,6 +279,8 @@ class LinearBinding:
 
     fused:     the variant quantizes in its own prologue: one launch of the GEMM on xb with
                the static NVFP4 scale (MXFP4: none) and the K-Ext masks;
+    W4A16:     the GEMM reads xb itself as its exact-BF16 operand (W4A16Operand: in place,
+               or copied into a zero-padded buffer), alpha_x = 1; no quantizer;
     otherwise: the quantizer writes the operand into its outputs (allocated here, for M
                rows, padded to the GEMM's row multiple), then the GEMM reads it.
     Nothing is allocated per call, so a bound layer can be captured in a CUDA graph (after
@@ -197,11 +288,28 @@ class LinearBinding:
 
     def __init__(self, launcher: Any, problem: LinearProblem, weight: Any,
                  device: torch.device, *, fused: bool, quantizer: Any, row_multiple: int,
-                 alpha: torch.Tensor | None, masks: torch.Tensor | None) -> None:
+                 alpha: torch.Tensor | None, masks: torch.Tensor | None,
+                 reads_past_rows: bool = True) -> None:
         self.launcher, self.problem, self.weight = launcher, problem, weight
         self.m, self.rows = problem.m, problem.rows
         self.fused, self.masks = fused, masks
         self.xpad: torch.Tensor | None = None
+        self.stage: W4A16Operand | None = None
+        self._qkw: dict[str, Any] = {}
+        if problem.w4a16:
+            if fused:
+                raise ValueError(W4A16_FUSED)
+            if quantizer is not None:
+                raise ValueError("W4A16 has no activation quantizer in front")
+            if masks is not None:
+                raise ValueError("W4A16 reads no K-Ext masks")
+            self.stage = W4A16Operand(problem.m, problem.k, kp_of(problem), row_multiple,
+                                      reads_past_rows, device)
+            # alpha_x = 1: the operand is the activations themselves (MXFP4 kernels take none)
+            self.quantizer, self.outs = None, None
+            self.alpha = (torch.ones(1, dtype=torch.float32, device=device)
+                          if problem.fmt == "nvfp4" else None)
+            return
         if fused:
             if quantizer is not None:
                 raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
@@ -209,7 +317,6 @@ class LinearBinding:
                 raise ValueError("a fused NVFP4 variant needs a weight with a static "
                                  "input_scale")
             self.quantizer, self.outs, self.alpha = None, None, alpha
-            self._qkw: dict[str, Any] = {}
             return
         if quantizer is None:
             raise ValueError("a variant that reads a prepared operand needs the layer "
@@ -229,6 +336,9 @@ class LinearBinding:
         self._qkw = {} if masks is None else {"masks": masks}
 
     def __call__(self, xb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.stage is not None:
+            return self.launcher(self.weight, self.stage(xb), self.m, self.rows, self.alpha,
+                                 out)
         if self.fused:
             return self.launcher(self.weight, xb, self.m, self.rows, self.alpha, out,
                                  self.masks)
@@ -267,6 +377,12 @@ class Sm90LinearFamily(KernelFamilyBase):
         """The operand's rows are padded to this multiple (the GEMM reads whole tiles)."""
         raise NotImplementedError
 
+    def reads_past_rows(self, variant: VariantBase) -> bool:
+        """Whether the GEMM loads operand rows past the real ones (up to xop_row_multiple):
+        then a W4A16 operand needs those rows allocated. True (the safe answer) unless the
+        family knows better."""
+        return True
+
     def weight_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
                     seed: int) -> list:
         """[(qweight, prepared weight)] * n_sets of a random layer (cached_weight_sets)."""
@@ -283,8 +399,9 @@ class Sm90LinearFamily(KernelFamilyBase):
         return layer_quantizer(problem, self.ARCHS[0])
 
     def warm(self, variant: VariantBase, problem: LinearProblem) -> None:
-        """The tuner's pre-lock hook: compile the layer quantizer the runner will bind."""
-        if self.needs_quantizer(variant):
+        """The tuner's pre-lock hook: compile the layer quantizer the runner will bind (none
+        for W4A16)."""
+        if self.needs_quantizer(variant) and not problem.w4a16:
             self.default_quantizer(problem)
 
     def bind(self, compiled: Any, variant: VariantBase, problem: LinearProblem, weight: Any,
@@ -296,7 +413,8 @@ class Sm90LinearFamily(KernelFamilyBase):
         quantizer: the layer quantizer in front of a variant that reads a prepared operand (a
                    compiled quant_sm90 QuantKernel, or a stand-in with its outputs(),
                    __call__ and config.alpha); None: default_quantizer(problem). Must be None
-                   for a fused variant.
+                   for a fused variant and for W4A16 (whose operand is the BF16
+                   activations: W4A16Operand; fused variants cannot serve it).
         alpha:     the static NVFP4 activation scale (resgen.calibrate.static_alpha: float32
                    [1] on device), or None (MXFP4, dynamic NVFP4).
         masks:     the K-Ext channel masks (uint8 [K / 8] on device) for a K-Ext problem, else
@@ -305,14 +423,17 @@ class Sm90LinearFamily(KernelFamilyBase):
                    shares one across its input sets; a runtime plan has its own."""
         device = torch.device(device)
         fused = not self.needs_quantizer(variant)
-        if not fused and quantizer is None:
+        if problem.w4a16 and fused:
+            raise ValueError(f"{variant.name()}: {W4A16_FUSED}")
+        if not fused and quantizer is None and not problem.w4a16:
             quantizer = self.default_quantizer(problem)
         if launcher is None:
             launcher = self.launcher(compiled, variant, problem, device)
         return LinearBinding(launcher, problem, weight, device, fused=fused,
                              quantizer=quantizer,
                              row_multiple=self.xop_row_multiple(variant, problem),
-                             alpha=alpha, masks=masks)
+                             alpha=None if problem.w4a16 else alpha, masks=masks,
+                             reads_past_rows=self.reads_past_rows(variant))
 
     def input_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
                    seed: int, fused: bool = False) -> list:
@@ -349,8 +470,9 @@ class Sm90LinearRunner:
 
     Variants that read a prepared operand are bound when a quantizer is attached
     (attach_quantizer, or as_layer / the first call or check: the default layer quantizer);
-    fused ones at once. check(): for those, first the GEMM alone on a torch-quantized
-    operand (check_gemm), then the whole layer (check_quantized); the worse counts.
+    fused ones and W4A16 layers (no quantizer: W4A16Operand in front) at once. check(): for
+    those, first the GEMM alone on a torch-quantized operand (check_gemm), then the whole
+    layer (check_quantized); the worse counts.
 
     Test and probe hooks (not what is timed or served): run_on(x) runs the GEMM on x quantized
     in torch (make_xop), operand(i) builds set i's torch operand (about a hundred small torch
@@ -367,6 +489,9 @@ class Sm90LinearRunner:
         self.comp = compensation_of(problem)
         self.m, self.rows = problem.m, problem.rows
         self.fused = not family.needs_quantizer(variant)
+        self.w4a16 = problem.w4a16
+        if self.w4a16 and self.fused:
+            raise ValueError(f"{variant.name()}: {W4A16_FUSED}")
         self.launcher = family.launcher(compiled, variant, problem, self.device)
         self.geom = self.launcher.geom
         self.xop_multiple = family.xop_row_multiple(variant, problem)
@@ -378,9 +503,10 @@ class Sm90LinearRunner:
         self.bindings: list[LinearBinding] | None = None
         self.xbs: list[torch.Tensor] = []
         self.cur = 0
-        if self.fused:
+        if self.fused or self.w4a16:
             if quantizer is not None:
-                raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
+                raise ValueError("a fused variant quantizes in its own prologue: no quantizer"
+                                 if self.fused else "W4A16 has no activation quantizer")
             self._bind(None)
         elif quantizer is not None:
             self.attach_quantizer(quantizer)
@@ -409,6 +535,8 @@ class Sm90LinearRunner:
         writing the xop with kp_align 256, or a stand-in): two launches per call."""
         if self.fused:
             raise ValueError("a fused variant quantizes in its own prologue: no quantizer")
+        if self.w4a16:
+            raise ValueError("W4A16 has no activation quantizer")
         self._bind(qkernel)
 
     def as_layer(self) -> None:
@@ -437,9 +565,10 @@ class Sm90LinearRunner:
             torch.cuda.synchronize(self.device)
 
     def check(self) -> CheckResult:
-        """The whole layer vs resgen.reference.linear (check_quantized), preceded for
-        variants that read a prepared operand by the GEMM alone on a torch-quantized operand
-        (check_gemm): fresh random activations, NaN-poisoned outputs."""
+        """The whole layer vs resgen.reference.linear (check_quantized; W4A16:
+        reference.linear_w4a16), preceded for variants that read a prepared operand by the
+        GEMM alone on a torch-built operand (check_gemm): fresh random activations,
+        NaN-poisoned outputs."""
         if not self.fused:
             gemm = self.check_gemm()
             if not gemm.ok:
@@ -449,8 +578,6 @@ class Sm90LinearRunner:
     def check_quantized(self) -> CheckResult:
         """Fresh bf16 activations through the bound layer vs resgen.reference.linear on the
         same bf16 values, into a NaN-poisoned output."""
-        from .. import reference
-
         binding = self._bound()[0]
         qw = self.sets[0][0]
         xb = (torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device)
@@ -459,28 +586,25 @@ class Sm90LinearRunner:
                          device=self.device)
         binding(xb, out)
         self._sync()
-        return compare(out, reference.linear(xb.float(), qw, self.comp))
+        return compare(out, reference_output(xb.float(), qw, self.comp))
 
     def check_gemm(self) -> CheckResult:
-        """Fresh random activations quantized in torch (bf16-rounded for fused variants),
-        the GEMM alone into a NaN-poisoned output, vs resgen.reference.linear."""
-        from .. import reference
-
+        """Fresh random activations quantized in torch (bf16-rounded for fused variants;
+        W4A16: the bf16-rounded activations as the operand), the GEMM alone into a
+        NaN-poisoned output, vs the reference (reference_output)."""
         qw = self.sets[0][0]
         x = torch.randn(self.m, self.problem.k, generator=self.gen, device=self.device) * 3
         if self.fused:
             x = x.to(torch.bfloat16).float()
         out = self.run_on(x)
         self._sync()
-        return compare(out, reference.linear(x, qw, self.comp))
+        return compare(out, reference_output(x, qw, self.comp))
 
     # ------------------------------------------------------------------ test hooks
     def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:
         """The GEMM on x: [m', K] with set `set_index`'s weight, into a NaN-poisoned output.
-        Variants that read a prepared operand get x quantized in torch (make_xop); fused
-        variants take x rounded to bf16."""
-        from ..kernels.linear_sm90 import make_xop
-
+        Variants that read a prepared operand get x quantized in torch (make_xop; W4A16:
+        bf16_operand); fused variants take x rounded to bf16."""
         qw, wt, _, _, _ = self.sets[set_index]
         m = x.shape[0]
         out = torch.full((m, self.problem.n), float("nan"), dtype=torch.bfloat16,
@@ -491,9 +615,21 @@ class Sm90LinearRunner:
             self.launcher(wt, xb, m, rows, static_alpha(qw, self.device), out,
                           self._masks_of(qw))
             return out
-        xop, ax = make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
+        xop, ax = self._torch_operand(x, qw)
         self.launcher(wt, xop, m, rows, ax, out)
         return out
+
+    def _torch_operand(self, x: torch.Tensor, qw: QLinearWeight
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(xop, alpha_x) built in torch: make_xop, or for W4A16 bf16_operand with alpha_x 1
+        (NVFP4; MXFP4 kernels take none)."""
+        if self.w4a16:
+            one = (torch.ones(1, dtype=torch.float32, device=x.device)
+                   if self.problem.fmt == "nvfp4" else None)
+            return bf16_operand(x, kp_of(self.problem), self.xop_multiple), one
+        from ..kernels.linear_sm90 import make_xop
+
+        return make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
 
     def operand(self, i: int) -> tuple[torch.Tensor, Any]:
         """(xop, alpha_x) of input set i, built by make_xop on first use (fused: x as bf16
@@ -502,12 +638,10 @@ class Sm90LinearRunner:
         eagerly, before capturing."""
         qw, wt, x, xop, ax = self.sets[i]
         if xop is None:
-            from ..kernels.linear_sm90 import make_xop
-
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"input set {i}'s operand is built on first use; run the "
                                    "set once eagerly (or call operand(i)) before capturing")
-            xop, ax = make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
+            xop, ax = self._torch_operand(x, qw)
             self.sets[i] = (qw, wt, x, xop, ax)
         return xop, ax
 

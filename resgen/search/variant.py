@@ -195,14 +195,18 @@ class LinearProblem(ProblemBase):
     """One FP4 linear layer call: Y[M, N] = X[M, K] W[N, K]^T with compensation.
 
     compensation: "none" | "full" | "0.125" | "0.25" | "0.5" | "1.0" (K-Ext ratios as strings so
-    keys stay exact). m is the real token count; the database stores buckets (see runtime).
-    static_scale: NVFP4 activation tensor scale given (calibrated) rather than computed.
+    keys stay exact) | "w4a16" (FP4 weights, BF16 activations never quantized:
+    resgen.reference.linear_w4a16). m is the real token count; the database stores buckets
+    (see runtime).
+    static_scale: NVFP4 activation tensor scale given (calibrated) rather than computed (W4A16
+    has no activation scale: its workloads are keyed static, like MXFP4's).
     """
 
     OP: ClassVar[str] = "linear"
     fmt: str = dataclasses.field(default="nvfp4", metadata={"allowed": ("nvfp4", "mxfp4")})
     compensation: str = dataclasses.field(
-        default="none", metadata={"allowed": ("none", "full", "0.125", "0.25", "0.5", "1.0")})
+        default="none", metadata={"allowed": ("none", "full", "0.125", "0.25", "0.5", "1.0",
+                                              "w4a16")})
     m: int = dataclasses.field(default=1, metadata={"range": IntRange(1, 1 << 20)})
     n: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
     k: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
@@ -210,7 +214,13 @@ class LinearProblem(ProblemBase):
 
     @property
     def ratio(self) -> float | None:
-        return None if self.compensation in ("none", "full") else float(self.compensation)
+        return (None if self.compensation in ("none", "full", "w4a16")
+                else float(self.compensation))
+
+    @property
+    def w4a16(self) -> bool:
+        """BF16 activations read as they are (no activation quantizer, no residue)."""
+        return self.compensation == "w4a16"
 
     @property
     def rows(self) -> int:

@@ -15,6 +15,11 @@ which by this project's convention reproduce the kernel as it was; a key with fi
 variant no longer has is skipped. Nothing read from the table is rendered or imported
 unvalidated.
 
+A W4A16 linear workload (compensation "w4a16") runs the plain kernels on the BF16 activations,
+so where the table has no rows for it, the rows of its plain W4A4 twin (same shape, M and
+format) are the hint: their fused variants fail `why_invalid` for W4A16 and are skipped, their
+xop variants are tried first.
+
 This layer does not open databases (resgen.db sits above it): the table's rows come from a
 `reader(path, gpu_name) -> rows` the caller passes (resgen.db.warm_start_rows; the CLI sets
 TuneConfig.warm_start_reader to it).
@@ -86,7 +91,12 @@ class WarmStart:
         `problem`, each parsed leniently and valid for the problem on `arch`."""
         out: list[VariantBase] = []
         seen: set[str] = set()
-        for _, key in self._load().get((family.NAME, problem.digest()), []):
+        rows = self._load()
+        found = rows.get((family.NAME, problem.digest()), [])
+        if not found and getattr(problem, "compensation", None) == "w4a16":
+            twin = dataclasses.replace(problem, compensation="none")  # type: ignore[type-var]
+            found = rows.get((family.NAME, twin.digest()), [])
+        for _, key in found:
             if len(out) >= limit:
                 break
             v = lenient_variant(family.VARIANT, key)

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# W4A16 (compensation "w4a16": BF16 activations, the plain FP4 kernels) on one H200 in one
+# device call, about 5 minutes: (1) its GPU tests, (2) a short tune of Qwen3-8B's W4A16
+# linear workloads (warm-started from the shipped table's plain rows), (3) resgen bench of
+# plain W4A4 against W4A16 on the same layers from that table. Run from the repository root
+# with .devcache carried (scripts/devcache.sh):
+#
+#     bash bench/w4a16_h200.sh        # device: nvidia-h200, carry [".devcache"], timeout_s 600
+#
+# Everything lands in $OUT (default /tmp/resgen-out): gpu_tests_w4a16.{xml,log},
+# w4a16.sqlite + w4a16_tune.{json,log}, bench_w4a16.{json,log}. Environment:
+# RESGEN_W4A16_TESTS (1: run the GPU tests first, default), RESGEN_W4A16_BUDGET (tuning
+# seconds, default 120), RESGEN_W4A16_FORMATS (default nvfp4), RESGEN_W4A16_M (M buckets and
+# bench rows, default 1,16,64,128).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/resgen-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# shellcheck disable=SC1091
+source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
+export RESGEN_CACHE_DIR=/tmp/resgen-cache
+BUDGET=${RESGEN_W4A16_BUDGET:-120}
+FORMATS=${RESGEN_W4A16_FORMATS:-nvfp4}
+MS=${RESGEN_W4A16_M:-1,16,64,128}
+RC=0
+
+# 1. Correctness first: the served W4A16 layers against resgen.reference.linear_w4a16.
+if [ "${RESGEN_W4A16_TESTS:-1}" = "1" ]; then
+    timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_w4a16_gpu.py \
+        --junitxml "$OUT/gpu_tests_w4a16.xml" > "$OUT/gpu_tests_w4a16.log" 2>&1
+    T=$?
+    echo "gpu tests (tests/gpu/test_w4a16_gpu.py): rc=$T"
+    tail -n 5 "$OUT/gpu_tests_w4a16.log"
+    [ "$T" -ne 0 ] && RC=$T
+fi
+
+# 2. Tune the W4A16 workloads (the fused variants are invalid for them; the plain twins'
+#    timed xop variants are tried first).
+timeout -k 10 $((BUDGET + 90)) python3 -m resgen tune --model qwen3-8b --ops linear \
+    --compensations w4a16 --formats "$FORMATS" --m-buckets "$MS" --db "$OUT/w4a16.sqlite" \
+    --time-budget "$BUDGET" --hard-stop 30 --warm-start tuned/h200.sqlite.xz \
+    --json "$OUT/w4a16_tune.json" > "$OUT/w4a16_tune.log" 2>&1
+T=$?
+echo "tune: rc=$T"
+grep -v -E '^tune: [0-9]+/[0-9]+ workloads' "$OUT/w4a16_tune.log" | tail -n 12
+[ "$T" -ne 0 ] && RC=$T
+
+# 3. Plain W4A4 (shipped table) against W4A16 (the new rows), whole layers, one run.
+RESGEN_DB="$OUT/w4a16.sqlite" timeout -k 10 240 python3 -m resgen bench --model qwen3-8b \
+    --m "$MS" --formats "$FORMATS" --compensations none,w4a16 \
+    --out "$OUT/bench_w4a16.json" > "$OUT/bench_w4a16.log" 2>&1
+T=$?
+echo "bench: rc=$T"
+tail -n 45 "$OUT/bench_w4a16.log"
+[ "$T" -ne 0 ] && RC=$T
+exit "$RC"
