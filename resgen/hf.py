@@ -148,9 +148,9 @@ def quantize(model: torch.nn.Module, fmt: str = "nvfp4", compensation: str | flo
     cache and ResAttn) or None (the model's own attention and cache); calib: int64 [S, T]
     calibration token ids (needed for a K-Ext ratio and for static NVFP4 activation scales);
     input_scale: "static" (the calibration amax / 2688, as ModelOpt's input_scale), "dynamic"
-    (per call), or "auto" (static when calib is given and fmt is NVFP4). linear_kwargs go to resgen.ops.Linear,
-    attention_kwargs to resgen.ops.DecodeAttention and append_kwargs to KVAppend (the CPU tests
-    stand the kernels' simulations in there). Returns the model.
+    (per call), or "auto" (static when calib is given and fmt is NVFP4). linear_kwargs go to
+    resgen.ops.Linear, attention_kwargs to resgen.ops.DecodeAttention and append_kwargs to
+    KVAppend (the CPU tests stand the kernels' simulations in there). Returns the model.
     """
     formats.block_size(fmt)
     comp = compensation if compensation in ("none", "full", "w4a16") else \
