@@ -378,6 +378,8 @@ def compare_runs(gpu: dict[str, Any], cpu: dict[str, Any]) -> dict[str, Any]:
     keys = ("seq_len", "n_calib", "n_eval", "new_tokens", "batch")
     if any(gpu["setup"][k] != cpu["setup"][k] for k in keys):
         raise ValueError(f"setups differ: GPU {gpu['setup']} vs CPU {cpu['setup']}")
+    if gpu.get("split") != cpu.get("split"):
+        raise ValueError(f"splits differ: GPU {gpu.get('split')} vs CPU {cpu.get('split')}")
     out = dict(gpu, cpu=cpu)
     out["methods"] = {k: compare_method(dict(v), cpu["methods"].get(k))
                       for k, v in gpu["methods"].items()}
@@ -594,11 +596,11 @@ def _smollm2(gguf: Path | None) -> tuple[Any, Any]:
     return load_model(gguf.parent, gguf_file=gguf.name)
 
 
-def _split(tok: Any, setup: Setup) -> Any:
-    from resgen.quality.model import load_tokens, split_tokens
+def _split(tok: Any, setup: Setup, text: Path | None = None) -> Any:
+    from resgen.quality.model import JARGON_PATH, load_tokens, split_tokens
 
-    return split_tokens(load_tokens(tok), seq_len=setup.seq_len, n_calib=setup.n_calib,
-                        n_eval=setup.n_eval)
+    return split_tokens(load_tokens(tok, text or JARGON_PATH), seq_len=setup.seq_len,
+                        n_calib=setup.n_calib, n_eval=setup.n_eval)
 
 
 def table(res: dict[str, Any]) -> str:
@@ -635,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qwen2-capture", type=Path, default=None,
                     help="GPU: check the captured Qwen2.5 layer")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--text", type=Path, default=None,
+                    help="the Jargon File (default: Debian's jargon-text path; the GPU "
+                         "machine has none, so it is carried in)")
     ap.add_argument("--quick", action="store_true", help="fewer tokens (smoke run)")
     ap.add_argument("--resume", action="store_true",
                     help="CPU: keep the methods --out already holds (same setup and weights)")
@@ -668,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cpu:
         model, tok = _smollm2(args.gguf)
-        split = _split(tok, setup)
+        split = _split(tok, setup, args.text)
         out = args.out or CPU_JSON
         out.parent.mkdir(parents=True, exist_ok=True)
         done = None
@@ -695,10 +700,15 @@ def main(argv: list[str] | None = None) -> int:
     if cpu is not None:
         setup = Setup(**cpu["setup"])
     model, tok = _smollm2(args.gguf)
-    split = _split(tok, setup)
+    split = _split(tok, setup, args.text)
     dev = torch.device("cuda", torch.cuda.current_device())
     res: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "setup": dataclasses.asdict(setup), "methods": {}, "cpu": cpu}
+                           "setup": dataclasses.asdict(setup), "split": split.describe(),
+                           "methods": {}, "cpu": cpu}
+    if cpu is not None and cpu.get("split") not in (None, res["split"]):
+        print(f"the evaluation split differs from the CPU run's: {res['split']} vs "
+              f"{cpu['split']}", file=sys.stderr)
+        return 2
     outdir = Path(os.environ.get("OUT", "bench/results/engine"))
     outdir.mkdir(parents=True, exist_ok=True)
     ok = True
