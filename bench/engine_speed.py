@@ -124,6 +124,14 @@ class RandomWeights(Mapping[str, torch.Tensor]):
 # ----------------------------------------------------------------------------- timing
 
 
+def headroom(steps: int) -> int:
+    """Tokens a point decodes past its context: decode_point runs 2 + 2 x steps steps (first
+    step, warm step, the serving loop, the replays), overhead_point 7 + 2 x steps; the KV is
+    sized and reserved for them (positions past the dense cache's rows would index out of
+    bounds; past a row's reserved pages the paged cache would read page 0)."""
+    return 2 * steps + 16
+
+
 class Timer:
     """CUDA events on the GPU, perf_counter on the CPU: milliseconds of fn() x reps."""
 
@@ -175,7 +183,7 @@ def decode_point(llm: Any, batch: int, ctx: int, steps: int, timer: Timer) -> di
     """Decode tokens/s at (batch, ctx) (module docstring); the KV filled by fill_kv."""
     from resgen.engine.sampling import SamplingParams, sample
 
-    pages = fill_kv(llm, batch, ctx, steps + 4)
+    pages = fill_kv(llm, batch, ctx, headroom(steps))
     try:
         st, r = llm.runner.state, llm.runner
         b = r.bucket(batch)
@@ -228,7 +236,7 @@ def overhead_point(llm: Any, ctx: int, steps: int, timer: Timer) -> dict[str, An
     """Batch 1 at ctx: where a decode step's time goes (module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
-    pages = fill_kv(llm, 1, ctx, steps + 8)
+    pages = fill_kv(llm, 1, ctx, headroom(steps))
     try:
         r = llm.runner
         length = [ctx + 1]
@@ -303,13 +311,13 @@ def build_engine(stack: str, cfg: dict, device: torch.device, max_batch: int,
 
 def fits(llm: Any, batch: int, ctx: int, steps: int) -> str | None:
     kv = llm.model.kv
-    need = batch * (ctx + steps + 8)
+    need = batch * (ctx + headroom(steps) + 2)
     if kv.kind == "nvfp4":
-        pages = batch * kv.pages_for(ctx + steps + 8)
+        pages = batch * kv.pages_for(ctx + headroom(steps) + 2)
         if pages > kv.num_pages - 1:
             return f"needs {pages} KV pages, {kv.num_pages - 1} fit ({need} tokens)"
         return None
-    if batch > kv.rows or ctx + steps + 8 > kv.max_len:
+    if batch > kv.rows or ctx + headroom(steps) + 2 > kv.max_len:
         return f"dense KV of {kv.rows} x {kv.max_len} tokens cannot hold {batch} x {ctx}"
     return None
 
@@ -319,7 +327,7 @@ def run_engine_stack(stack: str, cfg: dict, device: torch.device, batches: list[
                      log: Callable[[str], None]) -> dict[str, Any]:
     """Every point of one resgen-engine stack (comp / plain / bf16)."""
     timer = Timer(device)
-    max_ctx = max(contexts) + steps + 16
+    max_ctx = max(contexts) + headroom(steps) + 8
     rec: dict[str, Any] = {"stack": stack, "points": [], "config": ENGINE[stack]}
     t0 = time.perf_counter()
     dense_kv = ENGINE[stack]["kv"] != "nvfp4"
@@ -337,7 +345,7 @@ def run_engine_stack(stack: str, cfg: dict, device: torch.device, batches: list[
         rec["prefill"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     for b in batches:
         if dense_kv:               # rows are batch slots: one cache per batch size
-            need = max(c for c in contexts) + steps + 16
+            need = max(c for c in contexts) + headroom(steps) + 8
             llm.resize_kv(max_batch=b, max_seq_len=min(need, llm.cfg.max_positions),
                           kv_budget=0)
         for c in contexts:

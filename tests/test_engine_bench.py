@@ -143,3 +143,14 @@ def test_speed_helpers():
     assert ES.classify("nvjet_sm90_tst_192x8") == "cublas"
     assert ES.classify("void at::native::vectorized_layer_norm_kernel") == "glue"
     assert ES.estimate(["comp", "hf"], [1, 8], [8192], [(1, 8192)]) > 0
+
+
+def test_speed_points_stay_inside_the_kv_they_size():
+    """Every step a decode point runs stays inside the dense BF16 cache the stack sized (the
+    H200's first run indexed past its rows: 2 + 2 x steps steps ran, steps + 4 were sized).
+    On the CPU an index past the cache raises, so the stack's points carry no error."""
+    cfg = ES.tiny_config()
+    rec = ES.run_engine_stack("bf16", cfg, torch.device("cpu"), [1, 2], [64], 24, 32,
+                              "reference", lambda s: None)
+    assert [p.get("error") for p in rec["points"]] == [None, None]
+    assert all(p["fits"] for p in rec["points"])
