@@ -131,3 +131,14 @@ def test_fp4linear_compiles_whole():
     x = _x(6)
     eager = seq(x)
     assert torch.equal(torch.compile(seq, backend="aot_eager", fullgraph=True)(x), eager)
+
+
+def test_a_kernels_module_on_the_cpu_waits_for_the_gpu():
+    """from_pretrained loads on the CPU and .cuda() follows: a kernels-backed FP4Linear whose
+    buffers are on the CPU builds no op (no error at load), and calling it says to move the
+    model to the GPU instead of running anything."""
+    mod = FP4Linear.empty(64, 32, "nvfp4", "none", backend="kernels", name="layer.q")
+    assert mod.op is None and mod.handle == ""
+    with pytest.raises(RuntimeError, match=r"layer\.q: backend 'kernels' runs on a CUDA GPU.*"
+                                           r"model\.cuda\(\)"):
+        mod(torch.zeros(2, 64, dtype=torch.bfloat16))

@@ -192,6 +192,13 @@ class FP4Linear(torch.nn.Module):
         if qw.fmt == "nvfp4" and not bool(torch.isfinite(qw.q.global_scale)):
             raise ValueError(f"{self.name or 'FP4Linear'}: weight_scale_2 is not finite")
         dev = self.weight.device
+        simulated = bool(self._linear_kwargs.get("compile_fn") or
+                         self._linear_kwargs.get("quantizer_fn"))
+        if self.backend != "reference" and dev.type != "cuda" and not simulated:
+            # the kernels run on a CUDA device only: built when the module is moved there
+            # (from_pretrained loads on the CPU, then .cuda()); forward says so until then
+            self.op, self.handle = None, ""
+            return
         if self.backend == "reference":
             op: Any = ReferenceLinear(qw, self.compensation, device=dev)
         else:
@@ -254,6 +261,11 @@ class FP4Linear(torch.nn.Module):
         return self.op.warmup(ms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op is None:
+            raise RuntimeError(
+                f"{self.name or 'FP4Linear'}: backend {self.backend!r} runs on a CUDA GPU and "
+                f"this module is on {self.weight.device}: move the model to the GPU first "
+                "(model.cuda()), or load it with backend='reference' for the CPU")
         y = torch.ops.resgen.linear(x.to(torch.bfloat16), self.handle)
         if self.bias is not None:
             y = y.float() + self.bias         # one rounding to the output dtype
