@@ -603,6 +603,31 @@ def _split(tok: Any, setup: Setup, text: Path | None = None) -> Any:
                         n_calib=setup.n_calib, n_eval=setup.n_eval)
 
 
+def greedy_markdown(res: dict[str, Any]) -> str:
+    """The greedy continuations of a GPU run (FP32 glue: the CPU reference's numerics; BF16
+    glue: serving) beside the CPU reference engine's, per method that has them, as text."""
+    cpu = (res.get("cpu") or {}).get("methods") or {}
+    out = [f"# Greedy continuations: SmolLM2-135M-Instruct on resgen's engine ({res['gpu']})",
+           "", f"{res['setup']['new_tokens']} new tokens per prompt, greedy, NVFP4 KV cache. "
+           "'common prefix': tokens the GPU (FP32 glue) shares with the CPU reference before "
+           "they part (an FP4 code flipped by a one-ulp difference changes the argmax "
+           "eventually; see docs/engine.md).", ""]
+    for key, g in res["methods"].items():
+        c = cpu.get(key, {}).get("greedy")
+        out += [f"## {g['label']}", ""]
+        for i, row in enumerate(g["greedy"]):
+            out.append(f"**{row['prompt']!r}**")
+            out.append("")
+            if c:
+                out.append(f"- CPU reference: {c[i]['text']!r}")
+            out.append(f"- GPU, FP32 glue: {row['text']!r}"
+                       + (f" (common prefix {g['greedy_common_prefix'][i]} tokens)"
+                          if g.get("greedy_common_prefix") else ""))
+            out.append(f"- GPU, BF16 glue (serving): {g['greedy_glue_bf16'][i]['text']!r}")
+            out.append("")
+    return "\n".join(out) + "\n"
+
+
 def table(res: dict[str, Any]) -> str:
     head = ("method", "cpu io=bf16", "band", "gpu glue fp32", "in", "gpu glue bf16",
             "decode path", "hash", "checks")
@@ -641,16 +666,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Jargon File (default: Debian's jargon-text path; the GPU "
                          "machine has none, so it is carried in)")
     ap.add_argument("--quick", action="store_true", help="fewer tokens (smoke run)")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help="CPU: perturbation seeds of the noise band (default 3)")
     ap.add_argument("--resume", action="store_true",
                     help="CPU: keep the methods --out already holds (same setup and weights)")
     ap.add_argument("--compare", type=Path, default=None,
                     help="GPU JSON -> compared with the CPU JSON (--cpu-json), written to "
                          "--out, table printed (no GPU needed)")
+    ap.add_argument("--greedy-md", type=Path, default=None,
+                    help="with --compare: write the greedy continuations as markdown")
     ap.add_argument("--cpu-json", type=Path, default=None,
                     help="the CPU JSON for --compare (default: the committed one)")
     args = ap.parse_args(argv)
     setup = Setup(seq_len=128, n_calib=2, n_eval=2, seeds=1, new_tokens=8) if args.quick \
         else Setup()
+    if args.seeds is not None:
+        setup = dataclasses.replace(setup, seeds=args.seeds)
     methods = [tuple(m.split("/")) for m in args.methods.split(",")]
     if args.capture_qwen2 is not None:
         from resgen.quality.model import load_model, load_tokens
@@ -669,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         res = compare_runs(gpu, cpu)
         if args.out is not None:
             args.out.write_text(json.dumps(res, indent=1))
+        if args.greedy_md is not None:
+            args.greedy_md.write_text(greedy_markdown(res))
         print(table(res))
         return 0
     if args.cpu:
