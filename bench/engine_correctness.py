@@ -695,7 +695,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
         return 0
     if args.compare is not None:
-        gpu = json.loads(args.compare.read_text())
+        import lzma
+
+        opener = lzma.open if args.compare.suffix == ".xz" else open
+        with opener(args.compare, "rt") as f:
+            gpu = json.load(f)
         cpu = json.loads((args.cpu_json or CPU_JSON).read_text())
         res = compare_runs(gpu, cpu)
         if args.out is not None:
