@@ -132,7 +132,7 @@ def test_rope_config_reads_transformers5_rope_parameters():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("fmt, comp", [("nvfp4", "none"), ("nvfp4", "full"), ("mxfp4", "full"),
-                                       ("nvfp4", 0.25)])
+                                       ("nvfp4", 0.25), ("nvfp4", "w4a16"), ("mxfp4", "w4a16")])
 def test_prefill_equals_the_fakequant_model_bit_for_bit(kind, fmt, comp):
     """The reference engine (FP32 glue, FP32 linear I/O) gives the same logits as
     transformers' model with the quality study's FakeQuantLinear on the engine's weights
@@ -228,13 +228,14 @@ def test_paged_nvfp4_cache_holds_the_quantized_kv(kind):
     assert errs["resattn"] < 0.05 and errs["resattn"] < errs["plain"], errs
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_sim_backend_runs_the_kernel_path_like_the_reference(kind):
-    """The kernels' CPU simulations behind resgen.ops (quantizer operand, wgmma simulation,
-    attention / append contracts) give the reference backend's logits (BF16 interface) up to
-    summation order, and the same greedy tokens."""
+@pytest.mark.parametrize("kind, comp", [("qwen2", "full"), ("qwen3", "full"),
+                                        ("qwen3", "w4a16")])
+def test_sim_backend_runs_the_kernel_path_like_the_reference(kind, comp):
+    """The kernels' CPU simulations behind resgen.ops (quantizer operand or, for W4A16, the
+    BF16 operand; wgmma simulation, attention / append contracts) give the reference
+    backend's logits (BF16 interface) up to summation order, and the same greedy tokens."""
     m = tiny_model(kind, layers=1)
-    kw = dict(fmt="nvfp4", compensation="full", kv="nvfp4", calib=CALIB)
+    kw = dict(fmt="nvfp4", compensation=comp, kv="nvfp4", calib=CALIB)
     sim, ref = _load(m, backend="sim", **kw), _load(m, backend="reference", **kw)
     assert type(sim.model.layers[0].qkv.op).__name__ == "Linear"     # resgen.ops.Linear
     seqs = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 100]]
@@ -561,3 +562,21 @@ def test_cli_bad_input_is_one_line_and_exit_2(model_dir, capsys, args, match):
     assert rc == 2
     assert len(err.splitlines()) == 1 and err.startswith("resgen generate: error:"), err
     assert match in err, err
+
+
+def test_a_plan_gives_w4a16_to_whole_fused_projections_only():
+    """W4A16 in a per-layer plan: a fused projection whose parts all say "w4a16" runs it; one
+    part alone saying it is refused by name (the fused GEMM reads one activation operand)."""
+    from types import SimpleNamespace
+
+    from resgen.engine.build import HF_PARTS, compensation_of
+
+    cfg = SimpleNamespace(layers=1)
+    plan = {f"layers.0.{part}": "full" for parts in HF_PARTS.values() for part in parts}
+    for part in HF_PARTS["qkv"]:
+        plan[f"layers.0.{part}"] = "w4a16"
+    got = compensation_of(plan, cfg)
+    assert got[(0, "qkv")] == "w4a16" and got[(0, "down")] == "full"
+    plan[f"layers.0.{HF_PARTS['qkv'][0]}"] = "full"
+    with pytest.raises(ValueError, match=r"layer 0 qkv .*W4A16 for some parts only"):
+        compensation_of(plan, cfg)

@@ -210,8 +210,9 @@ class _FakeQuantOp:
                  device: torch.device) -> None:
         from ..quality.fakequant import FakeQuantLinear
 
-        comp = compensation if compensation in ("none", "full") else float(compensation)
-        if comp in ("none", "full") and qweight.selection is not None:
+        comp = compensation if compensation in ("none", "full", "w4a16") else \
+            float(compensation)
+        if comp in ("none", "full", "w4a16") and qweight.selection is not None:
             qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
                                     qweight.input_scale, qweight.meta)
         self.qweight, self.compensation = qweight, comp

@@ -123,8 +123,9 @@ def dense_model(src: ModelSource, cfg: DecoderConfig, device: torch.device, glue
 
 
 def compensation_of(spec: Any, cfg: DecoderConfig) -> dict[tuple[int, str], str]:
-    """{(layer, projection): "none" | "full" | K-Ext ratio string} for every fused projection
-    (see the module docstring)."""
+    """{(layer, projection): "none" | "full" | "w4a16" | K-Ext ratio string} for every fused
+    projection (see the module docstring). In a per-layer plan, "w4a16" (no activation
+    quantization) must name every part of a fused projection or none of them."""
     from ..ops.linear import _compensation_string
 
     ratios = getattr(spec, "ratios", spec)
@@ -142,6 +143,14 @@ def compensation_of(spec: Any, cfg: DecoderConfig) -> dict[tuple[int, str], str]
                     raise ValueError(f"the compensation plan has no entry for layer {i} "
                                      f"{proj} ({', '.join(names)})")
                 got = [r]
+            if "w4a16" in got:
+                if any(r != "w4a16" for r in got):
+                    raise ValueError(f"the compensation plan gives layer {i} {proj} "
+                                     f"({', '.join(names)}) W4A16 for some parts only: a "
+                                     "fused projection quantizes its activations for all or "
+                                     "none")
+                out[(i, proj)] = "w4a16"
+                continue
             vals = [_plan_value(r, names) for r in got if r is not None]
             if len(set(vals)) > 1:
                 log.warning("plan gives layer %d %s different ratios %s: the fused projection "
@@ -176,7 +185,7 @@ def quantized_model(dense: DecoderModel, backend: Backend, fmt: str, compensatio
         projs = {}
         for proj, p in L.projections().items():
             comp = comps[(i, proj)]
-            ratio = None if comp in ("none", "full") else float(comp)
+            ratio = None if comp in ("none", "full", "w4a16") else float(comp)
             site = calib.site(site_name(i, proj)) if calib is not None else None
             if ratio is not None and site is None:
                 raise ValueError(f"compensation ratio {comp} (K-Ext) needs a channel "

@@ -63,7 +63,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="stop text (repeatable)")
     g.add_argument("--fmt", choices=("nvfp4", "mxfp4", "bf16"), default="nvfp4")
     g.add_argument("--compensation", default="full",
-                   help="none | full | a K-Ext ratio (0.125, 0.25, 0.5, 1.0)")
+                   help="none | full | w4a16 (FP4 weights, BF16 activations: the Hopper "
+                        "mode) | a K-Ext ratio (0.125, 0.25, 0.5, 1.0)")
     g.add_argument("--kv", choices=("nvfp4", "bf16", "fp32"), default="nvfp4")
     g.add_argument("--attn", choices=("resattn", "plain"), default="resattn")
     g.add_argument("--calib", default=None,

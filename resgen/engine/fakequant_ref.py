@@ -53,8 +53,9 @@ class FakeQuantProj(torch.nn.Module):
         from ..quality.fakequant import FakeQuantLinear
 
         super().__init__()
-        comp = compensation if compensation in ("none", "full") else float(compensation)
-        if comp in ("none", "full") and qweight.selection is not None:
+        comp = compensation if compensation in ("none", "full", "w4a16") else \
+            float(compensation)
+        if comp in ("none", "full", "w4a16") and qweight.selection is not None:
             qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
                                     qweight.input_scale, qweight.meta)
         if io not in ("fp32", "bf16"):

@@ -99,7 +99,9 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
                   (config dict, {name: tensor}) pair.
     fmt:          "nvfp4" | "mxfp4" (quantize BF16 / FP32 weights at load) or "bf16" (no
                   quantization: the BF16 engine, cuBLAS).
-    compensation: "none" (plain W4A4) | "full" (M-Ext) | a K-Ext ratio | a per-layer plan
+    compensation: "none" (plain W4A4) | "full" (M-Ext) | "w4a16" (FP4 weights, BF16
+                  activations never quantized: the mode docs/hopper_native.md recommends on
+                  Hopper) | a K-Ext ratio | a per-layer plan
                   (resgen.plan.Plan or {layer: ratio}); see resgen.engine.build. For an FP4
                   checkpoint also "checkpoint": what resgen recorded in it.
     kv:           "nvfp4" (paged NVFP4 cache, append kernel, decode attention kernels) or
