@@ -148,6 +148,9 @@ class DenseDecodeAttention:
 
     mode "varlen": torch.nn.attention.varlen.varlen_attn with seqused_k (FlashAttention, one
     launch, split over KV), where this torch has it and it agrees with "masked" on a probe;
+    "flash": the same FlashAttention kernel through aten::_flash_attention_forward's
+    seqused_k, for a torch whose public varlen_attn lacks seqused_k / enable_gqa (the H200's
+    torch 2.11 fell back to "masked" without it), probed the same way;
     "masked": SDPA with the GQA group as query rows and a key mask (no FlashAttention)."""
 
     def __init__(self, mode: str = "auto") -> None:
@@ -169,6 +172,8 @@ class DenseDecodeAttention:
         row's length), the positions read."""
         if self.mode == "varlen":
             return _varlen_decode(q, k, v, seq_lens, scale, window)
+        if self.mode == "flash":
+            return _flash_decode(q, k, v, seq_lens, scale, window)
         return _masked_decode(q, k, v, seq_lens, scale, window)
 
 
@@ -205,26 +210,48 @@ def _varlen_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: 
     return o * (seq_lens > 0).to(o.dtype)[:, None, None]
 
 
+def _flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
+                  scale: float, window: int | None = None) -> torch.Tensor:
+    # the layout of _varlen_decode, through the aten op torch's varlen_attn wraps
+    b, n = k.shape[0], k.shape[1]
+    cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32)
+    o = torch.ops.aten._flash_attention_forward(
+        q, k.reshape(b * n, k.shape[2], k.shape[3]), v.reshape(b * n, v.shape[2], v.shape[3]),
+        cu_q, cu_q * n, 1, window or n, 0.0, False, False, scale=scale,
+        seqused_k=seq_lens)[0]
+    return o * (seq_lens > 0).to(o.dtype)[:, None, None]
+
+
 def _probe_varlen(device: torch.device, dtype: torch.dtype, kv_heads: int, group: int,
                   head_dim: int) -> str:
+    """The first FlashAttention path that agrees with "masked" on a probe of ragged rows
+    (one empty) on this device, else "masked"."""
+    g = torch.Generator(device=device).manual_seed(0)
+    b, n = 3, 96
+    q = torch.randn(b, kv_heads * group, head_dim, generator=g, device=device).to(dtype)
+    k = torch.randn(b, n, kv_heads, head_dim, generator=g, device=device).to(dtype)
+    v = torch.randn(b, n, kv_heads, head_dim, generator=g, device=device).to(dtype)
+    lens = torch.tensor([60, 17, 0], dtype=torch.int32, device=device)
+    ref = _masked_decode(q, k, v, lens, head_dim ** -0.5, 64).float()
+
+    def agrees(fn: Callable[..., torch.Tensor]) -> bool:
+        try:
+            got = fn(q, k, v, lens, head_dim ** -0.5, 64).float()
+        except Exception:            # no such kernel in this torch / for this GPU
+            return False
+        return bool(torch.isfinite(got).all()) and float((got - ref).norm()) <= \
+            2e-2 * float(ref.norm())
+
     try:
         from torch.nn.attention.varlen import varlen_attn
         names = inspect.signature(varlen_attn).parameters
-        if "seqused_k" not in names or "enable_gqa" not in names:
-            return "masked"
-        g = torch.Generator(device=device).manual_seed(0)
-        b, n = 3, 96
-        q = torch.randn(b, kv_heads * group, head_dim, generator=g, device=device).to(dtype)
-        k = torch.randn(b, n, kv_heads, head_dim, generator=g, device=device).to(dtype)
-        v = torch.randn(b, n, kv_heads, head_dim, generator=g, device=device).to(dtype)
-        lens = torch.tensor([60, 17, 0], dtype=torch.int32, device=device)
-        got = _varlen_decode(q, k, v, lens, head_dim ** -0.5, 64).float()
-        ref = _masked_decode(q, k, v, lens, head_dim ** -0.5, 64).float()
-        ok = bool(torch.isfinite(got).all()) and float((got - ref).norm()) <= \
-            2e-2 * float(ref.norm())
-        return "varlen" if ok else "masked"
-    except Exception:               # no varlen in this torch, or no kernel for this GPU
-        return "masked"
+        if "seqused_k" in names and "enable_gqa" in names and agrees(_varlen_decode):
+            return "varlen"
+    except ImportError:
+        pass
+    if agrees(_flash_decode):
+        return "flash"
+    return "masked"
 
 
 @dataclass

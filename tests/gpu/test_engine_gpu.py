@@ -103,3 +103,23 @@ def test_generation_on_the_gpu():
     free = resgen.load(tiny_model("qwen2"), backend="cuda", fmt="bf16", kv="bf16",
                        max_batch=2, max_seq_len=64, kv_fraction=0.01)
     assert free.kv_budget > 0
+
+
+def test_dense_decode_attention_paths_agree_with_masked_sdpa():
+    """The BF16 engine's FlashAttention decode paths (varlen_attn where this torch's has
+    seqused_k, else aten::_flash_attention_forward with seqused_k) equal masked SDPA on ragged
+    rows (one empty, one longer than the window's half) and GQA; the probe picks one of them."""
+    from resgen.engine import model as EM
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    b, n, hkv, grp, d = 4, 512, 8, 4, 128
+    q = torch.randn(b, hkv * grp, d, generator=g, device=dev).bfloat16()
+    k = torch.randn(b, n, hkv, d, generator=g, device=dev).bfloat16()
+    v = torch.randn(b, n, hkv, d, generator=g, device=dev).bfloat16()
+    lens = torch.tensor([300, 1, 0, 256], dtype=torch.int32, device=dev)
+    ref = EM._masked_decode(q, k, v, lens, d ** -0.5, 512).float()
+    got = EM._flash_decode(q, k, v, lens, d ** -0.5, 512).float()
+    assert torch.isfinite(got).all()
+    assert float((got - ref).norm() / ref.norm()) < 1e-2
+    assert EM._probe_varlen(dev, torch.bfloat16, hkv, grp, d) in ("varlen", "flash")
