@@ -458,6 +458,28 @@ def _point(rec: dict | None, b: int, c: int) -> dict | None:
     return None
 
 
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several runs' JSON: per stack, the points of every run (a later run's
+    point at the same batch and context replaces an earlier one's), the first prefill and
+    overhead records found. Ratios in a merged table compare different runs."""
+    stacks: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for name, rec in run["stacks"].items():
+            into = stacks.setdefault(name, {"stack": name, "points": []})
+            for k in ("prefill", "overhead", "config", "kv"):
+                if rec.get(k) and not into.get(k):
+                    into[k] = rec[k]
+            have = {(p["batch"], p["context"]): i for i, p in enumerate(into["points"])}
+            for p in rec.get("points", []):
+                key = (p["batch"], p["context"])
+                if key in have:
+                    into["points"][have[key]] = p
+                else:
+                    have[key] = len(into["points"])
+                    into["points"].append(p)
+    return {"stacks": stacks}
+
+
 def table(res: dict[str, Any]) -> str:
     """Decode tokens/s per point and stack; comp / bf16, comp / hf, comp / plain ratios (of
     the same JSON); prefill and overhead lines."""
@@ -530,9 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.merge:
-        res = {"stacks": {}, "merged_from": [str(p) for p in args.merge]}
-        for p in args.merge:
-            res["stacks"].update(json.loads(p.read_text())["stacks"])
+        res = merge_runs([json.loads(p.read_text()) for p in args.merge])
+        res["merged_from"] = [str(p) for p in args.merge]
         print("(stacks from different runs: ratios across runs)")
         print(table(res))
         return 0

@@ -154,3 +154,17 @@ def test_speed_points_stay_inside_the_kv_they_size():
                               "reference", lambda s: None)
     assert [p.get("error") for p in rec["points"]] == [None, None]
     assert all(p["fits"] for p in rec["points"])
+
+
+def test_merged_speed_runs_keep_every_runs_points():
+    """--merge: a stack measured in two runs keeps the points of both (the later run's point
+    replacing the earlier's at the same batch and context)."""
+    a = {"stacks": {"comp": {"points": [{"batch": 1, "context": 8192, "tok_s": 250.0}],
+                             "prefill": {"length": 2048}}}}
+    b = {"stacks": {"comp": {"points": [{"batch": 32, "context": 8192, "tok_s": 3500.0},
+                                        {"batch": 1, "context": 8192, "tok_s": 260.0}]},
+                    "plain": {"points": [{"batch": 32, "context": 8192, "tok_s": 3700.0}]}}}
+    m = ES.merge_runs([a, b])
+    assert {(p["batch"], p["tok_s"]) for p in m["stacks"]["comp"]["points"]} == \
+        {(1, 260.0), (32, 3500.0)}
+    assert m["stacks"]["comp"]["prefill"] == {"length": 2048} and "plain" in m["stacks"]
