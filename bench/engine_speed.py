@@ -9,6 +9,7 @@ calibration on its dense model), as bench/decode_step.py does.
 Stacks (one process, interleaved as far as memory allows; --stacks):
     comp   resgen: NVFP4 W4A4 with full residue (M-Ext), ResAttn over the paged NVFP4 KV cache
     plain  resgen: NVFP4 W4A4, plain NVFP4-KV attention
+    w4a16  resgen: NVFP4 weights, BF16 activations (the Hopper mode), ResAttn
     bf16   the same engine with BF16 weights (cuBLAS) and a dense BF16 KV cache (SDPA /
            varlen FlashAttention), the same glue and the same CUDA graphs: baseline (a)
     hf     transformers BF16 with a static cache and torch.compile (generate with
@@ -55,9 +56,11 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-STACKS = ("comp", "plain", "bf16", "hf")
+STACKS = ("comp", "plain", "w4a16", "bf16", "hf")
 ENGINE = {"comp": dict(fmt="nvfp4", compensation="full", kv="nvfp4", attn="resattn"),
           "plain": dict(fmt="nvfp4", compensation="none", kv="nvfp4", attn="plain"),
+          # the Hopper mode (docs/hopper_native.md): FP4 weights, BF16 activations, ResAttn
+          "w4a16": dict(fmt="nvfp4", compensation="w4a16", kv="nvfp4", attn="resattn"),
           "bf16": dict(fmt="bf16", kv="bf16")}
 
 
@@ -325,7 +328,7 @@ def fits(llm: Any, batch: int, ctx: int, steps: int) -> str | None:
 def run_engine_stack(stack: str, cfg: dict, device: torch.device, batches: list[int],
                      contexts: list[int], steps: int, prefill_len: int, backend: str,
                      log: Callable[[str], None]) -> dict[str, Any]:
-    """Every point of one resgen-engine stack (comp / plain / bf16)."""
+    """Every point of one resgen-engine stack (comp / plain / w4a16 / bf16)."""
     timer = Timer(device)
     max_ctx = max(contexts) + headroom(steps) + 8
     rec: dict[str, Any] = {"stack": stack, "points": [], "config": ENGINE[stack]}
@@ -481,12 +484,13 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(res: dict[str, Any]) -> str:
-    """Decode tokens/s per point and stack; comp / bf16, comp / hf, comp / plain ratios (of
-    the same JSON); prefill and overhead lines."""
+    """Decode tokens/s per point and stack; ratios of decode tokens/s comp / bf16, comp / hf,
+    comp / plain, w4a16 / comp (of the same JSON; before 2026-12-02 the comp / plain column
+    was headed "plain/comp" though it held comp / plain); prefill and overhead lines."""
     st = res["stacks"]
     pts = sorted({(p["batch"], p["context"]) for r in st.values() for p in r["points"]})
     head = ["B", "ctx"] + [s for s in STACKS if s in st] + ["comp/bf16", "comp/hf",
-                                                           "plain/comp"]
+                                                           "comp/plain", "w4a16/comp"]
     lines = [" ".join(f"{h:>10s}" for h in head)]
 
     def tok(s: str, b: int, c: int) -> float | None:
@@ -501,8 +505,9 @@ def table(res: dict[str, Any]) -> str:
             p = _point(st[s], b, c)
             row.append("-" if p is None else ("no fit" if p.get("fits") is False else (
                 "error" if "error" in p else f"{p['tok_s']:.1f}")))
-        comp, bf, hf, plain = (tok(s, b, c) for s in ("comp", "bf16", "hf", "plain"))
-        for a, d in ((comp, bf), (comp, hf), (comp, plain)):
+        comp, bf, hf, plain, w16 = (tok(s, b, c) for s in ("comp", "bf16", "hf", "plain",
+                                                            "w4a16"))
+        for a, d in ((comp, bf), (comp, hf), (comp, plain), (w16, comp)):
             row.append(f"{a / d:.2f}" if a and d else "-")
         lines.append(" ".join(f"{x:>10s}" for x in row))
     for s, r in st.items():
@@ -539,7 +544,7 @@ def estimate(stacks: list[str], batches: list[int], contexts: list[int],
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
-    ap.add_argument("--stacks", default="comp,plain,bf16,hf")
+    ap.add_argument("--stacks", default="comp,plain,w4a16,bf16,hf")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--hf-points", default="1x8192,8x8192,1x1024",

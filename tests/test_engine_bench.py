@@ -114,11 +114,13 @@ def test_a_captured_layer_is_checked_teacher_forced(tmp_path):
 
 def test_speed_script_cpu_mode(tmp_path, capsys):
     out = tmp_path / "speed.json"
-    rc = ES.main(["--cpu", "--stacks", "comp,bf16,hf", "--batches", "1,2", "--out", str(out)])
+    rc = ES.main(["--cpu", "--stacks", "comp,w4a16,bf16,hf", "--batches", "1,2", "--out",
+                  str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     res = json.loads(out.read_text())
-    assert set(res["stacks"]) == {"comp", "bf16", "hf"}
+    assert set(res["stacks"]) == {"comp", "w4a16", "bf16", "hf"}
+    assert all(p["tok_s"] > 0 for p in res["stacks"]["w4a16"]["points"] if p["fits"])
     comp = res["stacks"]["comp"]
     assert comp["kv"]["kind"] == "nvfp4" and comp["prefill"]["prefill_tok_s"] > 0
     pts = {(p["batch"], p["context"]): p for p in comp["points"]}
