@@ -194,6 +194,19 @@ def test_the_registry_is_shared_and_one_study_per_environment(pg_url):
     finally:
         a.close()
         b.close()
+    # A study caught between another process's two attribute writes (app set, environment
+    # not yet: processes starting together) is this environment's: joined, completed.
+    import optuna
+
+    env = make_env(gpu_name="Half-made GPU")
+    half = optuna.create_study(study_name=coord_mod.study_name(env),
+                               storage=coord_mod.check_url(pg_url))
+    half.set_user_attr("app", coord_mod.APP)
+    c = _coord(pg_url, env=env)
+    try:
+        assert half.user_attrs["environment"] == env.as_dict()
+    finally:
+        c.close()
     # A study of that name that is not this environment's resgen study is refused.
     import optuna
 

@@ -24,7 +24,9 @@ def test_dist_tune_cpu_path_reports_equal_coverage_and_stops_its_server(tmp_path
                         "--work", str(tmp_path / "work"), "--out", str(out), "--budget", "120",
                         "--tune-args=--m-buckets 1"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    logs = "".join(f"\n--- {f.name}\n" + f.read_text()[-1500:]
+                   for f in sorted(out.glob("tune-*.log")))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:] + logs
     data = json.loads((out / "dist_tune.json").read_text())
     d, c = data["distributed"], data["compare"]
     assert d["rcs"] == [0, 0] and d["merge_rc"] == 0 and d["server_stopped"]

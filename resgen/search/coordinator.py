@@ -290,15 +290,23 @@ class Coordinator:
                 raise CoordinatorError(f"cannot use the coordinator {redact(self.cfg.url)}: "
                                        f"{_first_line(e)}") from None
         self._sid = self.study._study_id
+        self._claim_study()
+
+    def _claim_study(self) -> None:
+        """Mark the study as this environment's resgen study, or check that it is. Processes
+        starting together race here: one may read the attributes between another's two
+        writes (app set, environment not yet), so a missing attribute is written (the same
+        value by every process of this environment) and only a DIFFERENT value refuses."""
+        want = {"app": APP, "environment": self.env.as_dict()}
         attrs = self.study.user_attrs
-        want = self.env.as_dict()
-        if not attrs:
-            self.study.set_user_attr("app", APP)
-            self.study.set_user_attr("environment", want)
-        elif attrs.get("app") != APP or attrs.get("environment") != want:
+        bad = {k: attrs[k] for k in want if k in attrs and attrs[k] != want[k]}
+        if bad:
             raise CoordinatorError(f"study {self.name!r} on {redact(self.cfg.url)} is not this "
                                    f"environment's resgen study (attributes "
                                    f"{sorted(attrs)[:6]}); use another database")
+        for k, v in want.items():
+            if k not in attrs:
+                self.study.set_user_attr(k, v)
 
     def close(self) -> None:
         self._stop.set()
