@@ -352,3 +352,35 @@ def test_the_planner_lists_exactly_what_the_tuner_evaluates(tmp_path, monkeypatc
                                                                       key=lambda r: r["id"])]
     assert s.search == case
     assert [(v.key(), i) for v, i in planned] == order and len(order) > 1
+
+
+def test_processes_starting_together_all_join_one_study(pg_url):
+    """Six coordinators connecting at once to an empty database (optuna's tables, the study
+    and its attributes created by whoever is first; the others lose creation races and must
+    retry or join, never stop the run) all join the same study."""
+    import threading
+
+    env = make_env(gpu_name="Crowded GPU")
+    go = threading.Barrier(6)
+    got: list = []
+    errors: list = []
+
+    def start() -> None:
+        go.wait()
+        try:
+            c = _coord(pg_url, env=env)
+            got.append(c)
+        except Exception as e:          # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    try:
+        assert not errors, errors
+        assert len(got) == 6 and len({c._sid for c in got}) == 1
+    finally:
+        for c in got:
+            c.close()

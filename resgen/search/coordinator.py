@@ -265,7 +265,15 @@ class Coordinator:
                   else "failed_trial_callback")
         engine = {"pool_pre_ping": True,
                   "connect_args": {"connect_timeout": self.cfg.connect_timeout_s}}
-        from sqlalchemy.exc import IntegrityError
+        from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+        def creation_race(e: Exception) -> bool:
+            # processes starting together race to create optuna's tables or the study: a
+            # unique violation (IntegrityError), or CREATE TABLE of a table another process
+            # just made (PostgreSQL's DuplicateTable / DuplicateObject, a ProgrammingError)
+            if isinstance(e, IntegrityError):
+                return True
+            return isinstance(e, ProgrammingError) and "already exists" in str(e)
 
         for attempt in range(5):
             try:
@@ -276,9 +284,11 @@ class Coordinator:
                     self.study = optuna.create_study(study_name=self.name, storage=self.rdb,
                                                      direction="minimize", load_if_exists=True)
                 break
-            except IntegrityError:
-                # Processes starting together race to create optuna's tables (or the study):
-                # the loser retries and finds them.
+            except (IntegrityError, ProgrammingError) as e:
+                # the loser of a creation race retries and finds what the winner made
+                if not creation_race(e):
+                    raise CoordinatorError(f"cannot use the coordinator "
+                                           f"{redact(self.cfg.url)}: {_first_line(e)}") from None
                 if attempt == 4:
                     raise CoordinatorError(f"cannot set up the study on {redact(self.cfg.url)}: "
                                            "concurrent creation kept failing") from None
