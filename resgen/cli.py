@@ -33,6 +33,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .argtypes import positive_int
+
 __all__ = ["main", "build_parser"]
 
 
@@ -48,11 +50,6 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return parse
 
 
-def _pos_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return v
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -87,18 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ops to tune (default: every op with a family for the arch)")
     t.add_argument("--families", type=_csv(str), default=None,
                    help="restrict to these kernel families")
-    t.add_argument("--m-buckets", type=_csv(_pos_int), default=list(DEFAULT_M_BUCKETS))
-    t.add_argument("--attn-batches", type=_csv(_pos_int), default=list(DEFAULT_ATTN_BATCHES))
-    t.add_argument("--kv-lens", type=_csv(_pos_int), default=list(DEFAULT_KV_LENS))
+    t.add_argument("--m-buckets", type=_csv(positive_int), default=list(DEFAULT_M_BUCKETS))
+    t.add_argument("--attn-batches", type=_csv(positive_int), default=list(DEFAULT_ATTN_BATCHES))
+    t.add_argument("--kv-lens", type=_csv(positive_int), default=list(DEFAULT_KV_LENS))
     t.add_argument("--attn-pv", type=_csv(str), default=["f16", "fp8"],
                    help="decode attention P.V numerics to tune (f16, fp8)")
-    t.add_argument("--tp", type=_pos_int, default=1)
+    t.add_argument("--tp", type=positive_int, default=1)
     t.add_argument("--db", type=Path, default=None,
                    help="output database (default: the user's cache database)")
     t.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="skip variants already stored for this fingerprint and environment "
                         "(default); --no-resume re-times and replaces them")
-    t.add_argument("--max-variants", type=_pos_int, default=16,
+    t.add_argument("--max-variants", type=positive_int, default=16,
                    help="variants evaluated per workload (spaces up to this size are searched "
                         "exhaustively, larger ones by the family's prior or with optuna)")
     t.add_argument("--policy", choices=["tune", "bench"], default="tune",
@@ -131,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "once: a few minutes on a 2-core CPU)")
     t.add_argument("--arch", default=None, help="compile target (default: the GPU's, or "
                    "RESGEN_ARCH / sm_90a without one)")
-    t.add_argument("--jobs", type=_pos_int, default=None,
+    t.add_argument("--jobs", type=positive_int, default=None,
                    help="tuner processes (compile in parallel, one on the GPU at a time)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--shard", type=_shard, default=None, metavar="I/N",
@@ -156,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--coordinator-run", default=None, metavar="TAG",
                    help="with --coordinator and --no-resume: names this re-measure run (the "
                         "same on every host): only its own timings count")
-    t.add_argument("--coordinator-grace", type=_pos_int, default=30, metavar="S",
+    t.add_argument("--coordinator-grace", type=positive_int, default=30, metavar="S",
                    help="with --coordinator: a trial whose process sent no heartbeat for S "
                         "seconds (killed, host down) is failed and re-queued (default 30)")
 
@@ -169,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "_scaled_mm FP8, Triton MXFP4 and the HBM floor (GPU)")
     b.add_argument("--model", required=True, type=_csv(str))
     b.add_argument("--db", type=Path, default=None)
-    b.add_argument("--tp", type=_pos_int, default=1)
-    b.add_argument("--m", type=_csv(_pos_int), default=[1, 16])
+    b.add_argument("--tp", type=positive_int, default=1)
+    b.add_argument("--m", type=_csv(positive_int), default=[1, 16])
     b.add_argument("--formats", type=_csv(str), default=["nvfp4", "mxfp4"])
     b.add_argument("--compensations", type=_csv(str), default=["none", "full"],
                    help="modes to time (none, full, a K-Ext ratio, w4a16); 'x none' compares "

@@ -169,3 +169,22 @@ def test_show_without_db_shows_what_the_runtime_serves(tmp_path, capsys):
     for s in sums:
         assert s.winner in out
     assert out.count("\nfake_gemm") == 2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["tune", "--model", "qwen3-8b", "--tp", "x", "--plan"], "--tp: 'x' is not an integer"),
+    (["tune", "--model", "qwen3-8b", "--m-buckets", "1,0", "--plan"],
+     "0 is not a positive integer"),
+    (["generate", "--model", "m", "--prompt", "p", "--max-new-tokens", "0"],
+     "--max-new-tokens: 0 is not a positive integer"),
+    (["quantize", "--model", "m", "--fmt", "nvfp4", "--calib", "c", "--out", "o",
+      "--seq-len", "x"], "--seq-len: 'x' is not an integer"),
+])
+def test_count_arguments_of_every_command_say_what_is_wrong(capsys, argv, needle):
+    """resgen.argtypes.positive_int behind tune, generate and quantize: a count that is not a
+    positive integer is argparse's usage error naming the argument (exit 2), no traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert needle in err.strip().splitlines()[-1], err

@@ -12,6 +12,8 @@ import math
 import sys
 from pathlib import Path
 
+from ..argtypes import positive_int
+
 __all__ = ["add_parser", "run"]
 
 _COMPENSATIONS = ("none", "full", "0.125", "0.25", "0.5", "1.0")
@@ -42,14 +44,6 @@ def _budget(text: str) -> float:
     return b
 
 
-def _pos(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return v
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -77,10 +71,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--plan", action="store_true",
                    help="choose each fusion group's compensation under --budget (resgen.plan)")
     q.add_argument("--budget", type=_budget, default=None, help="effective bits for --plan")
-    q.add_argument("--seq-len", type=_pos, default=512, help="tokens per calibration sequence")
-    q.add_argument("--calib-seqs", type=_pos, default=16,
+    q.add_argument("--seq-len", type=positive_int, default=512,
+                   help="tokens per calibration sequence")
+    q.add_argument("--calib-seqs", type=positive_int, default=16,
                    help="calibration sequences (evenly spaced over the text)")
-    q.add_argument("--batch", type=_pos, default=4)
+    q.add_argument("--batch", type=positive_int, default=4)
     q.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
                    default="auto", help="dtype of the unquantized tensors (auto: the source's; "
                                         "float32 for GGUF)")

@@ -18,6 +18,8 @@ import argparse
 import sys
 from typing import Any
 
+from ..argtypes import positive_int
+
 __all__ = ["add_parser", "run", "parse_bytes"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -37,14 +39,6 @@ def parse_bytes(text: str) -> int:
     return int(v * _UNITS[unit])
 
 
-def _pos_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return v
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -56,7 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", required=True,
                    help="prompt text (repeat for a batch)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    g.add_argument("--max-new-tokens", type=_pos_int, default=128)
+    g.add_argument("--max-new-tokens", type=positive_int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
@@ -71,8 +65,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="calibration text file, or a .safetensors calibration file")
     g.add_argument("--backend", choices=("cuda", "sim", "reference"), default=None,
                    help="default: cuda with a GPU, else reference (CPU)")
-    g.add_argument("--max-batch", type=_pos_int, default=None)
-    g.add_argument("--max-seq-len", type=_pos_int, default=None)
+    g.add_argument("--max-batch", type=positive_int, default=None)
+    g.add_argument("--max-seq-len", type=positive_int, default=None)
     g.add_argument("--kv-budget", type=parse_bytes, default=None,
                    help="KV cache size (e.g. 4G); default: 60%% of free GPU memory")
     g.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly")
