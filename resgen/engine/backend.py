@@ -209,12 +209,9 @@ class _FakeQuantOp:
     def __init__(self, qweight: QLinearWeight, compensation: str | float, io: str,
                  device: torch.device) -> None:
         from ..quality.fakequant import FakeQuantLinear
+        from .fakequant_ref import fakequant_args
 
-        comp = compensation if compensation in ("none", "full", "w4a16") else \
-            float(compensation)
-        if comp in ("none", "full", "w4a16") and qweight.selection is not None:
-            qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
-                                    qweight.input_scale, qweight.meta)
+        qweight, comp = fakequant_args(qweight, compensation)
         self.qweight, self.compensation = qweight, comp
         self.mod = FakeQuantLinear(qweight, comp).to(device)
         if isinstance(self.mod.input_scale, torch.Tensor):

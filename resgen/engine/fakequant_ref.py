@@ -29,6 +29,19 @@ __all__ = ["FakeQuantProj", "fakequant_linears", "module_weights", "swap_linears
            "slice_rows", "set_perturbation"]
 
 
+def fakequant_args(qweight: QLinearWeight, compensation: str | float
+                   ) -> tuple[QLinearWeight, str | float]:
+    """(qweight, compensation) as FakeQuantLinear takes them: "none" / "full" / "w4a16" stay
+    strings, a K-Ext ratio becomes a float; the modes without K-Ext read no selection, so a
+    weight prepared with one (the engine's calibration) is passed without it."""
+    modes = ("none", "full", "w4a16")
+    comp = compensation if compensation in modes else float(compensation)
+    if comp in modes and qweight.selection is not None:
+        qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
+                                qweight.input_scale, qweight.meta)
+    return qweight, comp
+
+
 def slice_rows(qw: QLinearWeight, start: int, stop: int) -> QLinearWeight:
     """Rows [start, stop) of a prepared weight (same tensor scale, selection, input scale)."""
     q = qw.q
@@ -53,11 +66,7 @@ class FakeQuantProj(torch.nn.Module):
         from ..quality.fakequant import FakeQuantLinear
 
         super().__init__()
-        comp = compensation if compensation in ("none", "full", "w4a16") else \
-            float(compensation)
-        if comp in ("none", "full", "w4a16") and qweight.selection is not None:
-            qweight = QLinearWeight(qweight.base(), qweight.in_features, None,
-                                    qweight.input_scale, qweight.meta)
+        qweight, comp = fakequant_args(qweight, compensation)
         if io not in ("fp32", "bf16"):
             raise ValueError(f"io must be 'fp32' or 'bf16', got {io!r}")
         self.rows = rows
