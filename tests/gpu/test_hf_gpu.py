@@ -14,12 +14,18 @@ choices are not near-ties (random models have flat logits)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import resgen.hf as H  # noqa: E402
+from logitcheck import assert_teacher_forced_agree  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -132,13 +138,4 @@ def test_same_greedy_tokens_as_the_engine_for_the_same_checkpoint(tmp_path):
     eng_logits = llm.forced_decode([p + g for p, g in zip(prompts, got)],
                                    [len(p) for p in prompts], reduce="logits")
     for r in range(len(prompts)):
-        want, have = hf_logits[r], eng_logits[r]
-        assert have.shape == want.shape and torch.isfinite(have).all()
-        diff = (have - want).abs().amax(-1)
-        top = float(want.abs().max())
-        assert float(diff[0]) <= 2.0 ** -5 * top, (r, diff.tolist(), top)
-        assert float(diff.max()) <= 0.10 * top, (r, diff.tolist(), top)
-        for t in range(len(got[r])):
-            pick = int(have[t].argmax())
-            margin = float(want[t, got[r][t]] - want[t, pick])
-            assert pick == got[r][t] or margin <= float(diff[t]), (r, t, pick, got[r][t])
+        assert_teacher_forced_agree(hf_logits[r], eng_logits[r], got[r], 2.0 ** -5, 0.10, r)
