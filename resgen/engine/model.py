@@ -194,31 +194,35 @@ def _masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: 
     return o * (seq_lens > 0).to(o.dtype)[:, None, None]
 
 
+def _rows_as_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The dense cache as a varlen batch: k, v [B * max_len, Hkv, D] (rows stay whole: a
+    [B, max_len] view is contiguous, a window of it is not), cu_q int32 [B + 1] (one query
+    per row), cu_k = cu_q * max_len (row b's keys start at b * max_len; seqused_k says how
+    many are used), max_len."""
+    b, n = k.shape[0], k.shape[1]
+    cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32)
+    return (k.reshape(b * n, k.shape[2], k.shape[3]), v.reshape(b * n, v.shape[2], v.shape[3]),
+            cu_q, cu_q * n, n)
+
+
 def _varlen_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
                    scale: float, window: int | None = None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    # rows stay whole (a [B, max_len] view is contiguous, a window of it is not): row b's
-    # keys start at b * max_len and seqused_k says how many are used
-    b, n = k.shape[0], k.shape[1]
-    cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32)
-    cu_k = cu_q * n
-    o = varlen_attn(q, k.reshape(b * n, k.shape[2], k.shape[3]),
-                    v.reshape(b * n, v.shape[2], v.shape[3]), cu_q, cu_k, 1,
-                    window or n, scale=scale, enable_gqa=q.shape[1] != k.shape[2],
-                    seqused_k=seq_lens)
+    kf, vf, cu_q, cu_k, n = _rows_as_varlen(q, k, v)
+    o = varlen_attn(q, kf, vf, cu_q, cu_k, 1, window or n, scale=scale,
+                    enable_gqa=q.shape[1] != k.shape[2], seqused_k=seq_lens)
     return o * (seq_lens > 0).to(o.dtype)[:, None, None]
 
 
 def _flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
                   scale: float, window: int | None = None) -> torch.Tensor:
-    # the layout of _varlen_decode, through the aten op torch's varlen_attn wraps
-    b, n = k.shape[0], k.shape[1]
-    cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32)
-    o = torch.ops.aten._flash_attention_forward(
-        q, k.reshape(b * n, k.shape[2], k.shape[3]), v.reshape(b * n, v.shape[2], v.shape[3]),
-        cu_q, cu_q * n, 1, window or n, 0.0, False, False, scale=scale,
-        seqused_k=seq_lens)[0]
+    # the same kernel through the aten op torch's varlen_attn wraps
+    kf, vf, cu_q, cu_k, n = _rows_as_varlen(q, k, v)
+    o = torch.ops.aten._flash_attention_forward(q, kf, vf, cu_q, cu_k, 1, window or n, 0.0,
+                                                False, False, scale=scale,
+                                                seqused_k=seq_lens)[0]
     return o * (seq_lens > 0).to(o.dtype)[:, None, None]
 
 
