@@ -695,12 +695,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
         return 0
     if args.compare is not None:
-        import lzma
+        sys.path.insert(0, str(ROOT / "bench" / "report"))
+        from report_io import load_json
 
-        opener = lzma.open if args.compare.suffix == ".xz" else open
-        with opener(args.compare, "rt") as f:
-            gpu = json.load(f)
-        cpu = json.loads((args.cpu_json or CPU_JSON).read_text())
+        gpu = load_json(args.compare)
+        cpu = load_json(args.cpu_json or CPU_JSON)
         res = compare_runs(gpu, cpu)
         if args.out is not None:
             args.out.write_text(json.dumps(res, indent=1))
