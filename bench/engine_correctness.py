@@ -66,6 +66,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from resgen.argtypes import positive_int  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "engine"
 CPU_JSON = RESULTS / "correctness_cpu.json"
 CALIB_FILE = RESULTS / "smollm2_calib.safetensors"
@@ -666,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Jargon File (default: Debian's jargon-text path; the GPU "
                          "machine has none, so it is carried in)")
     ap.add_argument("--quick", action="store_true", help="fewer tokens (smoke run)")
-    ap.add_argument("--seeds", type=int, default=None,
+    ap.add_argument("--seeds", type=positive_int, default=None,
                     help="CPU: perturbation seeds of the noise band (default 3)")
     ap.add_argument("--resume", action="store_true",
                     help="CPU: keep the methods --out already holds (same setup and weights)")
@@ -698,9 +700,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(ROOT / "bench" / "report"))
         from report_io import load_json
 
-        gpu = load_json(args.compare)
-        cpu = load_json(args.cpu_json or CPU_JSON)
-        res = compare_runs(gpu, cpu)
+        try:
+            res = compare_runs(load_json(args.compare), load_json(args.cpu_json or CPU_JSON))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"engine_correctness --compare: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
         if args.out is not None:
             args.out.write_text(json.dumps(res, indent=1))
         if args.greedy_md is not None:

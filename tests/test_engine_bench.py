@@ -170,3 +170,13 @@ def test_merged_speed_runs_keep_every_runs_points():
     assert {(p["batch"], p["tok_s"]) for p in m["stacks"]["comp"]["points"]} == \
         {(1, 260.0), (32, 3500.0)}
     assert m["stacks"]["comp"]["prefill"] == {"length": 2048} and "plain" in m["stacks"]
+
+
+def test_compare_of_a_bad_file_is_one_line(tmp_path, capsys):
+    """engine_correctness --compare with a missing or foreign JSON: one line, exit 2."""
+    bad = tmp_path / "not_a_run.json"
+    bad.write_text('{"methods": {}}')
+    for path in (tmp_path / "missing.json", bad):
+        assert EC.main(["--compare", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("engine_correctness --compare:"), err
