@@ -1,0 +1,90 @@
+"""Write the render-identity fixture of linear_sm90_mma's exact-fold variants.
+
+    PYTHONPATH=. python scripts/exact_render_fixture.py tests/fixtures/linear_sm90_mma_renders.json.xz
+
+Run on the commit whose renders must be preserved (it was run on main 48c1103, before the
+"presum" fold was added to the family). For every (variant, compile key) pair it records the
+first 16 hex digits of the sha256 of the rendered kernel source: the winners of every linear_sm90_mma workload of the
+shipped table (tuned/h200.sqlite.xz) and a deterministic sample of the family's space on the
+Qwen3-8B shapes (both formats, every compensation, M = 1, 16, 64). The pairs are stored as
+their canonical keys, so the test (tests/test_linear_sm90_presum.py) rebuilds each variant
+with from_key and renders it with the checkout under test: an exact variant whose source
+changed by one byte fails, whatever the table holds by then; so does a change to any
+resgen.kernels module those renders import (their digest is stored too). The shipped table's re-fingerprint
+after a template edit relies on exactly this identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import subprocess
+import sys
+from pathlib import Path
+
+from resgen.db import TuningDB
+from resgen.kernels import codegen
+from resgen.models import COMPENSATIONS, FORMATS, get_model, linear_problems
+from resgen.runtime import shipped_table
+from resgen.search.family import get_family
+from resgen.search.record import Status
+
+ARCH = "sm_90a"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def render_sha(fam, v, p) -> str:
+    """sha256 of the source the family renders for variant v on problem p (compile key)."""
+    ck = fam.compile_key(v, p)
+    src = codegen.render(fam.TEMPLATE, fam.template_params(v, ck))
+    return hashlib.sha256(src.encode()).hexdigest()
+
+
+def pairs() -> list[tuple[str, str]]:
+    """(variant key, problem key) pairs: the table's winners, then the space sample."""
+    fam = get_family("linear_sm90_mma")
+    out: dict[tuple[str, str], None] = {}
+    with TuningDB(shipped_table(ROOT / "tuned", "h200"), readonly=True) as db:
+        rows = [r for r in db.rows(status=Status.OK, compile_only=False)
+                if r["family"] == fam.NAME]
+    best: dict[str, dict] = {}
+    for r in rows:
+        w = r["workload_key"]
+        if w not in best or r["median_us"] < best[w]["median_us"]:
+            best[w] = r
+    for w in sorted(best):
+        r = best[w]
+        v = fam.VARIANT.from_key(r["variant_key"])
+        p = fam.PROBLEM.from_key(w)
+        out[(v.key(), fam.compile_key(v, p).key())] = None
+    for p in linear_problems([get_model("qwen3-8b")], 1, FORMATS, COMPENSATIONS, (1, 16, 64)):
+        for v in list(fam.space(p, ARCH))[::331]:
+            out[(v.key(), fam.compile_key(v, p).key())] = None
+    return list(out)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    fam = get_family("linear_sm90_mma")
+    entries = []
+    for vk, pk in pairs():
+        v, p = fam.VARIANT.from_key(vk), fam.PROBLEM.from_key(pk)
+        entries.append([vk, pk, render_sha(fam, v, p)[:16]])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    v0, p0 = fam.VARIANT.from_key(entries[0][0]), fam.PROBLEM.from_key(entries[0][1])
+    src0 = codegen.render(fam.TEMPLATE, fam.template_params(v0, fam.compile_key(v0, p0)))
+    # the resgen.kernels modules an exact render imports (transitively), hashed: they must not
+    # change either (every exact render imports the same ones)
+    doc = {"family": fam.NAME, "commit": commit, "arch": ARCH,
+           "kernel_modules_digest": codegen.kernel_modules_digest(src0), "renders": entries}
+    Path(argv[1]).write_bytes(lzma.compress(json.dumps(doc, indent=0).encode()))
+    print(f"{len(entries)} renders from {commit} -> {argv[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
