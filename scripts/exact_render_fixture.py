@@ -1,19 +1,20 @@
 """Write the render-identity fixture of linear_sm90_mma's exact-fold variants.
 
-    PYTHONPATH=. python scripts/exact_render_fixture.py tests/fixtures/linear_sm90_mma_renders.json.xz
+    PYTHONPATH=. python scripts/exact_render_fixture.py \
+        tests/fixtures/linear_sm90_mma_renders.json.xz
 
 Run on the commit whose renders must be preserved (it was run on main 48c1103, before the
 "presum" fold was added to the family). For every (variant, compile key) pair it records the
-first 16 hex digits of the sha256 of the rendered kernel source: the winners of every linear_sm90_mma workload of the
-shipped table (tuned/h200.sqlite.xz) and a deterministic sample of the family's space on the
-Qwen3-8B shapes (both formats, every compensation, M = 1, 16, 64). The pairs are stored as
-their canonical keys, so the test (tests/test_linear_sm90_presum.py) rebuilds each variant
-with from_key and renders it with the checkout under test: an exact variant whose source
-changed by one byte fails, whatever the table holds by then; so does a change to any
-resgen.kernels module those renders import (their digest is stored too). The shipped table's re-fingerprint
-after a template edit relies on exactly this identity.
+first 16 hex digits of the sha256 of the rendered kernel source: the winners of every
+linear_sm90_mma workload of the shipped table (tuned/h200.sqlite.xz) and a deterministic
+sample of the family's space on the Qwen3-8B shapes (both formats, every compensation, M = 1,
+16, 64). The pairs are stored as their canonical keys, so the test
+(tests/test_linear_sm90_presum.py) rebuilds each variant with from_key and renders it with the
+checkout under test: an exact variant whose source changed by one byte fails, whatever the
+table holds by then; so does a change to any resgen.kernels module those renders import (their
+digest is stored too). The shipped table's re-fingerprint after a template edit relies on
+exactly this identity.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -66,7 +67,7 @@ def pairs() -> list[tuple[str, str]]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        print("usage: python scripts/exact_render_fixture.py OUT.json.xz", file=sys.stderr)
         return 2
     fam = get_family("linear_sm90_mma")
     entries = []

@@ -588,9 +588,9 @@ class Sm90LinearRunner:
 
     def check(self) -> CheckResult:
         """The whole layer vs resgen.reference.linear (check_quantized; W4A16:
-        reference.linear_w4a16; a presum variant vs the presum AND the exact fold), preceded for variants that read a prepared operand by the
-        GEMM alone on a torch-built operand (check_gemm): fresh random activations,
-        NaN-poisoned outputs."""
+        reference.linear_w4a16; a presum variant vs the presum AND the exact fold: check_folds),
+        preceded for variants that read a prepared operand by the GEMM alone on a torch-built
+        operand (check_gemm): fresh random activations, NaN-poisoned outputs."""
         if not self.fused:
             gemm = self.check_gemm()
             if not gemm.ok:
