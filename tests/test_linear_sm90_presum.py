@@ -435,3 +435,63 @@ def test_presum_probe_pairs_each_config_with_its_twin(monkeypatch, tmp_path):
     assert all(d["presum_over_exact"] == 0.5 for d in s)
     rows[1]["ok"] = False
     assert len(PP.summary(rows)) == len(s) - 1
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+
+def test_the_runtime_serves_a_presum_row_and_it_is_the_tuned_call(tmp_path, monkeypatch):
+    """A presum variant stored as the winner of an M-Ext workload (its key carries the fold)
+    is what resgen.ops.Linear dispatches for that bucket, and the served layer gives the
+    tuner runner's bits (the quantizer's torch definition in front, the simulation as the
+    kernel), within 3e-3 of both folds' references; an exact row of another bucket is served
+    exact."""
+    import resgen.search.sm90_linear as SL
+    from fakefam import make_env
+    from test_linear_sm90_wgmma import _ReferenceQuantizer
+
+    from resgen.db import TuningDB
+    from resgen.ops import Linear
+    from resgen.runtime import Device, Dispatcher
+    from resgen.search.build import variant_fingerprint
+    from resgen.search.record import ResultRecord, Status
+
+    monkeypatch.setenv("RESGEN_CACHE_DIR", str(tmp_path / "cache"))
+    registry = _registry(monkeypatch)
+    n, k = 64, 1024
+    v = LinearSm90Variant(warps_m=2, warps_k=2, stages=3, **PRESUM)
+    ex = LinearSm90Variant(warps_m=4, warps_k=1, stages=3)
+    p4, p16 = (LinearProblem("nvfp4", "full", m, n, k) for m in (4, 16))
+    db = tmp_path / "t.sqlite"
+    with TuningDB(db) as t:
+        for var, p in ((v, p4), (ex, p16)):
+            t.record(ResultRecord(
+                problem=p, variant=var, environment=make_env("NVIDIA H200", ARCH),
+                fingerprint=variant_fingerprint(FAMILY, var, p, ARCH), status=Status.OK,
+                median_us=10.0, samples_us=[10.0], space_index=0, policy={"tie_rel": 0.01}))
+        stored = {r["variant_key"] for r in t.rows()}
+    assert v.key() in stored and '"fold"' in v.key() and '"fold"' not in ex.key()
+
+    def compile_fn(fam, var, p, arch):
+        return _SimKernel(geometry_of(var, p), registry)
+
+    def quantizer(problem, arch="sm_90a"):
+        return _ReferenceQuantizer("nvfp4", "full", "static")
+
+    monkeypatch.setattr(SL, "layer_quantizer", quantizer)
+    r = FAMILY.runner(compile_fn(FAMILY, v, p4, ARCH), v, p4, "cpu", n_sets=2, seed=5)
+    r.as_layer()
+    assert r.check().ok
+    r.rotate(1)
+    tuned = r().clone()
+    qw, xb = r.sets[1][0], r.xbs[1]
+    d = Dispatcher(paths=[db], device=Device("NVIDIA H200", ARCH))
+    layer = Linear(qw, "full", device="cpu", dispatcher=d, compile_fn=compile_fn,
+                   quantizer_fn=quantizer)
+    plan = layer.plan(4)
+    assert plan.variant == v and plan.variant.presum
+    served = layer(xb)
+    assert torch.equal(served.view(torch.int16), tuned.view(torch.int16))
+    for fold in ("presum", "exact"):
+        assert compare(served, R.linear(xb.float(), qw, "full", fold=fold)).ok
+    assert layer.plan(16).variant == ex
