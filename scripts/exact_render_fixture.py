@@ -1,19 +1,17 @@
 """Write the render-identity fixture of linear_sm90_mma's exact-fold variants.
 
-    PYTHONPATH=. python scripts/exact_render_fixture.py \
+    PYTHONPATH=/path/to/main/checkout python scripts/exact_render_fixture.py \
         tests/fixtures/linear_sm90_mma_renders.json.xz
+
+(resgen is imported from PYTHONPATH, the table read from this checkout's tuned/.)
 
 Run on the commit whose renders must be preserved (it was run on main 48c1103, before the
 "presum" fold was added to the family). For every (variant, compile key) pair it records the
-first 16 hex digits of the sha256 of the rendered kernel source: the winners of every
-linear_sm90_mma workload of the shipped table (tuned/h200.sqlite.xz) and a deterministic
-sample of the family's space on the Qwen3-8B shapes (both formats, every compensation, M = 1,
-16, 64). The pairs are stored as their canonical keys, so the test
-(tests/test_linear_sm90_presum.py) rebuilds each variant with from_key and renders it with the
-checkout under test: an exact variant whose source changed by one byte fails, whatever the
-table holds by then; so does a change to any resgen.kernels module those renders import (their
-digest is stored too). The shipped table's re-fingerprint after a template edit relies on
-exactly this identity.
+first 12 hex digits of the sha256 of the rendered kernel source, for the winner of every
+linear_sm90_mma workload of the shipped table (tuned/h200.sqlite.xz; 719 distinct renders over
+both formats, every compensation and the fused and xop sources). The pairs are stored as their canonical keys, so the test
+(tests/test_linear_sm90_presum.py) renders each with the checkout under test: one changed
+byte fails, as does a change to a resgen.kernels module the renders import (digest stored).
 """
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ from pathlib import Path
 
 from resgen.db import TuningDB
 from resgen.kernels import codegen
-from resgen.models import COMPENSATIONS, FORMATS, get_model, linear_problems
 from resgen.runtime import shipped_table
 from resgen.search.family import get_family
 from resgen.search.record import Status
@@ -43,7 +40,8 @@ def render_sha(fam, v, p) -> str:
 
 
 def pairs() -> list[tuple[str, str]]:
-    """(variant key, problem key) pairs: the table's winners, then the space sample."""
+    """(variant key, problem key) pairs of the table's winners (the fixture must stay small:
+    tests/test_repo_footprint.py)."""
     fam = get_family("linear_sm90_mma")
     out: dict[tuple[str, str], None] = {}
     with TuningDB(shipped_table(ROOT / "tuned", "h200"), readonly=True) as db:
@@ -59,30 +57,33 @@ def pairs() -> list[tuple[str, str]]:
         v = fam.VARIANT.from_key(r["variant_key"])
         p = fam.PROBLEM.from_key(w)
         out[(v.key(), fam.compile_key(v, p).key())] = None
-    for p in linear_problems([get_model("qwen3-8b")], 1, FORMATS, COMPENSATIONS, (1, 16, 64)):
-        for v in list(fam.space(p, ARCH))[::331]:
-            out[(v.key(), fam.compile_key(v, p).key())] = None
     return list(out)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python scripts/exact_render_fixture.py OUT.json.xz", file=sys.stderr)
+    if len(argv) not in (2, 3):
+        print("usage: python scripts/exact_render_fixture.py OUT.json.xz [COMMIT]\n"
+              "(COMMIT: the label to record where resgen is not a git checkout, e.g. a "
+              "`git archive` of that commit)", file=sys.stderr)
         return 2
     fam = get_family("linear_sm90_mma")
     entries = []
     for vk, pk in pairs():
         v, p = fam.VARIANT.from_key(vk), fam.PROBLEM.from_key(pk)
-        entries.append([vk, pk, render_sha(fam, v, p)[:16]])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
+        entries.append([vk, pk, render_sha(fam, v, p)[:12]])
+    import resgen
+
+    src_root = Path(resgen.__file__).resolve().parent.parent       # where resgen came from
+    commit = argv[2] if len(argv) == 3 else subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=src_root, capture_output=True,
+        text=True).stdout.strip()
     v0, p0 = fam.VARIANT.from_key(entries[0][0]), fam.PROBLEM.from_key(entries[0][1])
     src0 = codegen.render(fam.TEMPLATE, fam.template_params(v0, fam.compile_key(v0, p0)))
     # the resgen.kernels modules an exact render imports (transitively), hashed: they must not
     # change either (every exact render imports the same ones)
     doc = {"family": fam.NAME, "commit": commit, "arch": ARCH,
            "kernel_modules_digest": codegen.kernel_modules_digest(src0), "renders": entries}
-    Path(argv[1]).write_bytes(lzma.compress(json.dumps(doc, indent=0).encode()))
+    Path(argv[1]).write_bytes(lzma.compress(json.dumps(doc, separators=(",", ":")).encode()))
     print(f"{len(entries)} renders from {commit} -> {argv[1]}")
     return 0
 

@@ -42,18 +42,19 @@ def _render(v, p) -> str:
 
 
 def test_exact_renders_are_byte_identical_to_main():
-    """Every exact variant of the fixture (the shipped table's winners and a space sample,
+    """Every exact variant of the fixture (the winners of every workload of the shipped table,
     rendered on main 48c1103 by scripts/exact_render_fixture.py) renders the same source
     today, and the resgen.kernels modules those renders import are unchanged: the shipped
     table's results still describe these kernels (what its re-fingerprint relies on)."""
     doc = json.loads(lzma.decompress(FIXTURE.read_bytes()))
-    assert doc["family"] == FAMILY.NAME and len(doc["renders"]) > 1000
+    assert doc["family"] == FAMILY.NAME and doc["commit"] == "48c1103"
+    assert len(doc["renders"]) > 700
     bad, digests = [], set()
     for vk, pk, want in doc["renders"]:
         v, p = FAMILY.VARIANT.from_key(vk), FAMILY.PROBLEM.from_key(pk)
         assert not v.presum and v.key() == vk       # the stored keys parse back unchanged
         src = _render(v, p)
-        if hashlib.sha256(src.encode()).hexdigest()[:16] != want:
+        if hashlib.sha256(src.encode()).hexdigest()[:12] != want:
             bad.append(v.name())
         assert "linear_sm90_presum" not in src and "sm90_ptx_f16" not in src
         digests.add(codegen.kernel_modules_digest(src))
