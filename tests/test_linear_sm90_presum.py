@@ -403,10 +403,16 @@ def test_presum_h200_script_runs_tests_then_probe(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
-    assert len(calls) == 3
+    assert len(calls) == 2
     assert "tests/gpu/test_linear_sm90_presum_gpu.py" in calls[0]
+    assert "bench/probes/presum_probe.py" in calls[1]
+    env["RESGEN_PRESUM_COVER"] = "1"
+    (tmp_path / "calls.log").unlink()
+    r = subprocess.run(["bash", str(repo / "bench" / "presum_h200.sh")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert r.returncode == 0 and len(calls) == 3
     assert "test_linear_sm90_gpu.py" in calls[1] and "nvfp4-full" in calls[1]
-    assert "bench/probes/presum_probe.py" in calls[2]
     env["FAKE_FAIL"] = "presum_probe"
     r = subprocess.run(["bash", str(repo / "bench" / "presum_h200.sh")], env=env,
                        capture_output=True, text=True, timeout=120)
@@ -424,17 +430,24 @@ def test_presum_probe_pairs_each_config_with_its_twin(monkeypatch, tmp_path):
 
     cases = list(PP.cases())
     assert {c[3]["m"] for c in cases} == {1, 16, 64, 128}
-    for (p0, _, v0, e0), (p1, _, v1, e1) in zip(cases[::2], cases[1::2]):
-        assert p0 == p1 and (e0["fold"], e1["fold"]) == ("exact", "presum")
-        assert not v0.presum and v1 == dataclasses.replace(v0, fold=Fold.PRESUM)
-        assert FAMILY.why_invalid(v1, p1, ARCH) is None
-    prior = [c for c in cases if c[3]["config"] == "prior"]
-    assert len(prior) == 2 * 4 * 4
-    rows = [{**e, "ok": True, "us": 2.0 if e["fold"] == "presum" else 4.0} for _, _, _, e in cases]
+    exact = {}
+    for p, _, v, e in cases:
+        assert FAMILY.why_invalid(v, p, ARCH) is None and v.presum == (e["fold"] == "presum")
+        key = (p, e["config"])
+        if e["fold"] == "exact":
+            exact[key] = v
+            continue
+        nt = exact[key].n_tiles // (2 if e["pair"] == "half_nt" else 1)
+        assert v == dataclasses.replace(exact[key], fold=Fold.PRESUM, n_tiles=nt)
+    assert sum(1 for c in cases if c[3]["config"] == "prior" and c[3]["pair"] == "same") == 32
+    rows = [{**e, "n": p.n, "k": p.k, "ok": True, "us": 2.0 if e["fold"] == "presum" else 4.0}
+            for p, _, _, e in cases]
     s = PP.summary(rows)
-    assert {(d["config"], d["m"]) for d in s} >= {("prior", m) for m in PP.MS}
+    assert {(d["config"], d["m"]) for d in s if d["pair"] == "same"} >= \
+        {("prior", m) for m in PP.MS}
     assert all(d["presum_over_exact"] == 0.5 for d in s)
-    rows[1]["ok"] = False
+    first = next(i for i, r in enumerate(rows) if r["pair"] == "same" and r["fold"] == "presum")
+    rows[first]["ok"] = False
     assert len(PP.summary(rows)) == len(s) - 1
 
 

@@ -2,7 +2,9 @@
 Qwen3-8B's four projections, NVFP4 M-Ext, M = 1, 16, 64, 128, whole layers (quant_sm90 +
 the GEMM, the tuner's policy: resgen.cli.time_layer through bench/probes/layer_probe.py), each
 variant checked before it is timed (presum against reference.linear(fold="presum") and the
-exact fold's reference). Per (shape, M) two tile configurations, each timed exact and presum:
+exact fold's reference). Per (shape, M) two tile configurations, each timed exact, presum with
+the same fields ("same") and presum with half the n8 tiles ("half_nt": the same tokens per CTA,
+as an n8 tile holds 8 tokens in presum and 4 in the exact fold):
   "table": the shipped table's fastest linear_sm90_mma xop variant of that M-Ext workload;
   "prior": the space's first exact xop variant by the family's prior.
 On the H200, one device call of about 4 minutes (carry .devcache; bench/presum_h200.sh runs
@@ -75,25 +77,31 @@ def cases(winners: dict[str, LinearSm90Variant] | None = None):
             for name, v in configs(p, winners):
                 for fold in (Fold.EXACT, Fold.PRESUM):
                     yield (p, FAMILY, dataclasses.replace(v, fold=fold),
-                           {"m": m, "config": name, "fold": fold.value})
+                           {"m": m, "config": name, "fold": fold.value, "pair": "same"})
+                half = dataclasses.replace(v, fold=Fold.PRESUM, n_tiles=v.n_tiles // 2)
+                if v.n_tiles > 1 and FAMILY.why_invalid(half, p, ARCH) is None:
+                    yield (p, FAMILY, half,
+                           {"m": m, "config": name, "fold": "presum", "pair": "half_nt"})
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (config, M): the four shapes' exact / presum sums (us) and presum / exact, where
-    every one of the eight was checked and timed."""
+    """Per (config, M, pair): the four shapes' exact / presum sums (us) and presum / exact,
+    where all eight were checked and timed (half_nt: the shapes that have a half twin)."""
     out = []
     for cfg in ("table", "prior"):
         for m in MS:
             sel = [r for r in rows if r.get("config") == cfg and r.get("m") == m]
-            tot = {}
-            for fold in ("exact", "presum"):
-                us = [r.get("us") for r in sel if r["fold"] == fold and r.get("ok")]
-                if len(us) == len(SHAPES) and all(us):
-                    tot[fold] = sum(us)
-            if len(tot) == 2:
-                out.append({"config": cfg, "m": m, "exact_us": tot["exact"],
-                            "presum_us": tot["presum"],
-                            "presum_over_exact": tot["presum"] / tot["exact"]})
+            exact = {(r["n"], r["k"]): r.get("us") for r in sel
+                     if r["fold"] == "exact" and r.get("ok")}
+            for pair in ("same", "half_nt"):
+                pres = {(r["n"], r["k"]): r.get("us") for r in sel if r["fold"] == "presum"
+                        and r["pair"] == pair and r.get("ok")}
+                shapes = [s for s in SHAPES if exact.get(s) and pres.get(s)]
+                if pair == "same" and len(shapes) < len(SHAPES) or not shapes:
+                    continue
+                e, q = sum(exact[s] for s in shapes), sum(pres[s] for s in shapes)
+                out.append({"config": cfg, "m": m, "pair": pair, "shapes": len(shapes),
+                            "exact_us": e, "presum_us": q, "presum_over_exact": q / e})
     return out
 
 
@@ -109,8 +117,9 @@ def main() -> int:
     doc["summary"] = summary(doc["rows"])
     path.write_text(json.dumps(doc, indent=1))
     for s in doc["summary"]:
-        print(f"{s['config']:5s} M={s['m']:<4d} exact {s['exact_us']:8.2f} us  presum "
-              f"{s['presum_us']:8.2f} us  presum/exact {s['presum_over_exact']:.3f}")
+        print(f"{s['config']:5s} {s['pair']:7s} M={s['m']:<4d} ({s['shapes']} shapes) exact "
+              f"{s['exact_us']:8.2f} us  presum {s['presum_us']:8.2f} us  presum/exact "
+              f"{s['presum_over_exact']:.3f}")
     return rc
 
 

@@ -365,8 +365,9 @@ class LinearSm90Family(Sm90LinearFamily):
         H200 short: fewer than 264 CTAs) x activation source (fused only where it can run)
         x PDL x (fused) clusters of 1 or 2 CTAs sharing the quantization (K + extension
         lengths with a factor 3 also split over 3 CTAs), then, where the presum fold runs
-        (NVFP4 M-Ext: _why_not_presum), the presum twin of every exact xop variant. The nib packing, 2-group iterations
-        and clusters of 4 lost everywhere on the H200 (bench/results/h200/
+        (NVFP4 M-Ext: _why_not_presum), the presum twin of every exact xop variant. The nib
+        packing, 2-group iterations and clusters of 4 lost everywhere on the H200
+        (bench/results/h200/
         linear_cluster_check.log for the clusters) and are valid variants outside the
         space."""
         rows = problem.rows
