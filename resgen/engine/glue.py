@@ -166,8 +166,11 @@ class _CompiledRegion:
     def __init__(self, name: str, tag: str, dynamic: bool | None, notes: list[str]) -> None:
         self.name, self.tag, self.notes = name, tag, notes
         self.eager = REGIONS[name]
+        # emulate_precision_casts: BF16 intermediates rounded where eager rounds them (the
+        # values eager glue produces, up to reduction order), at no memory traffic
         self.fn: Callable[..., Any] | None = torch.compile(
-            _fresh(self.eager, tag), backend="inductor", fullgraph=True, dynamic=dynamic)
+            _fresh(self.eager, tag), backend="inductor", fullgraph=True, dynamic=dynamic,
+            options={"emulate_precision_casts": True})
         self.calls = 0
         # (inductor metrics, {region: kernels}, name) while resgen.engine.glue_count counts
         self.kernel_counter: tuple[Any, dict[str, int], str] | None = None
