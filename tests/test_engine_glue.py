@@ -124,8 +124,8 @@ def test_compiled_glue_follows_eager_on_the_fp32_model():
     anywhere, so a rounding difference is not amplified by an FP4 code flip): teacher-forced
     logits of the prefill and of every decode step, compiled glue vs eager, within 1e-5
     relative. Not bit for bit: inductor sums the RMSNorm reductions in its own order and its
-    C++ may contract a * b + c (measured here: below 1e-5 relative, not zero). Every region ran compiled (none fell back
-    to eager), decode at the batch bucket and prefill."""
+    C++ may contract a * b + c (measured here: below 1e-5 relative, not zero). Every region
+    ran compiled (none fell back to eager), decode at the batch bucket and prefill."""
     m = tiny_model("qwen3")
     kw = dict(fmt="bf16", glue="fp32", kv="fp32")
     eager = _load(m, **kw)
