@@ -9,6 +9,8 @@ decode attention: the model's kernels, not glue). What counts as one launch:
   - an aten op that computes (pointwise, reduction, copy, cast, cat, gather, in-place add ...);
     views (slice, unflatten, reshape of contiguous data, transpose, expand, alias) and
     allocations (empty*) launch nothing and are not counted;
+  - a copy_ of a view onto the very same view (the write-back of `x[:b] += y`) counts none:
+    aten's copy_ returns early there;
   - F.rms_norm counts once: on CUDA it is one fused kernel (aten::_fused_rms_norm), while the
     CPU composite decomposes it into several aten ops.
 
@@ -90,10 +92,18 @@ class _Counter(TorchDispatchMode):
         self.ops.setdefault(self.layer, Counter())[name] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):    # noqa: ANN001
+        same = func is torch.ops.aten.copy_.default and _same_view(args[0], args[1])
         out = func(*args, **(kwargs or {}))
-        if not self.paused and launches_kernel(func):
+        if not self.paused and not same and launches_kernel(func):
             self.add(func.__name__.split(".")[0])
         return out
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """copy_ of a view onto the same view (x[:b] += y's write-back): aten returns without a
+    kernel."""
+    return (isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 class _Units(TorchFunctionMode):

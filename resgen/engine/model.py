@@ -287,8 +287,8 @@ class DecodeState:
 
     def advance(self, b: int) -> None:
         act = self.active[:b]
-        self.pos[:b] += act
-        self.seq_lens[:b] += act
+        self.pos[:b].add_(act)          # in place on the views (no write-back copy_ call)
+        self.seq_lens[:b].add_(act)
         self.app_pos[:b, 1].copy_(self.pos[:b])
 
 
