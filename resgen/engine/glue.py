@@ -172,15 +172,11 @@ class _CompiledRegion:
             _fresh(self.eager, tag), backend="inductor", fullgraph=True, dynamic=dynamic,
             options={"emulate_precision_casts": True})
         self.calls = 0
-        # (inductor metrics, {region: kernels}, name) while resgen.engine.glue_count counts
-        self.kernel_counter: tuple[Any, dict[str, int], str] | None = None
 
     def __call__(self, *args: Any, **kw: Any) -> Any:
         fn = self.fn
         if fn is None:
             return self.eager(*args, **kw)
-        kc = self.kernel_counter if self.calls == 0 else None
-        before = kc[0].generated_kernel_count if kc is not None else 0
         try:
             out = fn(*args, **kw)
         except Exception as e:          # inductor / dynamo could not build this region
@@ -190,8 +186,6 @@ class _CompiledRegion:
             self.notes.append(msg)
             log.warning(msg)
             return self.eager(*args, **kw)
-        if kc is not None:
-            kc[1][kc[2]] = kc[0].generated_kernel_count - before
         self.calls += 1
         return out
 

@@ -17,9 +17,9 @@ decode attention: the model's kernels, not glue). What counts as one launch:
 The CPU count is therefore the GPU's launch count of the same eager glue (one aten kernel per
 op on CUDA), which bench/engine_speed.py's profile measures directly on the H200 (its
 `kernels_per_step["glue"]`). Compiled glue (compile="glue") launches inductor's generated
-kernels, invisible to a dispatch mode: `compiled_glue_kernels(llm)` reads inductor's own count
-of the kernels it generated per region (C++ kernels on the CPU; the GPU's Triton fusion may
-group differently).
+kernels, invisible to a dispatch mode: `compiled_glue_kernels(llm)` compiles the regions with
+inductor's C++ kernel profiling on and counts the generated kernels one profiled step calls
+(C++ kernels on the CPU; the GPU's Triton fusion may group differently).
 """
 
 from __future__ import annotations
@@ -204,33 +204,35 @@ def count_decode_glue(llm: Any, batch: int = 1, context: int = 16) -> GlueCount:
 
 
 @torch.no_grad()
-def compiled_glue_kernels(llm: Any, batch: int = 1, context: int = 16) -> dict[str, int]:
-    """{region: kernels inductor generated for it} for a decode step of `batch` rows of an
-    engine loaded with compile="glue" (its regions compiled in this call; FX graph cache off
-    so that every region is generated here and counted)."""
+def compiled_glue_kernels(llm: Any, batch: int = 1, context: int = 16) -> Counter:
+    """The inductor kernels one decode step of `batch` rows launches, by kernel name (a
+    Counter; sum = launches per step), for an engine loaded with compile="glue" on the CPU.
+    Its decode regions of that batch bucket must not be compiled yet: they are compiled here
+    with inductor's C++ kernel profiling on (each generated kernel a profiler event; the FX
+    graph cache off so that they are generated, not loaded), then one step is profiled."""
     from torch._inductor import config as iconfig
-    from torch._inductor import metrics
+    from torch.profiler import profile
 
     glue = llm.model.glue_fns
     if getattr(glue, "mode", "none") != "glue":
         raise ValueError("compiled_glue_kernels needs an engine loaded with compile='glue'")
-    regions = glue.regions("decode", llm.runner.bucket(batch))
-    if any(getattr(f, "calls", 0) for f in regions.values()):
+    if llm.device.type != "cpu":
+        raise ValueError("compiled_glue_kernels counts inductor's C++ kernels (CPU); on the "
+                         "GPU profile a graph replay (bench/engine_speed.py)")
+    r = llm.runner
+    b = r.bucket(batch)
+    if any(getattr(f, "calls", 0) for f in glue.regions("decode", b).values()):
         raise ValueError("the decode regions of this batch bucket are compiled already: "
                          "count on a freshly loaded engine")
-    counts: dict[str, int] = {}
     pages = llm._reserve([context + 4] * batch)
     try:
         llm._start_decode([context] * batch, torch.zeros(batch, dtype=torch.int64,
                                                          device=llm.device))
-        with iconfig.patch(fx_graph_cache=False):
-            for name, f in regions.items():
-                f.kernel_counter = (metrics, counts, name)
-            try:
-                llm.runner.step(llm.runner.bucket(batch), context + 1)
-            finally:
-                for f in regions.values():
-                    f.kernel_counter = None
+        with iconfig.patch({"fx_graph_cache": False, "cpp.enable_kernel_profile": True}):
+            r.step(b, context + 1)                    # compiles the regions
+        with profile() as prof:
+            r.step(b, context + 2)
     finally:
         llm._release(pages)
-    return counts
+    return Counter(e.name.split("cpp_fused_", 1)[1] for e in prof.events()
+                   if "cpp_fused_" in e.name)
