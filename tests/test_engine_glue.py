@@ -187,3 +187,23 @@ def test_a_region_that_fails_to_compile_runs_eagerly_and_is_noted():
     assert len(llm.glue_notes) == 1 and "mlp_mid" in llm.glue_notes[0]
     assert "no C++ compiler" in llm.glue_notes[0]
     assert glue.regions("decode", 1)["mlp_mid"].fn is None
+
+
+@pytest.mark.parametrize("flag, want", [([], "none"), (["--compile", "glue"], "glue")])
+def test_cli_generate_passes_compile(monkeypatch, capsys, flag, want):
+    """`resgen generate --compile glue` loads with compile="glue" (default "none"); a bad
+    value is argparse's usage error."""
+    from resgen.cli import main
+    from resgen.engine import llm as L
+
+    seen = {}
+
+    def fake_load(model, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+    monkeypatch.setattr(L, "load", fake_load)
+    assert main(["generate", "--model", "m", "--prompt", "x", "--backend", "reference"]
+                + flag) == 2
+    assert seen["compile"] == want and "stop here" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", "m", "--prompt", "x", "--compile", "max"])
