@@ -144,11 +144,12 @@ def test_compiled_glue_follows_eager_on_the_fp32_model():
 def test_compiled_glue_serving_path_and_its_kernel_count():
     """The serving glue (BF16 glue, NVFP4 weights with full residue, paged NVFP4 KV, the
     reference backend's BF16 kernel interface): inductor fuses each region into one C++
-    kernel (9 launches per step for two layers, eager 25), and the teacher-forced logits of the prefill and every decode
-    step equal eager bit for bit on the CPU: BF16 intermediates are rounded where eager rounds
-    them (inductor's emulate_precision_casts) and each BF16 RMSNorm reduces in FP32 over one
-    head / row, where the C++ reduction order happens to give eager's values (measured; the
-    FP32 model above is not bit-identical). Greedy generation equal too."""
+    kernel (9 launches per step for two layers, eager 25), and the teacher-forced logits of
+    the prefill and every decode step equal eager bit for bit on the CPU: BF16 intermediates
+    are rounded where eager rounds them (inductor's emulate_precision_casts) and each BF16
+    RMSNorm reduces in FP32 over one head / row, where the C++ reduction order happens to
+    give eager's values (measured; the FP32 model above is not bit-identical). Greedy
+    generation equal too."""
     m = tiny_model("qwen3")
     kw = dict(glue="bf16", kv="nvfp4", compensation="full")
     kernels = compiled_glue_kernels(_load(m, compile="glue", **kw), batch=1)
