@@ -61,6 +61,19 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
+def _rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm with a weight broadcast against x's leading dims too (w: [H, D] for x
+    [T, H, D]): the FP32 formula of rms_norm, or torch's own F.rms_norm decomposition
+    (torch._decomp's _fused_rms_norm: FP32 inside, the weight multiplied in FP32, one
+    rounding), the math inductor compiles F.rms_norm to. For compiled regions only."""
+    if x.dtype == torch.float32:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + eps))
+    up = x.float()
+    r = torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + eps)
+    return (up * r * w).to(x.dtype)
+
+
 def finish(y: torch.Tensor, bias: torch.Tensor | None, glue: torch.dtype) -> torch.Tensor:
     """A projection's epilogue: y [T, N] (its op's dtype) + bias float32 [N] in FP32, then one
     rounding to the glue dtype. The add promotes BF16 y to FP32 inside one kernel: the same
@@ -95,8 +108,14 @@ def qkv(y: torch.Tensor, bias: torch.Tensor | None, q_norm: torch.Tensor | None,
     qk = x[:, : nq + nkv].unflatten(1, (heads + kv_heads, head_dim))
     v = x[:, nq + nkv:].unflatten(1, (kv_heads, head_dim))
     if q_norm is not None and k_norm is not None:
-        qk = torch.cat([rms_norm(qk[:, :heads], q_norm, eps),
-                        rms_norm(qk[:, heads:], k_norm, eps)], dim=1)
+        if torch.compiler.is_compiling():
+            # one reduction over every head with the per-head weights side by side: one
+            # kernel for the norms and the rotation (no cat of two reductions to fuse across)
+            w = torch.cat([q_norm.expand(heads, head_dim), k_norm.expand(kv_heads, head_dim)])
+            qk = _rms_norm_rows(qk, w, eps)
+        else:
+            qk = torch.cat([rms_norm(qk[:, :heads], q_norm, eps),
+                            rms_norm(qk[:, heads:], k_norm, eps)], dim=1)
     qk = apply_rope(qk, cs)          # q and k heads in one pass
     q, k = qk[:, :heads], qk[:, heads:]
     if out_dtype is not None:
