@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tuning database (.sqlite, or .sqlite.xz as tuned/ ships it)")
     r.add_argument("--from", dest="from_rev", required=True, metavar="GIT_REV",
                    help="the revision the rows were tuned with (git archive REV resgen)")
+    r.add_argument("--repo", type=Path, default=None,
+                   help="the git repository --from names (default: the one holding the "
+                        "running resgen, which is the new side)")
     r.add_argument("--out", type=Path, default=None,
                    help="write a new database here (xz when it ends in .xz); default: in place")
     r.add_argument("--workers", type=positive_int, default=1,
@@ -1220,7 +1223,7 @@ def _refingerprint(args: argparse.Namespace) -> int:
     try:
         s = refingerprint(args.db, args.from_rev, out=args.out, workers=args.workers,
                           winners_only=args.winners_only, check_ptx=args.check_ptx,
-                          dry_run=args.dry_run)
+                          dry_run=args.dry_run, repo=args.repo)
     except RefingerprintError as e:
         print(f"resgen db refingerprint: {e}", file=sys.stderr)
         return 2

@@ -3,8 +3,8 @@
 Run as a child process with ONE resgen package on its path (the old code, materialised from
 git, or the new code): `python -I -c BOOT ROOT MODE WORKDIR`, BOOT putting ROOT first on
 sys.path and running this file, so the two resgen versions never meet in one interpreter.
-This module imports no resgen at its top level: the parent imports it for the normalisation functions, and the
-child imports the resgen found under ROOT only inside `main`.
+This module imports no resgen at its top level: the parent imports it for the
+normalisation functions, and the child imports the resgen under ROOT only inside `main`.
 
 Jobs are read from `<workdir>/jobs.json`, results written to `<workdir>/results.json`.
 A job is {"family", "workload_key", "variant_key", "workload_digest", "variant_digest",
@@ -35,8 +35,6 @@ _BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.DOTALL)
 _LINE_COMMENT = re.compile(r"//[^\n]*")
 _DEBUG_DIRECTIVE = re.compile(r"^\s*\.(loc|file)\b[^\n]*$", re.MULTILINE)
 _SYMBOL_DECL = re.compile(r"\.(?:entry|func)\s+(?:\([^)]*\)\s*)?([A-Za-z_$][\w$]*)")
-_IDENT = re.compile(r"[A-Za-z_$][\w$]*")
-_PARAM_SUFFIX = re.compile(r"_param_\d+$")
 
 
 def kernel_symbols(ptx: str) -> list[str]:
@@ -50,20 +48,16 @@ def kernel_symbols(ptx: str) -> list[str]:
 
 
 def rename_symbols(text: str, symbols: list[str]) -> str:
-    """Every occurrence of a symbol (and of its `<symbol>_param_<n>` parameters) replaced by
-    `__sym<i>`, i its order of definition: a renamed kernel function gives the same text."""
+    """Every occurrence of a symbol replaced by `__sym<i>`, i its order of definition, also
+    inside longer names (`<symbol>_param_<n>` in PTX, `@kernels_<symbol>` and the kernel-name
+    strings of the host IR): a renamed kernel function gives the same text. Longest first,
+    so a symbol that prefixes another does not split it."""
+    order = sorted(range(len(symbols)), key=lambda i: -len(symbols[i]))
+    if not order:
+        return text
+    pattern = re.compile("|".join(re.escape(symbols[i]) for i in order))
     index = {s: i for i, s in enumerate(symbols)}
-
-    def sub(m: re.Match[str]) -> str:
-        tok = m.group(0)
-        if tok in index:
-            return f"__sym{index[tok]}"
-        base = _PARAM_SUFFIX.sub("", tok)
-        if base != tok and base in index:
-            return f"__sym{index[base]}{tok[len(base):]}"
-        return tok
-
-    return _IDENT.sub(sub, text)
+    return pattern.sub(lambda m: f"__sym{index[m.group(0)]}", text)
 
 
 def normalise_ptx(ptx: str) -> str:
@@ -83,15 +77,28 @@ def normalise_ptx(ptx: str) -> str:
 _BINARY_GLOBAL = re.compile(r'(llvm\.mlir\.global\s+internal\s+constant\s+@kernels_binary\()'
                             r'"(?:[^"\\]|\\.)*"')
 _MLIR_LOC = re.compile(r"\s*loc\((?:[^()]|\([^()]*\))*\)")
+_I8_ARRAY = re.compile(r"array<(\d+) x i8>")
 
 
 def normalise_host_ir(ir: str, symbols: list[str]) -> str:
     """The compiled module's host side (grid and cluster dims, dynamic shared memory,
     launch attributes, argument marshalling: what the PTX does not show) with the embedded
     device binary elided (it is ptxas of the PTX compared separately), source locations
-    dropped, and the kernel symbols renamed as in normalise_ptx."""
+    dropped, and the kernel symbols renamed as in normalise_ptx. A rename also changes the
+    length of the kernel-name strings (`!llvm.array<N x i8>` of the cudaLibraryGetKernel
+    name): the lengths N of the i8 arrays declared on a line whose string literal holds a
+    symbol become `#name` wherever they occur (a false match needs an unrelated byte array
+    whose length moves in step with the name's; the launch-attribute arrays are 4 to 72
+    bytes, the mangled names over 100)."""
     text = _BINARY_GLOBAL.sub(r'\1"<device binary>"', ir)
     text = _MLIR_LOC.sub("", text)
+    lengths: set[str] = set()
+    for line in text.splitlines():
+        if '"' in line and any(s in line for s in symbols):
+            lengths.update(_I8_ARRAY.findall(line))
+    if lengths:
+        text = _I8_ARRAY.sub(lambda m: "array<#name x i8>" if m.group(1) in lengths
+                             else m.group(0), text)
     return rename_symbols(text, symbols)
 
 
@@ -153,6 +160,7 @@ def _compile(job: dict[str, Any], outdir: Path, index: int) -> dict[str, Any]:
     host = str(ir_mod)
     norm = normalise_ptx(ptx)
     (outdir / f"{index}.ptx").write_text(norm)
+    (outdir / f"{index}.host").write_text(normalise_host_ir(host, symbols))
     return {"ptx_raw": sha(ptx), "ptx": sha(norm), "host_raw": sha(host),
             "host": sha(normalise_host_ir(host, symbols)), "symbols": symbols}
 
