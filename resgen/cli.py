@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="child processes per side for renders and compiles")
     r.add_argument("--winners-only", action="store_true",
                    help="only each workload's winning timed row (as `db export --winners`)")
+    r.add_argument("--family", dest="families", action="append", default=None,
+                   help="only rows of this family (repeatable; a staged migration)")
     r.add_argument("--check-ptx", choices=["auto", "always", "never"], default="auto",
                    help="tier 2, compile both renders on the CPU and compare PTX and host IR: "
                         "auto (rows tier 1 cannot decide), always (every row), never")
@@ -1223,7 +1225,7 @@ def _refingerprint(args: argparse.Namespace) -> int:
     try:
         s = refingerprint(args.db, args.from_rev, out=args.out, workers=args.workers,
                           winners_only=args.winners_only, check_ptx=args.check_ptx,
-                          dry_run=args.dry_run, repo=args.repo)
+                          dry_run=args.dry_run, repo=args.repo, families=args.families)
     except RefingerprintError as e:
         print(f"resgen db refingerprint: {e}", file=sys.stderr)
         return 2

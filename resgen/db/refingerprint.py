@@ -2,29 +2,31 @@
 that provably leaves their kernels unchanged, so the change does not need a re-tune.
 
     resgen db refingerprint --db tuned/h200.sqlite.xz --from GIT_REV [--out PATH]
-        [--workers N] [--winners-only] [--check-ptx auto|always|never] [--dry-run]
+        [--workers N] [--winners-only] [--family F] [--check-ptx auto|always|never]
+        [--dry-run] [--repo PATH]
 
-The old code is `git archive GIT_REV resgen` of the repository holding the running resgen,
-unpacked into a temporary directory; the new code is the running resgen's tree. Each side
-runs in its own child processes (resgen/db/refingerprint_child.py), so the two packages
-never share an interpreter. For every stored row (or every workload's winner, the rows
-`resgen db export --winners` keeps) whose checksum holds, each side parses the row's workload
-and variant through its own typed space (digests matched: nothing read from the file is
-trusted), renders it and fingerprints it with its own definition. Then:
+The old code is `git archive GIT_REV resgen` of the repository holding the running resgen
+(or --repo), unpacked into a temporary directory; the new code is the running resgen's tree.
+Each side runs in its own child processes (resgen/db/refingerprint_child.py), so the two
+packages never share an interpreter. For every stored row (or every workload's winner, the
+rows `resgen db export --winners` keeps) whose checksum holds, each side parses the row's
+workload and variant through its own typed space (digests matched: nothing read from the
+file is trusted), renders it and fingerprints it with its own definition. Then:
 
 - old fingerprint != stored: the row was already stale before the change: left alone;
 - new fingerprint == stored: nothing changed for it (counted with tier 1);
-- tier 1, no compile: the new rendered source is byte-identical to the old one, the
-  transitive resgen.kernels module digest and the compile options are unchanged: the only
-  fingerprint input that moved is a template byte this render does not use, so the kernel is
-  the same by construction;
+- tier 1, no compile: the new rendered source is byte-identical to the old one, and the
+  transitive resgen.kernels module digest, the compile options and the family's compile key
+  (what the compile arguments are made from) are unchanged: the only fingerprint input that
+  moved is a template byte this render does not use, so the kernel is the same by
+  construction;
 - tier 2 (`--check-ptx`, default auto: only rows tier 1 cannot decide; always: every row;
   never: none): both renders compiled for the row's arch on the CPU, each with its own
-  code's compile hook; identical when the normalised PTX (refingerprint_child.normalise_ptx:
-  comments, debug line directives and kernel symbol names removed, nothing else) AND the
-  normalised host IR (grid, shared memory, launch attributes; the device binary elided) are
-  equal. Compile options that changed are never tier-2 identical (they reach ptxas, after
-  the PTX);
+  code's compile hook and arguments, once per side and compile class; identical when the
+  normalised PTX (refingerprint_child.normalise_ptx: comments, debug line directives and
+  kernel symbol names removed, nothing else) AND the normalised host IR (grid, cluster,
+  shared memory, launch attributes; the device binary elided) are equal. Changed compile
+  options are never identical here (they reach ptxas, after the PTX);
 - everything else (a kernel that really changed, a render or compile that fails, a row the
   new code does not parse) is left untouched and listed.
 
@@ -33,7 +35,12 @@ row_checksum), in one transaction through TuningDB.set_fingerprints: an interrup
 file as it was. A row whose new (workload, variant, fingerprint, environment) already exists
 (re-tuned meanwhile) keeps its old fingerprint and is counted. `--out` writes a copy (xz when
 its name ends in .xz, as `resgen db export` does) and leaves --db alone; in place (the
-default), an .xz table is rewritten through a temporary file and renamed over the original.
+default), an .xz table is rewritten through a temporary file renamed over the original. The
+written table must pass `resgen db verify`.
+
+Not covered, as in the fingerprint itself: host code outside the rendered module (a family's
+`bind` / runner in resgen/search). Renamed families or changed variant fields change the
+stored keys, which this tool does not rewrite.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,11 +92,13 @@ class Summary:
     already_present: int = 0
     written: int = 0
     jobs: int = 0                   # distinct (family, workload, variant, arch) per side
+    compile_classes: int = 0        # tier 2: distinct renders compiled (per side)
     compiles: int = 0
     seconds: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)
     left: dict[int, str] = field(default_factory=dict)
     tier2_raw_equal: int = 0         # of tier2: raw PTX and host IR already equal
+    verify_ok: bool | None = None    # `resgen db verify` of the written table (None: none)
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in vars(self).items() if k != "left"}
@@ -107,6 +117,9 @@ class Summary:
                f"fingerprint {self.already_present}; written {self.written}",
                f"jobs per side {self.jobs}, compiles {self.compiles}, {self.seconds:.1f} s (" +
                ", ".join(f"{k} {v:.1f} s" for k, v in self.phase_s.items()) + ")"]
+        kinds = Counter(why.split(":")[0] for why in self.left.values())
+        if kinds:
+            out.append("left alone: " + ", ".join(f"{n} x {k}" for k, n in kinds.most_common()))
         for rid, why in list(self.left.items())[:limit]:
             out.append(f"  result {rid}: {why}")
         if len(self.left) > limit:
@@ -234,11 +247,12 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
                   = None, workers: int = 1, winners_only: bool = False,
                   check_ptx: str = "auto", dry_run: bool = False,
                   repo: str | os.PathLike | None = None,
-                  new_root: str | os.PathLike | None = None) -> Summary:
+                  new_root: str | os.PathLike | None = None,
+                  families: Sequence[str] | None = None) -> Summary:
     """Migrate the fingerprints of `db_path` from the code at `from_rev` to the code at
     `new_root` (default: the running resgen; `repo` is the git repository `from_rev` names,
-    default new_root's). See the module docstring; returns the Summary (nothing is written
-    with dry_run)."""
+    default new_root's); `families`: only rows of these families (a staged migration).
+    See the module docstring; returns the Summary (nothing is written with dry_run)."""
     if check_ptx not in ("auto", "always", "never"):
         raise RefingerprintError(f"--check-ptx must be auto, always or never, not "
                                  f"{check_ptx!r}")
@@ -263,6 +277,8 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
         todo = []
         for r in rows:
             if keep is not None and int(r["id"]) not in keep:
+                continue
+            if families is not None and r["family"] not in families:
                 continue
             summary.rows += 1
             if not _intact(r):
@@ -292,7 +308,8 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
             elif n["options"] != o["options"]:
                 reason[i] = "compile options changed"
             elif (n["source"] == o["source"] and n["kernel_modules"] == o["kernel_modules"]
-                  and o["kernel_modules"] is not None):
+                  and o["kernel_modules"] is not None
+                  and n["compile_key"] == o["compile_key"]):
                 verdict[i] = "tier1"
             else:
                 verdict[i] = "compile"
@@ -305,29 +322,40 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
                        and r_old[which[k]]["fingerprint"] == r["fingerprint"]})
         if check_ptx == "never":
             need = []
+        # one compile per side and compile class (family, variant, compile key, arch: the
+        # render depends on nothing else), shared by every job of that class
+        classes: dict[tuple, list[int]] = {}
+        for i in need:
+            j = jobs[i]
+            key = (j["family"], j["variant_key"], r_old[i]["compile_key"],
+                   r_new[i]["compile_key"], j["arch"])
+            classes.setdefault(key, []).append(i)
         t = time.perf_counter()
         ptx_ok: dict[int, bool] = {}
-        if need:
-            cjobs = [jobs[i] for i in need]
+        if classes:
+            members = list(classes.values())
+            cjobs = [jobs[m[0]] for m in members]
             with ThreadPoolExecutor(2) as pool:
                 f_old = pool.submit(_run_side, old, "compile", cjobs, tmp / "w_old",
                                     tmp / "c_old", max(1, workers // 2))
                 f_new = pool.submit(_run_side, new, "compile", cjobs, tmp / "w_new",
                                     tmp / "c_new", max(1, workers - workers // 2))
                 c_old, c_new = f_old.result(), f_new.result()
-            summary.compiles = 2 * len(need)
-            for i, o, n in zip(need, c_old, c_new):
+            summary.compiles = 2 * len(cjobs)
+            summary.compile_classes = len(cjobs)
+            for group, o, n in zip(members, c_old, c_new):
                 if "error" in o or "error" in n:
-                    reason[i] = f"compile failed: {(o.get('error') or n.get('error'))}"
-                    ptx_ok[i] = False
-                    continue
-                same = o["ptx"] == n["ptx"] and o["host"] == n["host"]
-                ptx_ok[i] = same
-                if same and o["ptx_raw"] == n["ptx_raw"] and o["host_raw"] == n["host_raw"]:
-                    reason[i] = "raw"
-                if not same:
-                    reason[i] = ("kernel differs: " +
-                                 _first_difference(o["ptx_file"], n["ptx_file"]))
+                    why = f"compile failed: {(o.get('error') or n.get('error'))}"
+                    same = False
+                else:
+                    same = o["ptx"] == n["ptx"] and o["host"] == n["host"]
+                    why = ("raw" if o["ptx_raw"] == n["ptx_raw"] and
+                           o["host_raw"] == n["host_raw"] else "") if same else \
+                        "kernel differs: " + _first_difference(o["ptx_file"], n["ptx_file"])
+                for i in group:
+                    ptx_ok[i] = same
+                    if why:
+                        reason[i] = why
         summary.phase_s["compile"] = time.perf_counter() - t
         updates: list[tuple[int, str]] = []
         for k, r in enumerate(todo):
@@ -364,6 +392,12 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
         t = time.perf_counter()
         if not dry_run and (updates or out is not None):
             summary.written, summary.already_present = _write(src, out, updates, tmp)
+            with TuningDB(Path(out) if out is not None else src, readonly=True) as db:
+                rep = db.verify()
+            summary.verify_ok = rep.ok
+            if not rep.ok:
+                raise RefingerprintError(f"the written table fails `resgen db verify`: "
+                                         f"{rep.errors[0]}")
         summary.phase_s["write"] = time.perf_counter() - t
     summary.seconds = time.perf_counter() - t0
     return summary
