@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", type=Path, default=None,
                    help="write a new database here (xz when it ends in .xz); default: in place")
     r.add_argument("--workers", type=positive_int, default=1,
-                   help="child processes per side for renders and compiles")
+                   help="child processes per side for renders and compiles (both sides run "
+                        "at once: 2 x N processes; default 1)")
     r.add_argument("--winners-only", action="store_true",
                    help="only each workload's winning timed row (as `db export --winners`)")
     r.add_argument("--family", dest="families", action="append", default=None,

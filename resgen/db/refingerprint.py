@@ -14,7 +14,8 @@ workload and variant through its own typed space (digests matched: nothing read 
 file is trusted), renders it and fingerprints it with its own definition. Then:
 
 - old fingerprint != stored: the row was already stale before the change: left alone;
-- new fingerprint == stored: nothing changed for it (counted with tier 1);
+- new fingerprint == stored: nothing to do (nothing changed for it, or it was re-tuned with
+  the new code already; counted with tier 1 as "fingerprint unchanged");
 - tier 1, no compile: the new rendered source is byte-identical to the old one, and the
   transitive resgen.kernels module digest, the compile options and the family's compile key
   (what the compile arguments are made from) are unchanged: the only fingerprint input that
@@ -148,7 +149,7 @@ def materialise(repo: Path, rev: str, dest: Path) -> Path:
     top = _git(repo, "rev-parse", "--show-toplevel")
     if top.returncode != 0:
         raise RefingerprintError(f"{repo} is not a git checkout (needed to materialise "
-                                 f"--from {rev})")
+                                 f"--from {rev}; --repo names the repository)")
     got = _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
     if got.returncode != 0:
         raise RefingerprintError(f"unknown git revision {rev!r} in {top.stdout.strip()}")
@@ -251,7 +252,8 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
                   families: Sequence[str] | None = None) -> Summary:
     """Migrate the fingerprints of `db_path` from the code at `from_rev` to the code at
     `new_root` (default: the running resgen; `repo` is the git repository `from_rev` names,
-    default new_root's); `families`: only rows of these families (a staged migration).
+    default new_root's); `workers` child processes per side (both sides run at once, so
+    2 x workers in all); `families`: only rows of these families (a staged migration).
     See the module docstring; returns the Summary (nothing is written with dry_run)."""
     if check_ptx not in ("auto", "always", "never"):
         raise RefingerprintError(f"--check-ptx must be auto, always or never, not "
@@ -291,9 +293,9 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
         t = time.perf_counter()
         with ThreadPoolExecutor(2) as pool:
             f_old = pool.submit(_run_side, old, "render", jobs, tmp / "w_old", tmp / "c_old",
-                                max(1, workers // 2) if workers > 1 else 1)
+                                workers)
             f_new = pool.submit(_run_side, new, "render", jobs, tmp / "w_new", tmp / "c_new",
-                                max(1, workers - workers // 2) if workers > 1 else 1)
+                                workers)
             r_old, r_new = f_old.result(), f_new.result()
         summary.phase_s["render"] = time.perf_counter() - t
         verdict: dict[int, str] = {}        # job index -> "tier1" | "unchanged" | "compile"
@@ -313,8 +315,8 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
                 verdict[i] = "tier1"
             else:
                 verdict[i] = "compile"
-            if check_ptx == "always" and verdict.get(i) in ("tier1", "unchanged"):
-                verdict[i] = "compile:" + verdict[i]
+            if check_ptx == "always" and verdict.get(i) == "tier1":
+                verdict[i] = "compile:tier1"
         # stale rows are not compiled: their old fingerprint is not the stored one
         need = sorted({which[k] for k, r in enumerate(todo)
                        if verdict.get(which[k], "").startswith("compile")
@@ -337,9 +339,9 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
             cjobs = [jobs[m[0]] for m in members]
             with ThreadPoolExecutor(2) as pool:
                 f_old = pool.submit(_run_side, old, "compile", cjobs, tmp / "w_old",
-                                    tmp / "c_old", max(1, workers // 2))
+                                    tmp / "c_old", workers)
                 f_new = pool.submit(_run_side, new, "compile", cjobs, tmp / "w_new",
-                                    tmp / "c_new", max(1, workers - workers // 2))
+                                    tmp / "c_new", workers)
                 c_old, c_new = f_old.result(), f_new.result()
             summary.compiles = 2 * len(cjobs)
             summary.compile_classes = len(cjobs)
@@ -361,7 +363,11 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
         for k, r in enumerate(todo):
             i, rid = which[k], int(r["id"])
             o, n = r_old[i], r_new[i]
-            if "error" in o or ("error" in n and i not in verdict):
+            if "error" not in n and n["fingerprint"] == r["fingerprint"]:
+                summary.tier1 += 1          # already the new code's (or nothing moved)
+                summary.unchanged += 1
+                continue
+            if "error" in o or "error" in n:
                 summary.unparseable += 1
                 summary.left[rid] = reason[i]
                 continue
@@ -378,10 +384,6 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
             if v.startswith("compile") and not ptx_ok.get(i, False):
                 summary.differing += 1
                 summary.left[rid] = reason.get(i, "not compiled (--check-ptx never)")
-                continue
-            if v in ("unchanged", "compile:unchanged"):
-                summary.tier1 += 1
-                summary.unchanged += 1
                 continue
             if v in ("tier1", "compile:tier1"):
                 summary.tier1 += 1
