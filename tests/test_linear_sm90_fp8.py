@@ -1,0 +1,282 @@
+"""linear_sm90_fp8 on the CPU: the E4M3 fold of MXFP4 proved exact (and refused where it
+cannot be), the NVFP4 non-fold claim checked value by value, the kernel's arithmetic
+(linear_sm90_fp8_sim) against resgen.reference.linear, the opt-in gate, the variant space and
+predicate, the launcher's argument checks, and compile-only checks for sm_90a."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from resgen import calibrate as C
+from resgen import formats as F
+from resgen import reference as R
+from resgen.kernels import linear_sm90_fp8_operand as O
+from resgen.kernels.linear_sm90_fp8 import Fp8ActivationStage, check_launch
+from resgen.kernels.linear_sm90_fp8_geom import Fp8Geometry, fragment_coord
+from resgen.kernels.linear_sm90_fp8_sim import simulate
+from resgen.search import linear_sm90_fp8 as S
+from resgen.search.family import compare
+from resgen.search.variant import LinearProblem
+from resgen.settings import settings
+
+ARCH = "sm_90a"
+
+
+@pytest.fixture
+def opted_in(monkeypatch):
+    monkeypatch.setenv("RESGEN_EXPERIMENTAL", "something_else, linear_sm90_fp8")
+    settings.cache_clear()
+    yield
+    settings.cache_clear()
+
+
+@pytest.fixture
+def opted_out(monkeypatch):
+    monkeypatch.delenv("RESGEN_EXPERIMENTAL", raising=False)
+    settings.cache_clear()
+    yield
+    settings.cache_clear()
+
+
+def _mx(rows: int, k: int, seed: int, spread: float = 1.0) -> F.QuantizedTensor:
+    """Random MXFP4 rows with block amaxes spread over about 2^(+-3 spread) (and zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    x = x * torch.exp2(spread * 3 * torch.randn(rows, k // 32, 1, generator=g)).expand(
+        rows, k // 32, 32).reshape(rows, k)
+    x[0, :32] = 0.0                                   # an all-zero block
+    return F.quantize(x, "mxfp4")
+
+
+def _unfold(op: O.Fp8Operand) -> torch.Tensor:
+    """float64 [R_pad, Kp]: code value x group scale, the value the operand stands for."""
+    gk = 32 * op.group
+    s = op.scales.t().double().repeat_interleave(gk, dim=1)
+    return op.values().double() * s
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def test_every_e2m1_value_times_2_to_d_is_e4m3_exactly_for_d_in_the_fold_range():
+    v = F.e2m1_values()
+    for d in range(O.FOLD_MIN, O.FOLD_MAX + 1):
+        p = v * 2.0 ** d
+        assert torch.equal(p.to(torch.float8_e4m3fn).float(), p), d
+    for d in (O.FOLD_MIN - 1, O.FOLD_MAX + 1):     # and the range is tight
+        p = v * 2.0 ** d
+        assert not torch.equal(p.to(torch.float8_e4m3fn).float(), p), d
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("k, kp", [(512, 512), (320, 512)])
+def test_fold_operand_represents_the_mxfp4_values_exactly(group, k, kp):
+    q = _mx(37, k, seed=group + k)
+    op = O.fold_operand(q, group, kp)
+    assert op.codes.shape == (48, kp) and op.scales.shape == (kp // (32 * group), 48)
+    want = torch.zeros(48, kp, dtype=torch.float64)
+    want[:37, :k] = F.dequantize(q).double()
+    assert torch.equal(_unfold(op), want)
+    assert torch.equal(op.codes[37:], torch.zeros_like(op.codes[37:]))
+
+
+def test_fold_refuses_a_group_wider_than_14_binades_and_takes_14():
+    codes = F.pack_fp4(torch.full((2, 128), 2, dtype=torch.uint8))      # all 1.0
+    scales = torch.full((2, 4), 127, dtype=torch.uint8)
+    scales[0, 1] = 127 + 14                                             # span 14: foldable
+    scales[1, 3] = 127 - 15                                             # span 15
+    q = F.QuantizedTensor("mxfp4", codes, scales, None)
+    with pytest.raises(O.FoldRangeError, match=r"row 1, promotion group 0 .*15 binades"):
+        O.fold_operand(q, 4, 256)
+    ok = O.fold_operand(q[0:1], 4, 256)
+    assert torch.equal(_unfold(ok)[0, :128], F.dequantize(q[0:1]).double()[0])
+    O.fold_operand(q, 1, 256)                       # group 1 never folds: always exact
+
+
+def test_fold_refuses_nvfp4_and_bad_arguments():
+    qn = F.quantize(torch.randn(4, 64), "nvfp4")
+    with pytest.raises(ValueError, match="MXFP4"):
+        O.fold_operand(qn, 1, 256)
+    q = _mx(4, 64, 0)
+    with pytest.raises(ValueError, match="group=3"):
+        O.fold_operand(q, 3, 256)
+    with pytest.raises(ValueError, match="Kp=32"):
+        O.fold_operand(q, 1, 32)
+
+
+def test_nvfp4_scales_fold_exactly_only_with_a_3_bit_significand():
+    """The docstring's claim (resgen.kernels.linear_sm90_fp8_operand): v * s is E4M3 for every
+    E2M1 v iff s's significand is 1, 1.25 or 1.5 (mantissa f in {0, 2, 4}; normal scales well
+    inside the range); for the other 5 significands v = 1.5, 3, 6 fail."""
+    ok = O.nvfp4_fold_exact()                                 # [8 magnitudes, 127 scales]
+    mid = range(0x18, 0x50)                                   # 2^-4 .. 2^2.9: no range limit
+    for b in mid:
+        f = b & 7
+        if f in (0, 2, 4):
+            assert bool(ok[:, b].all()), hex(b)
+        else:
+            assert not bool(ok[3, b]) and not bool(ok[5, b]) and not bool(ok[7, b]), hex(b)
+            assert bool(ok[[0, 1, 2, 4, 6], b].all()), hex(b)
+
+
+def test_fragment_coordinates_cover_the_tile_once():
+    seen = set()
+    for q in range(4):
+        for lane in range(32):
+            for i in range(128 // 8):
+                for e in range(4):
+                    seen.add(fragment_coord(q, lane, i, e))
+    assert seen == {(r, c) for r in range(64) for c in range(128)}
+
+
+# ----------------------------------------------------------------------------- emulation
+
+
+def _layer(n: int, k: int, seed: int) -> C.QLinearWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    return C.prepare_weight(w, "mxfp4")
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("m, n, k", [(1, 64, 256), (37, 128, 512), (130, 192, 320)])
+def test_emulated_kernel_matches_the_reference(group, m, n, k):
+    qw = _layer(n, k, seed=m + group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + group)) * 3
+    kp = O.kp_fp8(k)
+    w = O.fold_operand(qw.q, group, kp)
+    xo = Fp8ActivationStage(k, kp, group)(x)
+    y = simulate(xo, w, m)
+    ref = R.linear(x, qw, "none")
+    res = compare(y, ref, 1e-6)                     # FP32 summation order only
+    assert res.ok, res.detail
+    assert compare(y.to(torch.bfloat16), ref, 3e-3).ok
+
+
+def test_group1_partials_are_exact_in_a_14_bit_accumulator():
+    """With group 1 every tensor-core partial has <= 13 significant bits: a 14-bit accumulator
+    model gives the same result bit for bit; a folded group 4 can need more."""
+    qw = _layer(128, 1024, 3)
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(5)) * 3
+    w1 = O.fold_operand(qw.q, 1, 1024)
+    x1 = Fp8ActivationStage(1024, 1024, 1)(x)
+    assert torch.equal(simulate(x1, w1, 64, acc_bits=14), simulate(x1, w1, 64))
+    assert torch.equal(simulate(x1, w1, 64, acc_bits=13), simulate(x1, w1, 64))
+    w4 = O.fold_operand(qw.q, 4, 1024)
+    x4 = Fp8ActivationStage(1024, 1024, 4)(x)
+    assert compare(simulate(x4, w4, 64), simulate(x1, w1, 64), 1e-6).ok
+    # a group whose blocks' scales differ: the folded partial 18432 + 3 + 2 * 1536 needs 15
+    # bits, which a 14-bit accumulator rounds; the same data unfolded (group 1) does not
+    wq = F.QuantizedTensor("mxfp4", F.pack_fp4(torch.full((16, 128), 3, dtype=torch.uint8)),
+                           torch.full((16, 4), 127, dtype=torch.uint8), None)
+    xc = torch.tensor([7] * 32 + [1] * 96, dtype=torch.uint8).repeat(16, 1)
+    xs = torch.tensor([127, 118, 127, 127], dtype=torch.uint8).repeat(16, 1)
+    xq = F.QuantizedTensor("mxfp4", F.pack_fp4(xc), xs, None)
+    a4, b4 = O.fold_operand(xq, 4, 256), O.fold_operand(wq, 4, 256)
+    a1, b1 = O.fold_operand(xq, 1, 256), O.fold_operand(wq, 1, 256)
+    exact = simulate(a4, b4)
+    assert float(exact[0, 0]) == 1.5 * 32 * (6 + 0.5 / 512 + 0.5 + 0.5)
+    assert not torch.equal(simulate(a4, b4, acc_bits=14), exact)
+    assert torch.equal(simulate(a1, b1, acc_bits=14), simulate(a1, b1))
+    assert torch.equal(simulate(a1, b1), exact)
+
+
+# ----------------------------------------------------------------------------- family
+
+
+P8B = LinearProblem("mxfp4", "none", 256, 4096, 4096)
+
+
+def test_out_of_every_default_path_unless_opted_in(opted_out):
+    fam = S.FAMILY
+    assert "experimental" in fam.problem_invalid(P8B)
+    d = fam.default(P8B, ARCH)
+    assert "RESGEN_EXPERIMENTAL" in fam.why_invalid(d, P8B, ARCH)
+    assert fam.space(P8B, ARCH) == []
+    from resgen.models import get_model
+
+    assert fam.model_problems([get_model("qwen3-8b")], tp=1, formats=["mxfp4"],
+                              compensations=["none"], m_buckets=[256]) == []
+
+
+def test_predicate_and_space_when_opted_in(opted_in):
+    fam = S.FAMILY
+    assert fam.problem_invalid(P8B) is None
+    assert "NVFP4" in fam.problem_invalid(LinearProblem("nvfp4", "none", 256, 4096, 4096))
+    assert "plain" in fam.problem_invalid(LinearProblem("mxfp4", "full", 256, 4096, 4096))
+    space = fam.space(P8B, ARCH)
+    assert space and all(fam.why_invalid(v, P8B, ARCH) is None for v in space)
+    assert {v.group for v in space} == {1, 2, 4} and {v.parts for v in space} == {1, 2}
+    assert len({v.key() for v in space}) == len(space)
+    for n in (4096, 6144, 24576, 1024 + 64):
+        p = LinearProblem("mxfp4", "none", 512, n, 4096)
+        assert fam.why_invalid(fam.default(p, ARCH), p, ARCH) is None, n
+    spill = S.LinearSm90Fp8Variant(2, 256, 4, 1, 1)
+    assert "spill" in fam.why_invalid(spill, P8B, ARCH)
+    assert "bn=192" in fam.why_invalid(S.LinearSm90Fp8Variant(1, 192), P8B, ARCH)
+    probs = fam.model_problems([__import__("resgen.models", fromlist=["x"]).get_model(
+        "qwen3-8b")], tp=1, formats=["mxfp4", "nvfp4"], compensations=["none", "full"],
+        m_buckets=[16, 256])
+    assert probs and all(p.fmt == "mxfp4" and p.compensation == "none" and p.m == 256
+                         for p in probs)
+
+
+def test_every_variant_field_changes_the_key():
+    base = S.LinearSm90Fp8Variant()
+    others = [S.LinearSm90Fp8Variant(consumers=1), S.LinearSm90Fp8Variant(bn=64),
+              S.LinearSm90Fp8Variant(stages=6), S.LinearSm90Fp8Variant(group=4),
+              S.LinearSm90Fp8Variant(parts=1), S.LinearSm90Fp8Variant(raster=S.Raster.CH)]
+    keys = {base.key()} | {v.key() for v in others}
+    assert len(keys) == 1 + len(others)
+
+
+def test_launch_checks_name_the_problem():
+    geom = Fp8Geometry(consumers=2, bn=64, group=1)
+    qw = _layer(64, 256, 0)
+    w = O.fold_operand(qw.q, 1, 256)
+    x = Fp8ActivationStage(256, 256, 1)(torch.randn(5, 256))
+    out = torch.empty(5, 64, dtype=torch.bfloat16)
+    check_launch(geom, w, x, 5, out)
+    with pytest.raises(ValueError, match="group"):
+        check_launch(Fp8Geometry(bn=64, group=2), w, x, 5, out)
+    with pytest.raises(ValueError, match="m=6"):
+        check_launch(geom, w, x, 6, out)
+    with pytest.raises(TypeError, match="bf16"):
+        check_launch(geom, w, x, 5, out.float())
+    with pytest.raises(ValueError, match="bn=128"):
+        check_launch(Fp8Geometry(bn=128), w, x, 5, out)
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+COMPILE_CASES = [(P8B, S.LinearSm90Fp8Variant(2, 128, 4, 1, 2)),
+                 (LinearProblem("mxfp4", "none", 2048, 6144, 4096),
+                  S.LinearSm90Fp8Variant(1, 192, 3, 4, 1, S.Raster.CH))]
+
+
+@pytest.mark.parametrize("p, v", COMPILE_CASES, ids=lambda x: x.name() if hasattr(x, "name")
+                         else str(x.n))
+def test_compiles_for_sm90a(p, v, tmp_path, opted_in):
+    from resgen.kernels import codegen
+
+    fam = S.FAMILY
+    assert fam.why_invalid(v, p, ARCH) is None
+    ck = fam.compile_key(v, p)
+    path, _ = codegen.render_to_file(fam.TEMPLATE, fam.template_params(v, ck), fam.NAME,
+                                     root=tmp_path)
+    res = fam.compile_module(path, v, ck, ARCH)
+    ptx = res.ptx
+    assert ptx and ".target sm_90a" in ptx
+    shape = f"wgmma.mma_async.sync.aligned.m64n{v.bn}k32.f32.e4m3.e4m3"
+    # the main loop body: two chunks x 4 k32 steps, whatever the promotion group
+    assert ptx.count(shape) == 8
+    assert ptx.count("wgmma.mma_async") == 8
+    assert ptx.count("cp.async.bulk.tensor") == 4            # codes x 2, scales x 2
+    assert ("setmaxnreg.inc" in ptx) == (v.consumers == 2)
+    assert "wgmma.fence.sync.aligned" in ptx and "wgmma.wait_group.sync.aligned" in ptx
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+" + str(v.parts - 1), ptx)
+    assert res.spill_bytes == 0
