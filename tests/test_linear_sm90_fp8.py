@@ -280,3 +280,40 @@ def test_compiles_for_sm90a(p, v, tmp_path, opted_in):
     assert "wgmma.fence.sync.aligned" in ptx and "wgmma.wait_group.sync.aligned" in ptx
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+" + str(v.parts - 1), ptx)
     assert res.spill_bytes == 0
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+class _SimLauncher:
+    """The emulation standing in for a compiled kernel behind the real launch checks."""
+
+    def __init__(self, geom, rows_written=None):
+        self.geom, self.rows_written = geom, rows_written
+
+    def __call__(self, w, x, m, out):
+        check_launch(self.geom, w, x, m, out)
+        k = m if self.rows_written is None else self.rows_written
+        out[:k] = simulate(x, w, m)[:k].to(torch.bfloat16)
+        return out
+
+
+@pytest.mark.parametrize("rows_written, ok", [(None, True), (3, False)])
+def test_runner_and_binding_with_the_emulation_standing_in(monkeypatch, opted_in,
+                                                           rows_written, ok):
+    fam = S.FAMILY
+    v = S.LinearSm90Fp8Variant(2, 64, 3, 2, 2)
+    p = LinearProblem("mxfp4", "none", 9, 128, 256)
+    monkeypatch.setattr(type(fam), "launcher",
+                        lambda self, c, var, prob, dev: _SimLauncher(S.geometry_of(var),
+                                                                     rows_written))
+    r = fam.runner(None, v, p, "cpu", n_sets=2, seed=1)
+    res = r.check()
+    assert res.ok == ok, res.detail
+    if not ok:
+        assert "NaN" in res.detail                      # rows left unwritten are caught
+    r.rotate(1)
+    y = r()
+    assert y.shape == (9, 128)
+    with pytest.raises(ValueError, match="no masks"):
+        fam.bind(None, v, p, r.sets[0][0], "cpu", masks=torch.zeros(4))

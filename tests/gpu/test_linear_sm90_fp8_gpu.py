@@ -1,0 +1,143 @@
+"""linear_sm90_fp8 (MXFP4 W4A4 on the FP8 tensor cores) on an H200: a covering subset of a
+small problem's space at several M, the Qwen3-8B shapes at M = 64, 128, 256, 2048 (group 1
+and a folded group 4 variant); fresh random inputs, NaN-poisoned outputs,
+||out - ref|| / ||ref|| <= 3e-3 vs resgen.reference.linear, bit-identical reruns, and for
+group 1 the output equal bit for bit to the CPU emulation's (resgen.kernels.
+linear_sm90_fp8_sim: exact tensor-core partials, the kernel's promotion order). For group > 1
+the fraction of outputs that differ from the emulation is reported (a reduced-precision FP8
+accumulator can round folded partials; only the reference tolerance is asserted there)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from resgen.kernels.linear_sm90_fp8_sim import simulate
+from resgen.search.cover import covering_subset
+from resgen.search.variant import LinearProblem
+from resgen.settings import settings
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or
+                                 torch.cuda.get_device_capability() != (9, 0),
+                                 reason="needs a Hopper (sm_90) GPU")]
+
+ARCH = "sm_90a"
+SMALL = LinearProblem("mxfp4", "none", 200, 384, 768)
+QWEN = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]   # qkv, o, gate/up, down
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _opted_in():
+    old = os.environ.get("RESGEN_EXPERIMENTAL")
+    os.environ["RESGEN_EXPERIMENTAL"] = "linear_sm90_fp8"
+    settings.cache_clear()
+    yield
+    if old is None:
+        os.environ.pop("RESGEN_EXPERIMENTAL", None)
+    else:
+        os.environ["RESGEN_EXPERIMENTAL"] = old
+    settings.cache_clear()
+
+
+def _family():
+    from resgen.search.linear_sm90_fp8 import FAMILY
+
+    return FAMILY
+
+
+def _compiled(v):
+    from resgen.search.linear_sm90_fp8 import compile_once
+
+    out = compile_once(v, ARCH)            # shared with bench/linear_sm90_fp8_h200.py
+    assert out.ok, out.error
+    assert out.spill_bytes == 0
+    return out.compiled
+
+
+def check_variant(v, p: LinearProblem, seed: int = 0) -> dict:
+    """Reference check (twice), rerun determinism and the emulation comparison of variant v
+    on problem p; returns {"rel_err", "sim_mismatch"} (the fraction of bf16 outputs that
+    differ from the emulation's)."""
+    fam = _family()
+    assert fam.why_invalid(v, p, ARCH) is None, fam.why_invalid(v, p, ARCH)
+    r = fam.runner(_compiled(v), v, p, "cuda", n_sets=1, seed=seed)
+    for _ in range(2):
+        res = r.check()
+        assert res.ok, f"{v.name()} m={p.m} n={p.n} k={p.k}: {res.detail} ({res.rel_err:.3e})"
+    w, x = r.sets[0]
+    a = torch.full((p.m, p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    b = torch.full_like(a, float("nan"))
+    r.launcher(w, x, p.m, a)
+    r.launcher(w, x, p.m, b)
+    torch.cuda.synchronize()
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{v.name()}: reruns differ"
+    sim = simulate(x, w, p.m).to(torch.bfloat16)
+    mismatch = float((a.view(torch.int16) != sim.view(torch.int16)).float().mean())
+    if v.group == 1:
+        assert mismatch == 0.0, (f"{v.name()} m={p.m}: {mismatch:.2e} of the outputs differ "
+                                 "from the exact-partial emulation")
+    return {"rel_err": res.rel_err, "sim_mismatch": mismatch}
+
+
+def _small_space():
+    return covering_subset(_family().space(SMALL, ARCH))
+
+
+def test_the_covering_subset_spans_every_axis():
+    cover = _small_space()
+    assert {v.group for v in cover} == {1, 2, 4}
+    assert {v.parts for v in cover} == {1, 2} and {v.consumers for v in cover} == {1, 2}
+
+
+@pytest.mark.parametrize("m", [1, 64, 130, 200])
+def test_covering_subset_small(m):
+    p = dataclasses.replace(SMALL, m=m)
+    for i, v in enumerate(_small_space()):
+        if _family().why_invalid(v, p, ARCH) is None:
+            out = check_variant(v, p, seed=i)
+            print(f"{v.name()} m={m}: rel {out['rel_err']:.2e}, "
+                  f"emulation mismatch {out['sim_mismatch']:.2e}")
+
+
+def _qwen_variants():
+    from resgen.search.linear_sm90_fp8 import LinearSm90Fp8Variant
+
+    return [LinearSm90Fp8Variant(2, 128, 4, 1, 2), LinearSm90Fp8Variant(2, 128, 4, 4, 2)]
+
+
+@pytest.mark.parametrize("n, k", QWEN)
+@pytest.mark.parametrize("m", [64, 128, 256, 2048])
+def test_qwen3_8b_shapes(n, k, m):
+    p = LinearProblem("mxfp4", "none", m, n, k)
+    for v in _qwen_variants():
+        out = check_variant(v, p, seed=m)
+        print(f"{v.name()} {n}x{k} m={m}: rel {out['rel_err']:.2e}, "
+              f"emulation mismatch {out['sim_mismatch']:.2e}")
+
+
+def test_the_whole_layer_binding_and_bad_input():
+    """bind() as the runtime would serve it: bf16 activations in, bf16 out; a wrong K is a
+    clear error before any launch."""
+    fam = _family()
+    from resgen.search.linear_sm90_fp8 import LinearSm90Fp8Variant
+    from resgen.search.sm90_linear import random_layer
+
+    v = LinearSm90Fp8Variant(2, 128, 4, 2, 2)
+    p = LinearProblem("mxfp4", "none", 96, 512, 1024)
+    qw = random_layer(p, "cuda", torch.Generator(device="cuda").manual_seed(3))
+    run = fam.bind(_compiled(v), v, p, fam.layout(qw, v.group), "cuda")
+    xb = torch.randn(96, 1024, device="cuda").to(torch.bfloat16)
+    out = torch.full((96, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    run(xb, out)
+    torch.cuda.synchronize()
+    from resgen.reference import linear
+    from resgen.search.sm90_linear import compare
+
+    res = compare(out, linear(xb.float(), qw, "none"))
+    assert res.ok, res.detail
+    with pytest.raises(ValueError, match="1024"):
+        run(torch.randn(96, 1000, device="cuda").to(torch.bfloat16), out)
