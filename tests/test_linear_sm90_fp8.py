@@ -317,3 +317,27 @@ def test_runner_and_binding_with_the_emulation_standing_in(monkeypatch, opted_in
     assert y.shape == (9, 128)
     with pytest.raises(ValueError, match="no masks"):
         fam.bind(None, v, p, r.sets[0][0], "cpu", masks=torch.zeros(4))
+
+
+def test_the_h200_bench_plans_valid_variants_for_every_qwen3_shape(opted_in):
+    """bench/linear_sm90_fp8_h200.py's CPU half: its variant list parses, every variant is
+    valid for some Qwen3-8B projection at the benchmarked M, every shape has a valid
+    variant, and the targets' M come first."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench/linear_sm90_fp8_h200.py"
+    spec = importlib.util.spec_from_file_location("linear_sm90_fp8_h200", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    vs = [mod.parse_variant(",".join(map(str, v))) for v in mod.VARIANTS]
+    assert len({v.key() for v in vs}) == len(vs)
+    for m in (64, 128, 256, 2048):
+        probs = [LinearProblem("mxfp4", "none", m, n, k) for n, k in mod.SHAPES.values()]
+        for v in vs:
+            assert any(S.FAMILY.why_invalid(v, p, ARCH) is None for p in probs), v.name()
+        for p in probs:
+            assert any(S.FAMILY.why_invalid(v, p, ARCH) is None for v in vs), p.key()
+    assert mod.order_m([64, 128, 256, 2048]) == [2048, 128, 64, 256]
+    with pytest.raises(Exception, match="c,bn"):
+        mod.parse_variant("2,128")

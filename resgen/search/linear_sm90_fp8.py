@@ -152,12 +152,16 @@ class LinearSm90Fp8Family(KernelFamilyBase):
         """The models' MXFP4 plain layers at the M buckets from 64 on (prefill: the tiles
         are 64 or 128 tokens); none unless opted in, so `resgen tune` without
         RESGEN_EXPERIMENTAL plans nothing for this family."""
-        from ..models import linear_problems
-
-        if not enabled():
+        if not enabled() or "mxfp4" not in formats or "none" not in compensations:
             return []
-        lin = linear_problems(models, tp, formats, compensations, m_buckets)
-        return [p for p in lin if p.m >= 64 and self.problem_invalid(p) is None]
+        out: list[LinearProblem] = []
+        for spec in models:
+            for sh in spec.linear_shapes(tp):
+                for m in m_buckets:
+                    p = LinearProblem("mxfp4", "none", int(m), int(sh.n), int(sh.k), True)
+                    if p.m >= 64 and p not in out and self.problem_invalid(p) is None:
+                        out.append(p)
+        return out
 
     # ------------------------------------------------------------------ space
     _TILES = ((2, 128), (2, 64), (1, 128), (1, 192), (1, 256), (2, 192), (1, 64))
