@@ -7,9 +7,7 @@ RESGEN_TUNED_DIR   the shipped dispatch tables, one per GPU (default: the packag
                    <package>/_tuned, in an installed wheel; <repo>/tuned in a source checkout)
 RESGEN_COORDINATOR the PostgreSQL URL `resgen tune` coordinates through by default (its
                    --coordinator; unset: no coordinator; resgen.search.coordinator)
-RESGEN_EXPERIMENTAL comma-separated names of experimental kernel families to enable (e.g.
-                   linear_sm90_fp8: not yet measured on a GPU, so out of the default tune set,
-                   the runtime's fallbacks and the shipped table's coverage until opted in)
+RESGEN_EXPERIMENTAL opt-in families
 
 The compile target (`settings().arch`, the default of resgen.ops and the compile-only CLI) is
 this machine's GPU's arch when a CUDA GPU is present (compute capability 9.0 -> sm_90a), else
@@ -70,7 +68,7 @@ class Settings:
     no_gpu_arch: str                 # RESGEN_ARCH, else DEFAULT_ARCH
     tuned_dir: Path = _REPO_TUNED
     coordinator: str | None = None   # RESGEN_COORDINATOR
-    experimental: frozenset[str] = frozenset()   # RESGEN_EXPERIMENTAL
+    experimental: frozenset[str] = frozenset()
 
     @property
     def user_db(self) -> Path:
@@ -89,10 +87,9 @@ def settings() -> Settings:
     cache = os.environ.get("RESGEN_CACHE_DIR") or str(Path.home() / ".cache" / "resgen")
     db = os.environ.get("RESGEN_DB")
     tuned = os.environ.get("RESGEN_TUNED_DIR")
+    exp = os.environ.get("RESGEN_EXPERIMENTAL", "")
     return Settings(cache_dir=Path(cache), db_path=Path(db) if db else None,
                     no_gpu_arch=os.environ.get("RESGEN_ARCH") or DEFAULT_ARCH,
                     tuned_dir=Path(tuned) if tuned else default_tuned_dir(),
                     coordinator=os.environ.get("RESGEN_COORDINATOR") or None,
-                    experimental=frozenset(
-                        n.strip() for n in os.environ.get("RESGEN_EXPERIMENTAL", "").split(",")
-                        if n.strip()))
+                    experimental=frozenset(n for n in exp.split(",") if n))

@@ -27,7 +27,7 @@ ARCH = "sm_90a"
 
 @pytest.fixture
 def opted_in(monkeypatch):
-    monkeypatch.setenv("RESGEN_EXPERIMENTAL", "something_else, linear_sm90_fp8")
+    monkeypatch.setenv("RESGEN_EXPERIMENTAL", "something_else,linear_sm90_fp8")
     settings.cache_clear()
     yield
     settings.cache_clear()

@@ -8,6 +8,8 @@ unless RESGEN_EXPERIMENTAL names the family (resgen.settings); then
 `RESGEN_EXPERIMENTAL=linear_sm90_fp8 resgen tune --families linear_sm90_fp8 ...` tunes it. Its
 runner times the GEMM alone on pre-quantized activations (no device quantizer writes its
 operand yet), so its rows are not comparable with the whole-layer rows of the other families.
+resgen.ops does not serve it (no needs_quantizer / quantizer_problem: ops.Linear refuses it
+with "has no run-time path"); `bind` (torch operand stage + GEMM) is for tests and benches.
 
 The kernel (resgen/templates/linear_sm90_fp8.py.j2): wgmma.m64nNk32.f32.e4m3.e4m3, tokens on
 the wgmma M (64 per consumer warpgroup), channels on its N; both operands E4M3 bytes in
@@ -170,7 +172,7 @@ class LinearSm90Fp8Family(KernelFamilyBase):
         """Every valid candidate in a fixed order: tiles (consumers, bn), groups 1 / 2 / 4,
         parts 2 / 1, 4 / 6 / 3 stages, both rasters. Empty when the family is not opted in
         (or cannot run the problem)."""
-        out = []
+        out: list[LinearSm90Fp8Variant] = []
         if self.problem_invalid(problem) is not None:
             return out
         for c, bn in self._TILES:
