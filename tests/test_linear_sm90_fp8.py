@@ -132,6 +132,46 @@ def test_fragment_coordinates_cover_the_tile_once():
     assert seen == {(r, c) for r in range(64) for c in range(128)}
 
 
+def _probe_accumulators(consumers: int, bn: int) -> dict:
+    """The (row, column) the CuTe DSL assigns to every accumulator element of every consumer
+    thread of this family's tiled MMA (FP8 SS wgmma, atom layout (consumers, 1, 1))."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float8E4M3FN, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    out: dict = {}
+
+    @cute.jit
+    def probe():
+        tm = sm90_utils.make_trivial_tiled_mma(
+            Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (consumers, 1, 1), (64, bn))
+        for tid in cutlass.range_constexpr(128 * consumers):
+            thr = tm.get_slice(tid)
+            c = thr.partition_C(cute.make_identity_tensor((64 * consumers, bn)))
+            out[tid] = [tuple(int(x) for x in c[i]) for i in range(cute.size(c))]
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    return out
+
+
+@pytest.mark.parametrize("consumers, bn", [(1, 64), (2, 128)])
+def test_accumulator_fragment_matches_the_cute_tiled_mma(consumers, bn):
+    """Consumer thread tid (warpgroup tid // 128, warp q, lane) holds exactly the coordinates
+    the promotion and the epilogue assume: fragment_coord(q, lane, i, e) with rows offset by
+    64 per warpgroup, element 4 i + e (the PTX ISA's wgmma m64nN D fragment). The template
+    slices by warpgroup (get_slice(wg * 128): thread 0's view) for the fragment shapes; the
+    register-to-coordinate map of each thread is the hardware's, this one."""
+    got = _probe_accumulators(consumers, bn)
+    for tid in range(128 * consumers):
+        wgi, q, lane = tid // 128, tid % 128 // 32, tid % 32
+        want = [(64 * wgi + r, c) for r, c in
+                (fragment_coord(q, lane, i, e) for i in range(bn // 8) for e in range(4))]
+        assert got[tid] == want, tid
+
+
 # ----------------------------------------------------------------------------- emulation
 
 
