@@ -160,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                     raise StopIteration
                 row: dict = {"shape": name, "n": n, "k": k, "m": m, "variants": {}}
                 nb = _sets(2 * (m * k + n * k + m * n))
-                row["bf16_us"] = measure(bf16_runner(m, n, k, nb, gen), DEFAULT_POLICY,
-                                         nb).median_us
+                tb = measure(bf16_runner(m, n, k, nb, gen), DEFAULT_POLICY, nb)
+                row["bf16_us"], row["bf16_mode"] = tb.median_us, tb.mode
                 nf = _sets(m * k + n * k + 2 * m * n)
-                row["fp8_us"] = measure(fp8_runner(m, n, k, nf, gen), DEFAULT_POLICY,
-                                        nf).median_us
+                tf = measure(fp8_runner(m, n, k, nf, gen), DEFAULT_POLICY, nf)
+                row["fp8_us"], row["fp8_mode"] = tf.median_us, tf.mode
                 p = LinearProblem("mxfp4", "none", m, n, k)
                 for v in variants:
                     c = report["compiles"].get(v.name(), {})
@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         chk = r.check()
                         ent: dict = {"ok": chk.ok, "rel_err": chk.rel_err}
                         if chk.ok:
-                            ent["us"] = measure(r, DEFAULT_POLICY, sets).median_us
+                            tv = measure(r, DEFAULT_POLICY, sets)
+                            ent.update(us=tv.median_us, mode=tv.mode, note=tv.note)
                         row["variants"][v.name()] = ent
                         del r
                     except Exception as e:
