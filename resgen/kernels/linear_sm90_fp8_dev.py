@@ -1,13 +1,17 @@
 """Device helpers of the linear_sm90_fp8 kernels (CuTe DSL, trace time): the mbarrier wait
-with a watchdog (a broken pipeline traps instead of hanging the GPU)."""
+with a watchdog (a broken pipeline traps instead of hanging the GPU) and the E2M1 -> E4M3
+word converter of wload = "fp4" (its math and reference: linear_sm90_fp8_convert)."""
 
 from __future__ import annotations
 
-from cutlass import Int32
+from cutlass import Int32, Uint32
+from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
-__all__ = ["WATCHDOG_NS", "wait_parity"]
+from .linear_sm90_fp8_convert import MAG_MASK, SEVEN, SIGN_BITS, T_HI, T_LO
+
+__all__ = ["WATCHDOG_NS", "wait_parity", "fp4x8_to_e4m3"]
 
 WATCHDOG_NS = 2_000_000_000      # 2 s: every wait in these kernels is over in microseconds
 
@@ -33,3 +37,23 @@ def wait_parity(mbar, parity, *, loc=None, ip=None) -> None:
         "F8_DONE:\n}",
         "r,r,~{memory}", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def _half(src: str, dst: str) -> str:
+    return (f" and.b32 s, {src}, {MAG_MASK:#x};\n prmt.b32 a, tl, th, s;\n"
+            f" prmt.b32 b, sv, sv, {src};\n not.b32 b, b;\n and.b32 b, b, {SIGN_BITS:#x};\n"
+            f" or.b32 {dst}, a, b;\n")
+
+
+@dsl_user_op
+def fp4x8_to_e4m3(w, *, loc=None, ip=None) -> tuple:
+    """One packed word (8 E2M1 codes, element j in nibble j) -> two E4M3 words (elements
+    0..3, 4..7), exactly as linear_sm90_fp8_convert.convert_word_ref."""
+    st = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(i32,i32)>"), [Uint32(w).ir_value(loc=loc, ip=ip)],
+        "{\n .reg .b32 tl, th, sv, h, s, a, b;\n"
+        f" mov.b32 tl, {T_LO:#x};\n mov.b32 th, {T_HI:#x};\n mov.b32 sv, {SEVEN:#x};\n"
+        + _half("$2", "$0") + " shr.u32 h, $2, 16;\n" + _half("h", "$1") + "}",
+        "=&r,=&r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return tuple(Uint32(llvm.extractvalue(T.i32(), st, [i], loc=loc, ip=ip)) for i in range(2))

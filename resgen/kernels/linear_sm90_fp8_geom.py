@@ -12,6 +12,11 @@ bytes), and the two scale boxes, float32 (gpc x bm) and (gpc x bn), gpc = 4 / gr
 groups per chunk (a group = `group` k32 blocks accumulated by the tensor core into a fresh
 partial fragment, then promoted: acc += part * (sx * sw) in FP32).
 
+wload = "fp4" (group 1 only): the B box is the packed E2M1 weight (bn x 64 bytes, plain
+row-major staging buffer); converter warps expand it into the stage's E4M3 B tile (bn x 128,
+the same swizzled layout) and arrive on a third barrier per stage (resgen.kernels.
+linear_sm90_fp8_convert). Shared memory per stage then holds both.
+
 Accumulator fragment of wgmma m64nN (f32), per thread (warp q of its warpgroup, lane = 4 g + t),
 element 4 i + e (i < bn / 8, e < 4):  token row 16 q + g + 8 (e // 2), channel 8 i + 2 t + e % 2.
 """
@@ -50,6 +55,7 @@ class Fp8Geometry:
     group: int = 1
     parts: int = 2
     raster: str = "tok"
+    wload: str = "e4m3"
 
     def check(self) -> None:
         """Raise ValueError for a geometry no kernel is rendered for."""
@@ -65,8 +71,18 @@ class Fp8Geometry:
             raise ValueError(f"stages={self.stages} (2..12)")
         if self.raster not in ("tok", "ch"):
             raise ValueError(f"raster={self.raster!r}")
+        if self.wload not in ("e4m3", "fp4"):
+            raise ValueError(f"wload={self.wload!r} (e4m3 or fp4)")
+        if self.fp4 and self.group != 1:
+            raise ValueError(f"wload=fp4 converts unscaled codes: group 1 only, not "
+                             f"{self.group}")
 
     # ------------------------------------------------------------------ sizes
+    @property
+    def fp4(self) -> bool:
+        """Whether the weight arrives packed E2M1 and is converted in the kernel."""
+        return self.wload == "fp4"
+
     @property
     def bm(self) -> int:
         """Tokens per CTA."""
@@ -92,7 +108,15 @@ class Fp8Geometry:
 
     @property
     def b_stage_bytes(self) -> int:
-        return self.bn * KC
+        """Weight bytes TMA brings per stage: E4M3 codes, or packed E2M1 (half)."""
+        return self.bn * KC // 2 if self.fp4 else self.bn * KC
+
+    @property
+    def conv_iters(self) -> int:
+        """Units (16 output bytes) per converter thread per chunk, rounded up."""
+        from .linear_sm90_fp8_convert import CONV_THREADS
+
+        return -(-self.bn * 8 // CONV_THREADS)
 
     @property
     def scale_stage_bytes(self) -> int:
@@ -105,7 +129,8 @@ class Fp8Geometry:
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * self.tx_bytes + _BAR_BYTES
+        conv = self.bn * KC if self.fp4 else 0          # the converted E4M3 B tile
+        return self.stages * (self.tx_bytes + conv) + _BAR_BYTES
 
     @property
     def acc_regs(self) -> int:

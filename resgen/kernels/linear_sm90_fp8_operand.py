@@ -40,10 +40,11 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import QuantizedTensor, e2m1_decode, e2m1_values, unpack_fp4
+from .linear_sm90_fp8_convert import lut16
 from .linear_sm90_fp8_geom import K_BLOCK, KC
 
 __all__ = ["FOLD_MIN", "FOLD_MAX", "ROW_MULTIPLE", "FoldRangeError", "Fp8Operand",
-           "fold_operand", "e4m3_bytes", "e4m3_values", "pow2_f32", "nvfp4_fold_exact",
+           "Fp4Operand", "fold_operand", "fp4_operand", "expand_fp4", "e4m3_bytes", "e4m3_values", "pow2_f32", "nvfp4_fold_exact",
            "kp_fp8"]
 
 FOLD_MIN, FOLD_MAX = -8, 6
@@ -80,6 +81,29 @@ class Fp8Operand:
         return e4m3_values(self.codes)
 
 
+@dataclass
+class Fp4Operand:
+    """The weight of a wload = "fp4" kernel (promotion group 1): packed E2M1 codes as in HBM.
+
+    packed: uint8 [R_pad, Kp / 2] (ModelOpt packing: even element in the low nibble; rows past
+            the real R and columns past K / 2 are zero);
+    scales: float32 [Kp / 32, R_pad] the block scales 2^e (E8M0 values), block-major;
+    rows:   R, the real rows. group is always 1 (the codes are converted unscaled)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+    group: int = 1
+
+    @property
+    def kp(self) -> int:
+        return 2 * int(self.packed.shape[1])
+
+    @property
+    def rows_pad(self) -> int:
+        return int(self.packed.shape[0])
+
+
 def kp_fp8(k: int) -> int:
     """The padded reduction length: K rounded up to two chunks (256: the kernel walks chunk
     pairs)."""
@@ -113,25 +137,18 @@ def fold_operand(q: QuantizedTensor, group: int, kp: int,
 
     R_pad = R rounded up to row_multiple; kp a multiple of 32 * group and >= K. Raises
     FoldRangeError where a group of a row cannot be folded exactly (module docstring)."""
-    if q.fmt != "mxfp4":
-        raise ValueError(f"linear_sm90_fp8 takes MXFP4 operands, got {q.fmt} (no exact NVFP4 "
-                         "form exists on the FP8 tensor cores: see this module's docstring)")
-    if q.codes.dim() != 2:
-        raise ValueError(f"an operand is [R, K], got codes of shape {tuple(q.codes.shape)}")
+    _check_mxfp4(q)
     if group not in (1, 2, 4):
         raise ValueError(f"group={group} (1, 2 or 4 k32 blocks)")
     r, k = q.shape
     if kp < k or kp % (K_BLOCK * group):
         raise ValueError(f"Kp={kp} must be >= K={k} and a multiple of {K_BLOCK * group}")
     rp = -(-max(r, 1) // row_multiple) * row_multiple
-    nb, ng = kp // K_BLOCK, kp // (K_BLOCK * group)
+    ng = kp // (K_BLOCK * group)
     dev = q.codes.device
     vals = torch.zeros(rp, kp, dtype=torch.float32, device=dev)
     vals[:r, :k] = e2m1_decode(unpack_fp4(q.codes))
-    e = torch.full((rp, nb), -127, dtype=torch.int32, device=dev)
-    e[:r, : k // K_BLOCK] = q.scales.to(torch.int32) - 127
-    if bool((e > 127).any()):
-        raise ValueError("MXFP4 scales hold the E8M0 NaN code 255")
+    e = _block_exponents(q, rp, kp)
     vb = vals.reshape(rp, ng, group, K_BLOCK)
     if group == 1:
         codes = e4m3_bytes(vals)
@@ -157,6 +174,48 @@ def fold_operand(q: QuantizedTensor, group: int, kp: int,
         codes = e4m3_bytes((vb * pow2_f32(d).unsqueeze(-1)).reshape(rp, kp))
     scales = pow2_f32(base).t().contiguous()
     return Fp8Operand(codes.contiguous(), scales, r, group)
+
+
+def _check_mxfp4(q: QuantizedTensor) -> None:
+    if q.fmt != "mxfp4":
+        raise ValueError(f"linear_sm90_fp8 takes MXFP4 operands, got {q.fmt} (no exact NVFP4 "
+                         "form exists on the FP8 tensor cores: see this module's docstring)")
+    if q.codes.dim() != 2:
+        raise ValueError(f"an operand is [R, K], got codes of shape {tuple(q.codes.shape)}")
+
+
+def _block_exponents(q: QuantizedTensor, rp: int, kp: int) -> torch.Tensor:
+    """int32 [rp, kp / 32]: the E8M0 block exponents e (scale 2^e), -127 past the real rows
+    and K (zero codes there)."""
+    r, k = q.shape
+    e = torch.full((rp, kp // K_BLOCK), -127, dtype=torch.int32, device=q.codes.device)
+    e[:r, : k // K_BLOCK] = q.scales.to(torch.int32) - 127
+    if bool((e > 127).any()):
+        raise ValueError("MXFP4 scales hold the E8M0 NaN code 255")
+    return e
+
+
+def fp4_operand(q: QuantizedTensor, kp: int, row_multiple: int = ROW_MULTIPLE) -> Fp4Operand:
+    """MXFP4 q [R, K] -> Fp4Operand (packed [R_pad, kp / 2], scales [kp / 32, R_pad]): the
+    codes as they are (no fold, so never refused), zero-padded; kp a multiple of 32, >= K."""
+    _check_mxfp4(q)
+    r, k = q.shape
+    if kp < k or kp % K_BLOCK or k % 2:
+        raise ValueError(f"Kp={kp} must be >= K={k} and a multiple of {K_BLOCK}")
+    rp = -(-max(r, 1) // row_multiple) * row_multiple
+    packed = torch.zeros(rp, kp // 2, dtype=torch.uint8, device=q.codes.device)
+    packed[:r, : k // 2] = q.codes
+    scales = pow2_f32(_block_exponents(q, rp, kp)).t().contiguous()
+    return Fp4Operand(packed, scales, r, 1)
+
+
+def expand_fp4(op: Fp4Operand) -> Fp8Operand:
+    """The E4M3 operand the kernel's converter builds in shared memory from op: every code
+    through linear_sm90_fp8_convert's bit math (lut16), the same scales. Equal, byte for byte,
+    to fold_operand(q, 1, kp) of the same MXFP4 tensor."""
+    lut = torch.tensor(lut16(), dtype=torch.uint8, device=op.packed.device)
+    codes = lut[unpack_fp4(op.packed).long()]
+    return Fp8Operand(codes.contiguous(), op.scales, op.rows, 1)
 
 
 def nvfp4_fold_exact() -> torch.Tensor:

@@ -17,6 +17,8 @@ group > 1 the folded codes carry 2^d, d in [-8, 6], and a group's sum can need u
 13 + 2 + 28 bits: a reduced-precision accumulator may round it where the model does not;
 `simulate(..., acc_bits=b)` models such an accumulator crudely (each group's exact sum rounded
 to b significant bits) to bound the effect, which only the GPU can measure.
+A wload = "fp4" weight (Fp4Operand) enters as the E4M3 operand its in-kernel converter builds
+(linear_sm90_fp8_operand.expand_fp4: the converter's bit math), the rest is the same.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .linear_sm90_fp8_geom import K_BLOCK
-from .linear_sm90_fp8_operand import Fp8Operand
+from .linear_sm90_fp8_operand import Fp4Operand, Fp8Operand, expand_fp4
 
 __all__ = ["simulate", "round_to_bits"]
 
@@ -36,13 +38,15 @@ def round_to_bits(v: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.ldexp(torch.round(m * scale) / scale, e)
 
 
-def simulate(x: Fp8Operand, w: Fp8Operand, m: int | None = None,
+def simulate(x: Fp8Operand, w: Fp8Operand | Fp4Operand, m: int | None = None,
              acc_bits: int | None = None) -> torch.Tensor:
     """The kernel's FP32 accumulator before the BF16 store: float32 [m, N].
 
     x: the activations' operand (rows >= m), w: the weight's (rows = N); one group size.
     acc_bits: None = the tensor core's group sums exact, then rounded to FP32; b = each group
     sum first rounded to b significant bits (a reduced-precision accumulator model)."""
+    if isinstance(w, Fp4Operand):
+        w = expand_fp4(w)
     if x.group != w.group or x.kp != w.kp:
         raise ValueError(f"operands differ: group {x.group} / {w.group}, Kp {x.kp} / {w.kp}")
     m = x.rows if m is None else m

@@ -28,6 +28,10 @@ Variant axes (LinearSm90Fp8Variant):
     group       k32 blocks per promotion (1, 2, 4): fewer FP32 promotions per MMA
     parts       partial fragments (1: wait for each group, 2: promote one while the next runs)
     raster      grid order ("tok": consecutive CTAs walk token tiles, "ch": channel tiles)
+    wload       the weight in HBM: "e4m3" (one E4M3 byte per value, converted offline) or
+                "fp4" (packed E2M1, half the bytes, converted to E4M3 in shared memory by
+                the producer warpgroup's warps 1-3: resgen.kernels.linear_sm90_fp8_convert;
+                group 1 only)
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from .family import CheckResult, KernelFamilyBase, register
 from .sm90_linear import TOLERANCE, compare, random_layer
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
-__all__ = ["Raster", "LinearSm90Fp8Variant", "LinearSm90Fp8Family", "FAMILY", "geometry_of",
+__all__ = ["Raster", "WLoad", "LinearSm90Fp8Variant", "LinearSm90Fp8Family", "FAMILY", "geometry_of",
            "enabled", "compile_once", "Fp8Runner", "Fp8Binding"]
 
 NAME = "linear_sm90_fp8"
@@ -64,6 +68,11 @@ class Raster(Choice):
     CH = "ch"
 
 
+class WLoad(Choice):
+    E4M3 = "e4m3"
+    FP4 = "fp4"
+
+
 @dataclass(frozen=True, slots=True)
 class LinearSm90Fp8Variant(VariantBase):
     FAMILY: ClassVar[str] = NAME
@@ -73,6 +82,7 @@ class LinearSm90Fp8Variant(VariantBase):
     group: int = field(default=1, metadata={"range": IntRange(1, 4), "short": "g"})
     parts: int = field(default=2, metadata={"range": IntRange(1, 2), "short": "p"})
     raster: Raster = field(default=Raster.TOK, metadata={"short": "r"})
+    wload: WLoad = field(default=WLoad.E4M3, metadata={"short": "w"})
 
     @property
     def deterministic(self) -> bool:
@@ -83,7 +93,8 @@ def geometry_of(variant: LinearSm90Fp8Variant):
     from ..kernels.linear_sm90_fp8_geom import Fp8Geometry
 
     return Fp8Geometry(consumers=variant.consumers, bn=variant.bn, stages=variant.stages,
-                       group=variant.group, parts=variant.parts, raster=variant.raster.value)
+                       group=variant.group, parts=variant.parts, raster=variant.raster.value,
+                        wload=variant.wload.value)
 
 
 def kp_of(problem: LinearProblem) -> int:
@@ -169,18 +180,19 @@ class LinearSm90Fp8Family(KernelFamilyBase):
     _TILES = ((2, 128), (2, 64), (1, 128), (1, 192), (1, 256), (2, 192), (1, 64))
 
     def space(self, problem: LinearProblem, arch: str) -> Sequence[LinearSm90Fp8Variant]:
-        """Every valid candidate in a fixed order: tiles (consumers, bn), groups 1 / 2 / 4,
-        parts 2 / 1, 4 / 6 / 3 stages, both rasters. Empty when the family is not opted in
+        """Every valid candidate in a fixed order: tiles (consumers, bn), E4M3 weights at
+        groups 1 / 2 / 4 then FP4 weights (group 1), parts 2 / 1, 4 / 6 / 3 stages, both rasters. Empty when the family is not opted in
         (or cannot run the problem)."""
         out: list[LinearSm90Fp8Variant] = []
         if self.problem_invalid(problem) is not None:
             return out
         for c, bn in self._TILES:
-            for group in (1, 2, 4):
+            for wload, group in ((WLoad.E4M3, 1), (WLoad.E4M3, 2), (WLoad.E4M3, 4),
+                                 (WLoad.FP4, 1)):
                 for parts in (2, 1):
                     for st in (4, 6, 3):
                         for raster in (Raster.TOK, Raster.CH):
-                            v = LinearSm90Fp8Variant(c, bn, st, group, parts, raster)
+                            v = LinearSm90Fp8Variant(c, bn, st, group, parts, raster, wload)
                             if self.why_invalid(v, problem, arch) is None:
                                 out.append(v)
         return out
@@ -189,10 +201,14 @@ class LinearSm90Fp8Family(KernelFamilyBase):
         """Lower first: fewer promotions (group 4 before 2 before 1: each promotion is
         bn / 2 FP32 multiply-adds per thread per group, against 16 bn MACs per k32 on the
         tensor core), double-buffered partials, two consumer warpgroups, bn 128, 4 stages,
-        raster "tok", and a grid without a ragged last wave. Unmeasured: a guess."""
+        raster "tok", and a grid without a ragged last wave; the FP4 load (group 1) a little
+        ahead of E4M3 group 1 at M <= 256 (half the weight bytes), behind above. Unmeasured:
+        a guess."""
         v, p = variant, problem
         g = geometry_of(v)
         s = {4: 0.0, 2: 0.3, 1: 0.8}[v.group] + (0.0 if v.parts == 2 else 0.4)
+        if v.wload == WLoad.FP4:
+            s += -0.2 if p.m <= 256 else 0.2
         s += 0.0 if v.consumers == 2 else 0.3
         s += abs(math.log2(v.bn / 128)) * 0.5
         s += {4: 0.0, 6: 0.1, 3: 0.3}.get(v.stages, 0.5)
@@ -213,7 +229,8 @@ class LinearSm90Fp8Family(KernelFamilyBase):
     def template_params(self, variant: LinearSm90Fp8Variant, problem: LinearProblem) -> dict:
         g = geometry_of(variant)
         return {"consumers": int(g.consumers), "bn": int(g.bn), "stages": int(g.stages),
-                "group": int(g.group), "parts": int(g.parts), "raster": g.raster}
+                "group": int(g.group), "parts": int(g.parts), "raster": g.raster,
+                "wload": g.wload}
 
     def compile_key(self, variant: LinearSm90Fp8Variant, problem: LinearProblem
                     ) -> LinearProblem:
@@ -228,8 +245,9 @@ class LinearSm90Fp8Family(KernelFamilyBase):
         from cutlass.cute.runtime import make_ptr
 
         gm = cute.AddressSpace.gmem
+        wdt = cutlass.Uint8 if variant.wload == WLoad.FP4 else cutlass.Float8E4M3FN
         return [make_ptr(cutlass.Float8E4M3FN, 0, gm, 16), make_ptr(cutlass.Float32, 0, gm, 16),
-                make_ptr(cutlass.Float8E4M3FN, 0, gm, 16), make_ptr(cutlass.Float32, 0, gm, 16),
+                make_ptr(wdt, 0, gm, 16), make_ptr(cutlass.Float32, 0, gm, 16),
                 make_ptr(cutlass.BFloat16, 0, gm, 16), cutlass.Int32(1), cutlass.Int32(16),
                 cutlass.Int32(variant.bn), cutlass.Int32(256), cuda.CUstream(0)]
 
@@ -254,21 +272,31 @@ class LinearSm90Fp8Family(KernelFamilyBase):
 
     # ------------------------------------------------------------------ running
     def working_set_bytes(self, variant: LinearSm90Fp8Variant, problem: LinearProblem) -> int:
-        """Bytes of one input set: E4M3 weight + activation codes, their group scales, the
-        output."""
+        """Bytes of one input set: weight codes (E4M3 or packed E2M1) + activation codes,
+        their group scales, the output."""
         kp = kp_of(problem)
         ng = kp // (32 * variant.group)
         rows = -(-problem.m // 16) * 16
-        return int((problem.n + rows) * (kp + 4 * ng) + problem.m * problem.n * 2)
+        wk = kp // 2 if variant.wload == WLoad.FP4 else kp
+        return int(problem.n * (wk + 4 * ng) + rows * (kp + 4 * ng)
+                   + problem.m * problem.n * 2)
 
-    def layout(self, qweight: QLinearWeight, group: int) -> Any:
-        """The weight as an Fp8Operand (resgen.kernels.linear_sm90_fp8_operand.fold_operand):
-        E4M3 codes [N, Kp], group scales [Kp / (32 group), N]."""
-        from ..kernels.linear_sm90_fp8_operand import fold_operand, kp_fp8
+    def layout(self, qweight: QLinearWeight, group: int, wload: WLoad | str = WLoad.E4M3
+               ) -> Any:
+        """The weight as the kernel reads it (resgen.kernels.linear_sm90_fp8_operand):
+        wload e4m3: an Fp8Operand (fold_operand: E4M3 codes [N, Kp], group scales
+        [Kp / (32 group), N]); fp4 (group 1): an Fp4Operand (packed E2M1 [N, Kp / 2], block
+        scales [Kp / 32, N])."""
+        from ..kernels.linear_sm90_fp8_operand import fold_operand, fp4_operand, kp_fp8
 
         if qweight.fmt != "mxfp4" or qweight.selection is not None:
             raise ValueError(f"{NAME} takes a plain MXFP4 weight (no K-Ext selection)")
-        return fold_operand(qweight.q, group, kp_fp8(qweight.in_features), 16)
+        kp = kp_fp8(qweight.in_features)
+        if WLoad(wload) == WLoad.FP4:
+            if group != 1:
+                raise ValueError(f"wload=fp4 is group 1 only, not {group}")
+            return fp4_operand(qweight.q, kp, 16)
+        return fold_operand(qweight.q, group, kp, 16)
 
     def launcher(self, compiled: Any, variant: LinearSm90Fp8Variant, problem: LinearProblem,
                  device: torch.device | str) -> Any:
@@ -325,7 +353,7 @@ class Fp8Runner:
                                                               + problem.m)
         self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.qweight = random_layer(problem, self.device, gen)
-        w0 = family.layout(self.qweight, variant.group)
+        w0 = family.layout(self.qweight, variant.group, variant.wload)
         stage = Fp8ActivationStage(problem.k, w0.kp, variant.group)
         self.sets = []
         for i in range(max(1, n_sets)):
@@ -358,8 +386,10 @@ class Fp8Runner:
 
 
 def _clone_operand(op: Any) -> Any:
-    from ..kernels.linear_sm90_fp8_operand import Fp8Operand
+    from ..kernels.linear_sm90_fp8_operand import Fp4Operand, Fp8Operand
 
+    if isinstance(op, Fp4Operand):
+        return Fp4Operand(op.packed.clone(), op.scales.clone(), op.rows, op.group)
     return Fp8Operand(op.codes.clone(), op.scales.clone(), op.rows, op.group)
 
 
