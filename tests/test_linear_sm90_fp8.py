@@ -1,7 +1,9 @@
 """linear_sm90_fp8 on the CPU: the E4M3 fold of MXFP4 proved exact (and refused where it
 cannot be), the NVFP4 non-fold claim checked value by value, the kernel's arithmetic
 (linear_sm90_fp8_sim) against resgen.reference.linear, the opt-in gate, the variant space and
-predicate, the launcher's argument checks, and compile-only checks for sm_90a."""
+predicate, the launcher's argument checks, and compile-only checks for sm_90a; for the FP4
+weight load (wload = "fp4") the in-kernel converter's table (all 16 codes) and index math
+(every byte of the swizzled B tile written once, where CuTe DSL's layout puts it)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from resgen import calibrate as C
 from resgen import formats as F
 from resgen import reference as R
+from resgen.kernels import linear_sm90_fp8_convert as CV
 from resgen.kernels import linear_sm90_fp8_operand as O
 from resgen.kernels.linear_sm90_fp8 import Fp8ActivationStage, check_launch
 from resgen.kernels.linear_sm90_fp8_geom import Fp8Geometry, fragment_coord
@@ -172,6 +175,127 @@ def test_accumulator_fragment_matches_the_cute_tiled_mma(consumers, bn):
         assert got[tid] == want, tid
 
 
+# ----------------------------------------------------------------------------- fp4 load
+
+
+def test_prmt_reference_follows_the_ptx_definition():
+    a, b = 0x03020100, 0x87868584
+    assert CV.prmt_ref(a, b, 0x3210) == a and CV.prmt_ref(a, b, 0x7654) == b
+    assert CV.prmt_ref(a, b, 0x0123) == 0x00010203
+    # selector bit 3: the selected byte's bit 7 replicated (bytes 4..7 of b are >= 0x80)
+    assert CV.prmt_ref(a, b, 0x8C0C) == 0x00FF00FF       # 0x84 -> FF, 0x00, FF, 0x00 -> 00
+
+
+def test_the_converter_maps_every_e2m1_code_to_its_e4m3_byte_in_every_nibble():
+    """All 16 codes, at each of the 8 nibble positions of a word, among random neighbours:
+    the converted byte is the E4M3 encoding of the code's E2M1 value (-0 -> 0x80)."""
+    want = O.e4m3_bytes(F.e2m1_values()).tolist()
+    assert CV.lut16() == want
+    assert want[8] == 0x80 and want[0] == 0x00
+    g = torch.Generator().manual_seed(0)
+    for code in range(16):
+        for pos in range(8):
+            for _ in range(4):
+                nib = torch.randint(0, 16, (8,), generator=g).tolist()
+                nib[pos] = code
+                w = sum(c << (4 * j) for j, c in enumerate(nib))
+                o0, o1 = CV.convert_word_ref(w)
+                got = [(o0 >> (8 * j)) & 0xFF for j in range(4)] + \
+                      [(o1 >> (8 * j)) & 0xFF for j in range(4)]
+                assert got == [want[c] for c in nib], (code, pos, hex(w))
+
+
+def _probe_b_layout(bn: int, stages: int) -> dict:
+    """CuTe DSL's offset (bytes) of every (channel, k, stage) of this family's B buffer
+    (make_smem_layout_b: K-major E4M3, 128-byte swizzle), as the wgmma descriptor reads it."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float8E4M3FN
+    from cutlass.tensor_utils import LayoutEnum
+
+    out: dict = {}
+
+    @cute.jit
+    def probe():
+        bl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (128, bn, 128), Float8E4M3FN,
+                                           stages)
+        for s in cutlass.range_constexpr(stages):
+            for n in cutlass.range_constexpr(bn):
+                for k in cutlass.range_constexpr(128):
+                    out[(n, k, s)] = int(bl((n, k, s)))
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    return out
+
+
+@pytest.mark.parametrize("bn, stages", [(64, 2), (48, 1)])
+def test_the_converter_writes_every_byte_of_the_swizzled_b_tile_once(bn, stages):
+    """The template's converter loop emulated over all 96 threads and every stage: each
+    16-byte unit is converted by exactly one (thread, iteration), the bytes it stores land
+    exactly where CuTe DSL's B layout puts (channel, k), every byte of the stages' tiles is
+    written once, and the value there is the E4M3 code of the packed element (n, k)."""
+    geom = Fp8Geometry(consumers=2, bn=bn, stages=max(stages, 2), group=1, wload="fp4")
+    lay = _probe_b_layout(bn, stages)
+    g = torch.Generator().manual_seed(bn)
+    codes = torch.randint(0, 16, (stages, bn, 128), generator=g, dtype=torch.uint8)
+    staging = F.pack_fp4(codes).reshape(stages, -1)              # [stages, bn * 64] bytes
+    assert staging.shape[1] == bn * CV.PACKED_CHUNK
+    tile = [None] * (stages * bn * 128)
+    units = CV.units_per_chunk(bn)
+    done = [0] * units
+    for s in range(stages):
+        done = [0] * units
+        for ct in range(CV.CONV_THREADS):
+            for it in range(geom.conv_iters):
+                u = ct + it * CV.CONV_THREADS
+                if u >= units:
+                    continue
+                done[u] += 1
+                src = CV.staging_unit_offset(u)
+                b = staging[s, src:src + 8].tolist()
+                w0 = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+                w1 = b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24
+                words = CV.convert_word_ref(w0) + CV.convert_word_ref(w1)
+                dst = s * bn * 128 + CV.b_unit_offset(u)
+                for j in range(16):
+                    assert tile[dst + j] is None, (s, u, j)
+                    tile[dst + j] = (words[j // 4] >> (8 * (j % 4))) & 0xFF
+        assert done == [1] * units
+    assert all(t is not None for t in tile)
+    lut = CV.lut16()
+    for (n, k, s), off in lay.items():
+        assert tile[off] == lut[int(codes[s, n, k])], (n, k, s)
+
+
+def test_fp4_operand_expands_to_the_group1_e4m3_operand():
+    """The packed weight operand (what HBM holds) through the converter's bit math equals the
+    offline E4M3 operand byte for byte, with the same scales; padding is zero."""
+    q = _mx(37, 320, seed=4)
+    op = O.fp4_operand(q, 512)
+    assert op.packed.shape == (48, 256) and op.scales.shape == (16, 48) and op.kp == 512
+    assert torch.equal(op.packed[:37, :160], q.codes)
+    assert not bool(op.packed[37:].any()) and not bool(op.packed[:, 160:].any())
+    ref = O.fold_operand(q, 1, 512)
+    ex = O.expand_fp4(op)
+    assert torch.equal(ex.codes, ref.codes) and torch.equal(ex.scales, ref.scales)
+    with pytest.raises(ValueError, match="MXFP4"):
+        O.fp4_operand(F.quantize(torch.randn(4, 64), "nvfp4"), 256)
+    with pytest.raises(ValueError, match="Kp=48"):
+        O.fp4_operand(q, 48)
+
+
+def test_fp4_load_is_group_1_only():
+    with pytest.raises(ValueError, match="group 1 only"):
+        Fp8Geometry(group=2, wload="fp4").check()
+    with pytest.raises(ValueError, match="wload"):
+        Fp8Geometry(wload="e2m1").check()
+    g = Fp8Geometry(bn=128, stages=4, wload="fp4")
+    g.check()
+    assert g.b_stage_bytes == 128 * 64
+    assert g.smem_bytes == Fp8Geometry(bn=128, stages=4).smem_bytes + 4 * 128 * 64
+
+
 # ----------------------------------------------------------------------------- emulation
 
 
@@ -194,6 +318,8 @@ def test_emulated_kernel_matches_the_reference(group, m, n, k):
     res = compare(y, ref, 1e-6)                     # FP32 summation order only
     assert res.ok, res.detail
     assert compare(y.to(torch.bfloat16), ref, 3e-3).ok
+    if group == 1:                                  # the FP4-load kernel's values: the same
+        assert torch.equal(simulate(xo, O.fp4_operand(qw.q, kp), m), y)
 
 
 def test_group1_partials_are_exact_in_a_14_bit_accumulator():
@@ -250,6 +376,9 @@ def test_predicate_and_space_when_opted_in(opted_in):
     space = fam.space(P8B, ARCH)
     assert space and all(fam.why_invalid(v, P8B, ARCH) is None for v in space)
     assert {v.group for v in space} == {1, 2, 4} and {v.parts for v in space} == {1, 2}
+    assert {v.group for v in space if v.wload == S.WLoad.FP4} == {1}
+    assert "group 1 only" in fam.why_invalid(
+        S.LinearSm90Fp8Variant(group=2, wload=S.WLoad.FP4), P8B, ARCH)
     assert len({v.key() for v in space}) == len(space)
     for n in (4096, 6144, 24576, 1024 + 64):
         p = LinearProblem("mxfp4", "none", 512, n, 4096)
@@ -268,7 +397,8 @@ def test_every_variant_field_changes_the_key():
     base = S.LinearSm90Fp8Variant()
     others = [S.LinearSm90Fp8Variant(consumers=1), S.LinearSm90Fp8Variant(bn=64),
               S.LinearSm90Fp8Variant(stages=6), S.LinearSm90Fp8Variant(group=4),
-              S.LinearSm90Fp8Variant(parts=1), S.LinearSm90Fp8Variant(raster=S.Raster.CH)]
+              S.LinearSm90Fp8Variant(parts=1), S.LinearSm90Fp8Variant(raster=S.Raster.CH),
+              S.LinearSm90Fp8Variant(wload=S.WLoad.FP4)]
     keys = {base.key()} | {v.key() for v in others}
     assert len(keys) == 1 + len(others)
 
@@ -288,6 +418,13 @@ def test_launch_checks_name_the_problem():
         check_launch(geom, w, x, 5, out.float())
     with pytest.raises(ValueError, match="bn=128"):
         check_launch(Fp8Geometry(bn=128), w, x, 5, out)
+    w4 = O.fp4_operand(qw.q, 256)
+    g4 = Fp8Geometry(consumers=2, bn=64, group=1, wload="fp4")
+    check_launch(g4, w4, x, 5, out)
+    with pytest.raises(TypeError, match="loads its weight as fp4"):
+        check_launch(g4, w, x, 5, out)
+    with pytest.raises(TypeError, match="loads its weight as e4m3"):
+        check_launch(geom, w4, x, 5, out)
 
 
 # ----------------------------------------------------------------------------- compile
@@ -295,7 +432,10 @@ def test_launch_checks_name_the_problem():
 
 COMPILE_CASES = [(P8B, S.LinearSm90Fp8Variant(2, 128, 4, 1, 2)),
                  (LinearProblem("mxfp4", "none", 2048, 6144, 4096),
-                  S.LinearSm90Fp8Variant(1, 192, 3, 4, 1, S.Raster.CH))]
+                  S.LinearSm90Fp8Variant(1, 192, 3, 4, 1, S.Raster.CH)),
+                 (P8B, S.LinearSm90Fp8Variant(2, 128, 4, 1, 2, wload=S.WLoad.FP4)),
+                 (LinearProblem("mxfp4", "none", 64, 4096, 4096),
+                  S.LinearSm90Fp8Variant(1, 64, 6, 1, 1, wload=S.WLoad.FP4))]
 
 
 @pytest.mark.parametrize("p, v", COMPILE_CASES, ids=lambda x: x.name() if hasattr(x, "name")
@@ -320,6 +460,15 @@ def test_compiles_for_sm90a(p, v, tmp_path, opted_in):
     assert "wgmma.fence.sync.aligned" in ptx and "wgmma.wait_group.sync.aligned" in ptx
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+" + str(v.parts - 1), ptx)
     assert res.spill_bytes == 0
+    g = S.geometry_of(v)
+    if v.wload == S.WLoad.FP4:
+        # the converter: 4 prmt per word, 2 words per v2 load, one v4 store per unit, the
+        # proxy fence before the converted-barrier arrival
+        assert ptx.count("prmt.b32") == 8 * g.conv_iters
+        assert ptx.count("st.shared.v4") == g.conv_iters
+        assert ptx.count("fence.proxy.async.shared::cta") == 1
+    else:
+        assert "prmt.b32" not in ptx and "fence.proxy.async" not in ptx
 
 
 # ----------------------------------------------------------------------------- plumbing
@@ -338,11 +487,13 @@ class _SimLauncher:
         return out
 
 
-@pytest.mark.parametrize("rows_written, ok", [(None, True), (3, False)])
+@pytest.mark.parametrize("rows_written, ok, wload", [(None, True, S.WLoad.E4M3),
+                                                     (3, False, S.WLoad.E4M3),
+                                                     (None, True, S.WLoad.FP4)])
 def test_runner_and_binding_with_the_emulation_standing_in(monkeypatch, opted_in,
-                                                           rows_written, ok):
+                                                           rows_written, ok, wload):
     fam = S.FAMILY
-    v = S.LinearSm90Fp8Variant(2, 64, 3, 2, 2)
+    v = S.LinearSm90Fp8Variant(2, 64, 3, 1 if wload == S.WLoad.FP4 else 2, 2, wload=wload)
     p = LinearProblem("mxfp4", "none", 9, 128, 256)
     monkeypatch.setattr(type(fam), "launcher",
                         lambda self, c, var, prob, dev: _SimLauncher(S.geometry_of(var),

@@ -11,7 +11,7 @@ channel) per step:
 
     in  = ld.shared.v2 [staging + 8 u]                  8 bytes = 16 codes
     per 32-bit input word w (codes k0..k7), output words o0 (k0..k3), o1 (k4..k7):
-        o0 = prmt(T_LO, T_HI, w & 0x7777) | (~prmt(SEVEN, SEVEN, w) & 0x80808080)
+        o0 = prmt(T_LO, T_HI, w & 0x7777) | ((prmt(NEG, NEG, w) << 7) & 0x80808080)
         o1 = the same on w >> 16
     st.shared.v4 [tile + b_unit_offset(u)]
 
@@ -19,9 +19,10 @@ prmt (default mode) picks byte (selector & 7) of the 8-byte pool {T_HI, T_LO}; w
 selector's bit 3 set it instead replicates that byte's bit 7. So the first prmt maps each
 masked magnitude 0..7 to its E4M3 byte (E2M1 0, 0.5, 1, 1.5, 2, 3, 4, 6 -> 0x00, 0x30, 0x38,
 0x3C, 0x40, 0x44, 0x48, 0x4C: exact, every E2M1 value is an E4M3 value), and the second, fed
-the unmasked codes and a pool of 0x7F bytes, gives 0x7F for a positive code and 0x00 for a
-negative one, whose complement's bit 7 is the E4M3 sign (one LOP3 merges it). About 9
-integer ops per 8 weights plus the shared load / store; code 8 (-0) becomes 0x80 (-0).
+the unmasked codes and a pool of 0x80 bytes, gives 0x80 for a positive code and 0xFF for a
+negative one: bit 0 of each byte is the sign, shifted to bit 7 (the word shift's spill into
+the next byte is masked) and merged by one LOP3. 11 integer ops per 8 weights plus the shared
+load / store; code 8 (-0) becomes 0x80 (-0).
 
 Only promotion group 1 loads FP4: the codes go to the tensor core unscaled and the E8M0 block
 scale is applied at promotion, as for wload = "e4m3" group 1. Folding (groups 2 / 4) during
@@ -32,14 +33,14 @@ their own table) and a shift operand in HBM; not built (docs/linear_sm90_fp8.md)
 
 from __future__ import annotations
 
-__all__ = ["E4M3_OF_MAG", "T_LO", "T_HI", "SEVEN", "MAG_MASK", "SIGN_BITS", "CONV_WARP0",
+__all__ = ["E4M3_OF_MAG", "T_LO", "T_HI", "NEG", "MAG_MASK", "SIGN_BITS", "CONV_WARP0",
            "CONV_THREADS", "PACKED_CHUNK", "prmt_ref", "convert_word_ref", "lut16",
            "units_per_chunk", "staging_unit_offset", "b_unit_offset"]
 
 E4M3_OF_MAG = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C)   # E2M1 magnitude code 0..7
 T_LO = E4M3_OF_MAG[0] | E4M3_OF_MAG[1] << 8 | E4M3_OF_MAG[2] << 16 | E4M3_OF_MAG[3] << 24
 T_HI = E4M3_OF_MAG[4] | E4M3_OF_MAG[5] << 8 | E4M3_OF_MAG[6] << 16 | E4M3_OF_MAG[7] << 24
-SEVEN = 0x7F7F7F7F
+NEG = 0x80808080          # the sign prmt's pool: 0x80 selected as is, 0xFF sign-replicated
 MAG_MASK = 0x7777
 SIGN_BITS = 0x80808080
 CONV_WARP0 = 1            # converter warps: 1, 2, 3 of the producer warpgroup (0 issues TMA)
@@ -65,8 +66,8 @@ def convert_word_ref(w: int) -> tuple[int, int]:
     out = []
     for h in (w & 0xFFFFFFFF, (w & 0xFFFFFFFF) >> 16):
         mag = prmt_ref(T_LO, T_HI, h & MAG_MASK)
-        pos = prmt_ref(SEVEN, SEVEN, h)
-        out.append(mag | (~pos & SIGN_BITS))
+        neg = prmt_ref(NEG, NEG, h)
+        out.append(mag | ((neg << 7) & SIGN_BITS))
     return out[0], out[1]
 
 

@@ -9,7 +9,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .linear_sm90_fp8_convert import MAG_MASK, SEVEN, SIGN_BITS, T_HI, T_LO
+from .linear_sm90_fp8_convert import MAG_MASK, NEG, SIGN_BITS, T_HI, T_LO
 
 __all__ = ["WATCHDOG_NS", "wait_parity", "fp4x8_to_e4m3"]
 
@@ -41,7 +41,7 @@ def wait_parity(mbar, parity, *, loc=None, ip=None) -> None:
 
 def _half(src: str, dst: str) -> str:
     return (f" and.b32 s, {src}, {MAG_MASK:#x};\n prmt.b32 a, tl, th, s;\n"
-            f" prmt.b32 b, sv, sv, {src};\n not.b32 b, b;\n and.b32 b, b, {SIGN_BITS:#x};\n"
+            f" prmt.b32 b, sv, sv, {src};\n shl.b32 b, b, 7;\n and.b32 b, b, {SIGN_BITS:#x};\n"
             f" or.b32 {dst}, a, b;\n")
 
 
@@ -52,7 +52,7 @@ def fp4x8_to_e4m3(w, *, loc=None, ip=None) -> tuple:
     st = llvm.inline_asm(
         ir.Type.parse("!llvm.struct<(i32,i32)>"), [Uint32(w).ir_value(loc=loc, ip=ip)],
         "{\n .reg .b32 tl, th, sv, h, s, a, b;\n"
-        f" mov.b32 tl, {T_LO:#x};\n mov.b32 th, {T_HI:#x};\n mov.b32 sv, {SEVEN:#x};\n"
+        f" mov.b32 tl, {T_LO:#x};\n mov.b32 th, {T_HI:#x};\n mov.b32 sv, {NEG:#x};\n"
         + _half("$2", "$0") + " shr.u32 h, $2, 16;\n" + _half("h", "$1") + "}",
         "=&r,=&r,r", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
