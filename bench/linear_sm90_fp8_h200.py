@@ -15,8 +15,10 @@ included):
    - cuBLAS FP8: torch._scaled_mm on PRE-quantized E4M3 operands (per-tensor scales): the
      GEMM alone, like ours;
    - linear_sm90_fp8: each variant of --variants (default VARIANTS) valid for the shape, the
-     GEMM alone on pre-built operands (E4M3 codes + group scales: no device quantizer writes
-     them yet), each checked first.
+     GEMM alone on pre-built operands (activations: E4M3 codes + group scales, no device
+     quantizer writes them yet; weights: E4M3 codes for wload e4m3, packed E2M1 + block
+     scales for wload fp4, converted in the kernel), each checked first. The row's best
+     per weight load is recorded too (best_by_wload).
    Timing: resgen.search.timing.measure, policy cold-l2-graph (CUDA graph, input sets rotated
    past 2x L2). Ratios: bf16_us / ours and fp8_us / ours (> 1: ours faster).
 The issue's targets: faster than cuBLAS FP8 at M = 128, >= 1.5x cuBLAS BF16 at M = 256..2048.
@@ -40,26 +42,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from resgen.search.linear_sm90_fp8 import (FAMILY, LinearSm90Fp8Variant,  # noqa: E402
-                                           Raster, compile_once)
+                                           Raster, WLoad, compile_once)
 from resgen.search.timing import DEFAULT_POLICY, CallableRunner, measure  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 ARCH = "sm_90a"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288)}
-# (consumers, bn, stages, group, parts, raster)
-VARIANTS = [(2, 128, 4, 1, 2, "tok"), (2, 128, 4, 2, 2, "tok"), (2, 128, 4, 4, 2, "tok"),
-            (2, 128, 6, 4, 2, "tok"), (2, 128, 4, 4, 2, "ch"), (1, 128, 4, 4, 2, "tok"),
-            (2, 192, 4, 4, 1, "tok"), (2, 64, 6, 4, 2, "tok")]
+# (consumers, bn, stages, group, parts, raster, wload); the fp4 pair is compiled by the GPU
+# test file too (shared compiles)
+VARIANTS = [(2, 128, 4, 1, 2, "tok", "e4m3"), (2, 128, 4, 2, 2, "tok", "e4m3"),
+            (2, 128, 4, 4, 2, "tok", "e4m3"), (1, 128, 4, 4, 2, "tok", "e4m3"),
+            (2, 192, 4, 4, 1, "tok", "e4m3"), (2, 64, 6, 4, 2, "tok", "e4m3"),
+            (2, 128, 4, 1, 2, "tok", "fp4"), (1, 128, 4, 1, 2, "tok", "fp4")]
 
 
 def parse_variant(s: str) -> LinearSm90Fp8Variant:
-    """'c,bn,stages,group,parts,raster' -> a variant."""
+    """'c,bn,stages,group,parts,raster[,wload]' -> a variant (wload default e4m3)."""
     f = s.split(",")
-    if len(f) != 6:
-        raise argparse.ArgumentTypeError(f"variant {s!r}: c,bn,stages,group,parts,raster")
+    if len(f) not in (6, 7):
+        raise argparse.ArgumentTypeError(
+            f"variant {s!r}: c,bn,stages,group,parts,raster[,wload]")
     return LinearSm90Fp8Variant(int(f[0]), int(f[1]), int(f[2]), int(f[3]), int(f[4]),
-                                Raster(f[5]))
+                                Raster(f[5]), WLoad(f[6] if len(f) == 7 else "e4m3"))
 
 
 def order_m(ms: list[int]) -> list[int]:
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", default="64,128,256,2048")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--variants", type=parse_variant, nargs="*", default=None,
-                    help="c,bn,stages,group,parts,raster (default: VARIANTS)")
+                    help="c,bn,stages,group,parts,raster[,wload] (default: VARIANTS)")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/resgen-out"))
@@ -176,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                         r = FAMILY.runner(compile_once(v, ARCH).compiled, v, p, "cuda",
                                           n_sets=sets, seed=m)
                         chk = r.check()
-                        ent: dict = {"ok": chk.ok, "rel_err": chk.rel_err}
+                        ent: dict = {"ok": chk.ok, "rel_err": chk.rel_err,
+                                     "wload": v.wload.value}
                         if chk.ok:
                             tv = measure(r, DEFAULT_POLICY, sets)
                             ent.update(us=tv.median_us, mode=tv.mode, note=tv.note)
@@ -195,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                     row["tflops"] = 2 * m * n * k / timed[best] / 1e6
                     row["vs_bf16"] = row["bf16_us"] / timed[best]
                     row["vs_fp8"] = row["fp8_us"] / timed[best]
+                    by: dict = {}
+                    for k2, us in timed.items():
+                        wl = row["variants"][k2]["wload"]
+                        if wl not in by or us < by[wl][1]:
+                            by[wl] = (k2, us)
+                    row["best_by_wload"] = {wl: {"variant": k2, "us": us}
+                                            for wl, (k2, us) in by.items()}
                 report["rows"].append(row)
                 save()
                 print(f"{name:8s} m={m:5d} bf16 {row['bf16_us']:8.1f} fp8 {row['fp8_us']:8.1f} "
@@ -206,11 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, RuntimeError) as e:     # a CUDA error poisons the context
         report["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
     save()
-    print("\nshape     M      bf16 us   fp8 us   ours us   x bf16   x fp8   best")
+    print("\nshape     M      bf16 us   fp8 us   ours us   x bf16   x fp8   e4m3 us   fp4 us"
+          "   best")
     for r in report["rows"]:
         if "best_us" in r:
+            bw = {wl: e["us"] for wl, e in r.get("best_by_wload", {}).items()}
             print(f"{r['shape']:8s} {r['m']:5d} {r['bf16_us']:9.1f} {r['fp8_us']:8.1f} "
-                  f"{r['best_us']:9.1f} {r['vs_bf16']:8.2f} {r['vs_fp8']:7.2f}   {r['best']}")
+                  f"{r['best_us']:9.1f} {r['vs_bf16']:8.2f} {r['vs_fp8']:7.2f} "
+                  f"{bw.get('e4m3', float('nan')):9.1f} {bw.get('fp4', float('nan')):8.1f}   "
+                  f"{r['best']}")
         else:
             print(f"{r['shape']:8s} {r['m']:5d} {r['bf16_us']:9.1f} {r['fp8_us']:8.1f}   "
                   "no variant passed")

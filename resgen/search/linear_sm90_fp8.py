@@ -47,8 +47,8 @@ from .family import CheckResult, KernelFamilyBase, register
 from .sm90_linear import TOLERANCE, compare, random_layer
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
-__all__ = ["Raster", "WLoad", "LinearSm90Fp8Variant", "LinearSm90Fp8Family", "FAMILY", "geometry_of",
-           "enabled", "compile_once", "Fp8Runner", "Fp8Binding"]
+__all__ = ["Raster", "WLoad", "LinearSm90Fp8Variant", "LinearSm90Fp8Family", "FAMILY",
+           "geometry_of", "enabled", "compile_once", "Fp8Runner", "Fp8Binding"]
 
 NAME = "linear_sm90_fp8"
 _SMEM_MAX = 227 * 1024
@@ -181,8 +181,8 @@ class LinearSm90Fp8Family(KernelFamilyBase):
 
     def space(self, problem: LinearProblem, arch: str) -> Sequence[LinearSm90Fp8Variant]:
         """Every valid candidate in a fixed order: tiles (consumers, bn), E4M3 weights at
-        groups 1 / 2 / 4 then FP4 weights (group 1), parts 2 / 1, 4 / 6 / 3 stages, both rasters. Empty when the family is not opted in
-        (or cannot run the problem)."""
+        groups 1 / 2 / 4 then FP4 weights (group 1), parts 2 / 1, 4 / 6 / 3 stages, both
+        rasters. Empty when the family is not opted in (or cannot run the problem)."""
         out: list[LinearSm90Fp8Variant] = []
         if self.problem_invalid(problem) is not None:
             return out
