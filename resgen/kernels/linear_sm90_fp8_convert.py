@@ -34,7 +34,7 @@ their own table) and a shift operand in HBM; not built (docs/linear_sm90_fp8.md)
 from __future__ import annotations
 
 __all__ = ["E4M3_OF_MAG", "T_LO", "T_HI", "NEG", "MAG_MASK", "SIGN_BITS", "CONV_WARP0",
-           "CONV_THREADS", "PACKED_CHUNK", "prmt_ref", "convert_word_ref", "lut16",
+           "CONV_THREADS", "PACKED_CHUNK", "BATCH", "prmt_ref", "convert_word_ref", "lut16",
            "units_per_chunk", "staging_unit_offset", "b_unit_offset"]
 
 E4M3_OF_MAG = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C)   # E2M1 magnitude code 0..7
@@ -46,6 +46,7 @@ SIGN_BITS = 0x80808080
 CONV_WARP0 = 1            # converter warps: 1, 2, 3 of the producer warpgroup (0 issues TMA)
 CONV_THREADS = 96
 PACKED_CHUNK = 64         # packed bytes per channel per chunk (128 K)
+BATCH = 4                 # units whose shared loads a converter thread issues together
 
 
 def prmt_ref(a: int, b: int, c: int) -> int:

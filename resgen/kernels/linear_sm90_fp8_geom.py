@@ -119,6 +119,13 @@ class Fp8Geometry:
         return -(-self.bn * 8 // CONV_THREADS)
 
     @property
+    def conv_full(self) -> int:
+        """Converter iterations in which every one of the CONV_THREADS has a unit."""
+        from .linear_sm90_fp8_convert import CONV_THREADS
+
+        return self.bn * 8 // CONV_THREADS
+
+    @property
     def scale_stage_bytes(self) -> int:
         return 4 * self.gpc * (self.bm + self.bn)
 
