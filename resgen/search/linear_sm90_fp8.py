@@ -15,8 +15,9 @@ The kernel (resgen/templates/linear_sm90_fp8.py.j2): wgmma.m64nNk32.f32.e4m3.e4m
 the wgmma M (64 per consumer warpgroup), channels on its N; both operands E4M3 bytes in
 shared memory (TMA, 128-byte swizzle). E2M1 -> E4M3 for the weights: offline (wload "e4m3":
 1 byte per FP4 value, W4 numerics, W8 storage) or in the kernel (wload "fp4": packed E2M1 in
-HBM, group 1); for the activations per call in torch (Fp8ActivationStage). Promotion: every `group` k32 blocks the tensor core's partial fragment
-is added into the FP32 accumulator times the two group scales (resgen.kernels.
+HBM, group 1); for the activations per call in torch (Fp8ActivationStage). Promotion: every
+`group` k32 blocks the tensor core's partial fragment is added into the FP32 accumulator
+times the two group scales (resgen.kernels.
 linear_sm90_fp8_operand: group 1 = the E8M0 block scales, exact by construction; group 2 / 4 =
 the block scales folded into the codes within E4M3's exact range, refused where a group spans
 more than 14 binades).

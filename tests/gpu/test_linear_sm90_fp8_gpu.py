@@ -119,6 +119,8 @@ def _qwen_variants():
 def test_qwen3_8b_shapes(n, k, m):
     p = LinearProblem("mxfp4", "none", m, n, k)
     for v in _qwen_variants():
+        if v.wload.value == "fp4" and m > 256:
+            continue            # the FP4 load matters where HBM bounds; saves device time
         out = check_variant(v, p, seed=m)
         print(f"{v.name()} {n}x{k} m={m}: rel {out['rel_err']:.2e}, "
               f"emulation mismatch {out['sim_mismatch']:.2e}")
