@@ -3,12 +3,15 @@ section 3) on Qwen3-8B's four projections, in one process (about 4-6 minutes, co
 included):
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
-        timeout -k 10 -s INT 590 python3 bench/linear_sm90_fp8_h200.py     # JSON to $OUT
+        timeout -k 10 -s INT 570 python3 bench/linear_sm90_fp8_h200.py --budget-s 300
 
-1. Correctness: tests/gpu/test_linear_sm90_fp8_gpu.py run in-process by pytest (its compiles
-   are shared with the timing: resgen.search.linear_sm90_fp8.compile_once). `--no-tests`
-   skips it; a failed test file does not stop the timing, but every timed variant is checked
-   again here (reference, NaN-poisoned output) and skipped when it fails.
+Two phases (PHASES), E4M3 weight load first, then FP4 (so a broken FP4 kernel cannot take
+the E4M3 results with it), each:
+1. Correctness: tests/gpu/test_linear_sm90_fp8_gpu.py's part for that load (`-k "not fp4"` /
+   `-k fp4`) run in-process by pytest (its compiles are shared with the timing:
+   resgen.search.linear_sm90_fp8.compile_once). `--no-tests` skips it; a failed test does
+   not stop the timing, but every timed variant is checked again here (reference,
+   NaN-poisoned output) and skipped when it fails.
 2. Per shape (qkv 6144x4096, o 4096x4096, gate/up 24576x4096, down 4096x12288) and M
    (--m, default 64, 128, 256, 2048; 2048 and 128 first):
    - cuBLAS BF16: torch.matmul on bf16 operands;
@@ -22,8 +25,9 @@ included):
    Timing: resgen.search.timing.measure, policy cold-l2-graph (CUDA graph, input sets rotated
    past 2x L2). Ratios: bf16_us / ours and fp8_us / ours (> 1: ours faster).
 The issue's targets: faster than cuBLAS FP8 at M = 128, >= 1.5x cuBLAS BF16 at M = 256..2048.
---budget-s caps the timing part (default 420 s); SIGINT or a CUDA error ends the run with what
-it has. Writes $OUT/linear_sm90_fp8_h200.json (+ _pytest.xml) and prints a table last.
+--budget-s caps the timing (default 420 s, tests and compiles not counted: 60 % for the E4M3
+phase, the rest and what it left for FP4); SIGINT or a CUDA error ends the run with what it
+has. Writes $OUT/linear_sm90_fp8_h200.json (+ _pytest_<wload>.xml), prints a table last.
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ def parse_variant(s: str) -> LinearSm90Fp8Variant:
                                 Raster(f[5]), WLoad(f[6] if len(f) == 7 else "e4m3"))
 
 
-def order_m(ms: list[int]) -> list[int]:
-    """The targets first: 2048 (prefill) and 128 (the FP8 crossover), then the rest."""
-    first = [m for m in (2048, 128) if m in ms]
+def order_m(ms: list[int], first_m: tuple[int, ...] = (2048, 128)) -> list[int]:
+    """first_m first (default the targets: 2048 prefill, 128 the FP8 crossover), then the
+    rest in the given order."""
+    first = [m for m in first_m if m in ms]
     return first + [m for m in ms if m not in first]
 
 
@@ -102,6 +107,12 @@ def _sets(nbytes: int) -> int:
     return DEFAULT_POLICY.sets_for(nbytes)
 
 
+# (weight load, pytest -k selection of the GPU test file, share of --budget-s, M order);
+# e4m3 first: a broken FP4 kernel (a trap poisons the CUDA context) cannot take the E4M3
+# results with it; the FP4 load's M where HBM bounds first
+PHASES = [("e4m3", "not fp4", 0.6, (2048, 128)), ("fp4", "fp4", 0.4, (128, 64))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", default="64,128,256,2048")
@@ -124,25 +135,62 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     variants = args.variants or [parse_variant(",".join(map(str, v))) for v in VARIANTS]
-    ms = order_m([int(x) for x in args.m.split(",")])
+    ms = [int(x) for x in args.m.split(",")]
     shapes = [s for s in args.shapes.split(",")]
     report: dict = {"run": run_record(__file__, argv, policy=DEFAULT_POLICY),
                     "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                    else None, "tests": None, "compiles": {}, "rows": [], "errors": []}
+                    else None, "tests": {}, "compiles": {}, "rows": [], "errors": []}
     path = out_dir / "linear_sm90_fp8_h200.json"
+    rows: dict[tuple[str, int], dict] = {}
 
     def save() -> None:
+        report["rows"] = list(rows.values())
         path.write_text(json.dumps(report, indent=1))
 
-    if not args.no_tests:
-        from gpu_pytest import run_test_file
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    timing_s = 0.0                  # seconds spent timing (tests and compiles not counted)
+    try:
+        for wload, select, share, first_m in PHASES:
+            phase = [v for v in variants if v.wload.value == wload]
+            if not phase:
+                continue
+            if not args.no_tests:
+                run_tests(report, out_dir, wload, select)
+                save()
+            compile_all(report, phase)
+            save()
+            budget = timing_s + share * args.budget_s if wload == "e4m3" else args.budget_s
+            todo = [(m, name) for m in order_m(ms, first_m) for name in shapes]
+            for i, (m, name) in enumerate(todo):
+                if timing_s > budget:
+                    report["errors"].append(f"{wload}: budget reached before {name} m={m} "
+                                            f"({len(todo) - i} rows left)")
+                    break
+                t = time.time()
+                time_row(rows, report, name, m, phase, gen)
+                timing_s += time.time() - t
+                save()
+    except (KeyboardInterrupt, RuntimeError) as e:     # a CUDA error poisons the context
+        report["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+    save()
+    print_table(report["rows"])
+    print(f"wrote {path}")
+    return 0 if not report["errors"] else 1
 
-        test = Path(__file__).resolve().parent.parent / "tests/gpu/test_linear_sm90_fp8_gpu.py"
-        report["tests"] = run_test_file(test, out_dir / "linear_sm90_fp8_pytest.xml", ["-s"])
-        print(f"gpu tests: exit {report['tests']['exit_code']}, "
-              f"{report['tests']['passed']} passed, {report['tests']['failed']} failed",
-              flush=True)
-        save()
+
+def run_tests(report: dict, out_dir: Path, wload: str, select: str) -> None:
+    """The GPU test file's `-k select` part in this process (compiles shared)."""
+    from gpu_pytest import run_test_file
+
+    test = Path(__file__).resolve().parent.parent / "tests/gpu/test_linear_sm90_fp8_gpu.py"
+    res = run_test_file(test, out_dir / f"linear_sm90_fp8_pytest_{wload}.xml",
+                        ["-s", "-k", select])
+    report["tests"][wload] = res
+    print(f"gpu tests ({wload}): exit {res['exit_code']}, {res['passed']} passed, "
+          f"{res['failed']} failed", flush=True)
+
+
+def compile_all(report: dict, variants: list[LinearSm90Fp8Variant]) -> None:
     for v in variants:
         t = time.time()
         try:
@@ -153,75 +201,65 @@ def main(argv: list[str] | None = None) -> int:
                                             "error": None if res.ok else str(res.error)[-500:]}
         except Exception as e:          # recorded, the variant skipped
             report["compiles"][v.name()] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    save()
-    start = time.time()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    try:
-        for m in ms:
-            for name in shapes:
-                n, k = SHAPES[name]
-                if time.time() - start > args.budget_s:
-                    report["errors"].append(f"budget reached before {name} m={m}")
-                    raise StopIteration
-                row: dict = {"shape": name, "n": n, "k": k, "m": m, "variants": {}}
-                nb = _sets(2 * (m * k + n * k + m * n))
-                tb = measure(bf16_runner(m, n, k, nb, gen), DEFAULT_POLICY, nb)
-                row["bf16_us"], row["bf16_mode"] = tb.median_us, tb.mode
-                nf = _sets(m * k + n * k + 2 * m * n)
-                tf = measure(fp8_runner(m, n, k, nf, gen), DEFAULT_POLICY, nf)
-                row["fp8_us"], row["fp8_mode"] = tf.median_us, tf.mode
-                p = LinearProblem("mxfp4", "none", m, n, k)
-                for v in variants:
-                    c = report["compiles"].get(v.name(), {})
-                    why = FAMILY.why_invalid(v, p, ARCH)
-                    if why is not None or not c.get("ok"):
-                        continue
-                    try:
-                        sets = _sets(FAMILY.working_set_bytes(v, p))
-                        r = FAMILY.runner(compile_once(v, ARCH).compiled, v, p, "cuda",
-                                          n_sets=sets, seed=m)
-                        chk = r.check()
-                        ent: dict = {"ok": chk.ok, "rel_err": chk.rel_err,
-                                     "wload": v.wload.value}
-                        if chk.ok:
-                            tv = measure(r, DEFAULT_POLICY, sets)
-                            ent.update(us=tv.median_us, mode=tv.mode, note=tv.note)
-                        row["variants"][v.name()] = ent
-                        del r
-                    except Exception as e:
-                        row["variants"][v.name()] = {"ok": False,
-                                                     "error": f"{type(e).__name__}: {e}"}
-                        if "CUDA" in str(e):
-                            raise
-                timed = {k2: e["us"] for k2, e in row["variants"].items() if "us" in e}
-                if timed:
-                    best = min(timed, key=lambda k2: timed[k2])
-                    row["best"] = best
-                    row["best_us"] = timed[best]
-                    row["tflops"] = 2 * m * n * k / timed[best] / 1e6
-                    row["vs_bf16"] = row["bf16_us"] / timed[best]
-                    row["vs_fp8"] = row["fp8_us"] / timed[best]
-                    by: dict = {}
-                    for k2, us in timed.items():
-                        wl = row["variants"][k2]["wload"]
-                        if wl not in by or us < by[wl][1]:
-                            by[wl] = (k2, us)
-                    row["best_by_wload"] = {wl: {"variant": k2, "us": us}
-                                            for wl, (k2, us) in by.items()}
-                report["rows"].append(row)
-                save()
-                print(f"{name:8s} m={m:5d} bf16 {row['bf16_us']:8.1f} fp8 {row['fp8_us']:8.1f} "
-                      f"ours {row.get('best_us', float('nan')):8.1f} us "
-                      f"({row.get('best', '-')})", flush=True)
-                torch.cuda.empty_cache()
-    except StopIteration:
-        pass
-    except (KeyboardInterrupt, RuntimeError) as e:     # a CUDA error poisons the context
-        report["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
-    save()
+
+
+def time_row(rows: dict, report: dict, name: str, m: int,
+             variants: list[LinearSm90Fp8Variant], gen: torch.Generator) -> None:
+    """Time `variants` (checked first) on shape `name` at M = m into rows[(name, m)]; the
+    cuBLAS baselines once per row."""
+    n, k = SHAPES[name]
+    row = rows.get((name, m))
+    if row is None:
+        row = {"shape": name, "n": n, "k": k, "m": m, "variants": {}}
+        nb = _sets(2 * (m * k + n * k + m * n))
+        tb = measure(bf16_runner(m, n, k, nb, gen), DEFAULT_POLICY, nb)
+        row["bf16_us"], row["bf16_mode"] = tb.median_us, tb.mode
+        nf = _sets(m * k + n * k + 2 * m * n)
+        tf = measure(fp8_runner(m, n, k, nf, gen), DEFAULT_POLICY, nf)
+        row["fp8_us"], row["fp8_mode"] = tf.median_us, tf.mode
+        rows[(name, m)] = row
+    p = LinearProblem("mxfp4", "none", m, n, k)
+    for v in variants:
+        c = report["compiles"].get(v.name(), {})
+        if FAMILY.why_invalid(v, p, ARCH) is not None or not c.get("ok"):
+            continue
+        try:
+            sets = _sets(FAMILY.working_set_bytes(v, p))
+            r = FAMILY.runner(compile_once(v, ARCH).compiled, v, p, "cuda", n_sets=sets,
+                              seed=m)
+            chk = r.check()
+            ent: dict = {"ok": chk.ok, "rel_err": chk.rel_err, "wload": v.wload.value}
+            if chk.ok:
+                tv = measure(r, DEFAULT_POLICY, sets)
+                ent.update(us=tv.median_us, mode=tv.mode, note=tv.note)
+            row["variants"][v.name()] = ent
+            del r
+        except Exception as e:
+            row["variants"][v.name()] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                         "wload": v.wload.value}
+            if "CUDA" in str(e):
+                raise
+    timed = {k2: e["us"] for k2, e in row["variants"].items() if "us" in e}
+    if timed:
+        best = min(timed, key=lambda k2: timed[k2])
+        row.update(best=best, best_us=timed[best], tflops=2 * m * n * k / timed[best] / 1e6,
+                   vs_bf16=row["bf16_us"] / timed[best], vs_fp8=row["fp8_us"] / timed[best])
+        by: dict = {}
+        for k2, us in timed.items():
+            wl = row["variants"][k2]["wload"]
+            if wl not in by or us < by[wl]["us"]:
+                by[wl] = {"variant": k2, "us": us}
+        row["best_by_wload"] = by
+    print(f"{name:8s} m={m:5d} bf16 {row['bf16_us']:8.1f} fp8 {row['fp8_us']:8.1f} "
+          f"ours {row.get('best_us', float('nan')):8.1f} us ({row.get('best', '-')})",
+          flush=True)
+    torch.cuda.empty_cache()
+
+
+def print_table(rows: list[dict]) -> None:
     print("\nshape     M      bf16 us   fp8 us   ours us   x bf16   x fp8   e4m3 us   fp4 us"
           "   best")
-    for r in report["rows"]:
+    for r in rows:
         if "best_us" in r:
             bw = {wl: e["us"] for wl, e in r.get("best_by_wload", {}).items()}
             print(f"{r['shape']:8s} {r['m']:5d} {r['bf16_us']:9.1f} {r['fp8_us']:8.1f} "
@@ -231,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{r['shape']:8s} {r['m']:5d} {r['bf16_us']:9.1f} {r['fp8_us']:8.1f}   "
                   "no variant passed")
-    print(f"wrote {path}")
-    return 0 if not report["errors"] else 1
 
 
 if __name__ == "__main__":
