@@ -205,6 +205,27 @@ def test_the_converter_maps_every_e2m1_code_to_its_e4m3_byte_in_every_nibble():
                 assert got == [want[c] for c in nib], (code, pos, hex(w))
 
 
+def test_the_scale_converter_maps_every_e8m0_byte_to_its_float32_power_of_two():
+    """Bytes 0..254 (255 is E8M0's NaN, refused by the operand) at every byte position: the
+    float32 bits are pow2_f32(b - 127)'s, 2^-127 (subnormal) for b = 0 included; and the
+    converter's items cover a chunk's gpc x bn scales once (bn 16 .. 256)."""
+    b = torch.arange(255, dtype=torch.int32)
+    want = O.pow2_f32(b - 127).view(torch.int32).tolist()
+    assert want[0] == CV.E8M0_ZERO_BITS
+    for pos in range(4):
+        for v in range(255):
+            w = (v << (8 * pos)) | (0x7E << (8 * ((pos + 1) % 4)))
+            got = CV.e8m0_word_ref(w)
+            assert got[pos] == want[v], (pos, v)
+            assert got[(pos + 1) % 4] == want[0x7E]
+    for bn in (16, 64, 128, 192, 256):
+        g = Fp8Geometry(bn=bn, wload="fp4")
+        items = CV.scale_items_per_chunk(bn, g.gpc)
+        hit = [ct + it * CV.CONV_THREADS for ct in range(CV.CONV_THREADS)
+               for it in range(g.scale_iters) if ct + it * CV.CONV_THREADS < items]
+        assert sorted(hit) == list(range(items)) and 4 * items == g.gpc * bn
+
+
 def _probe_b_layout(bn: int, stages: int) -> dict:
     """CuTe DSL's offset (bytes) of every (channel, k, stage) of this family's B buffer
     (make_smem_layout_b: K-major E4M3, 128-byte swizzle), as the wgmma descriptor reads it."""
@@ -274,6 +295,9 @@ def test_fp4_operand_expands_to_the_group1_e4m3_operand():
     q = _mx(37, 320, seed=4)
     op = O.fp4_operand(q, 512)
     assert op.packed.shape == (48, 256) and op.scales.shape == (16, 48) and op.kp == 512
+    assert op.scales.dtype == torch.uint8
+    assert torch.equal(op.scales[:10, :37], q.scales.t())           # the E8M0 bytes as they are
+    assert not bool(op.scales[10:].any()) and not bool(op.scales[:, 37:].any())
     assert torch.equal(op.packed[:37, :160], q.codes)
     assert not bool(op.packed[37:].any()) and not bool(op.packed[:, 160:].any())
     ref = O.fold_operand(q, 1, 512)
@@ -293,7 +317,8 @@ def test_fp4_load_is_group_1_only():
     g = Fp8Geometry(bn=128, stages=4, wload="fp4")
     g.check()
     assert g.b_stage_bytes == 128 * 64
-    assert g.smem_bytes == Fp8Geometry(bn=128, stages=4).smem_bytes + 4 * 128 * 64
+    assert g.scale_stage_bytes == 4 * 4 * 128 + 4 * 128           # E8M0 weight scales
+    assert g.smem_bytes == Fp8Geometry(bn=128, stages=4).smem_bytes + 4 * (128 * 64 + 4 * 128)
 
 
 # ----------------------------------------------------------------------------- emulation
@@ -465,7 +490,8 @@ def test_compiles_for_sm90a(p, v, tmp_path, opted_in):
         # the converter: 4 prmt per word, 2 words per v2 load, one v4 store per unit, the
         # proxy fence before the converted-barrier arrival
         assert ptx.count("prmt.b32") == 8 * g.conv_iters
-        assert ptx.count("st.shared.v4") == g.conv_iters
+        assert ptx.count("st.shared.v4") == g.conv_iters + g.scale_iters
+        assert ptx.count("bfe.u32") == 4 * g.scale_iters           # E8M0 -> float32
         assert ptx.count("fence.proxy.async.shared::cta") == 1
     else:
         assert "prmt.b32" not in ptx and "fence.proxy.async" not in ptx

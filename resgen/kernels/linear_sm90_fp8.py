@@ -45,9 +45,10 @@ def check_launch(geom: Fp8Geometry, w: Fp8Operand | Fp4Operand, x: Fp8Operand, m
         codes = op.packed if isinstance(op, Fp4Operand) else op.codes
         if codes.dtype != torch.uint8 or not codes.is_contiguous():
             raise TypeError(f"{name} codes must be contiguous uint8 E4M3 bytes")
-        if op.scales.dtype != torch.float32 or not op.scales.is_contiguous() or \
+        sdt = torch.uint8 if isinstance(op, Fp4Operand) else torch.float32
+        if op.scales.dtype != sdt or not op.scales.is_contiguous() or \
                 tuple(op.scales.shape) != (op.kp // (32 * op.group), op.rows_pad):
-            raise TypeError(f"{name} scales must be contiguous float32 "
+            raise TypeError(f"{name} scales must be contiguous {sdt} "
                             f"[{op.kp // (32 * op.group)}, {op.rows_pad}]")
     if x.rows_pad % 4:
         raise ValueError(f"activation rows padded to {x.rows_pad}: a multiple of 4 (TMA)")

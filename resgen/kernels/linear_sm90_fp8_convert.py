@@ -24,6 +24,11 @@ negative one: bit 0 of each byte is the sign, shifted to bit 7 (the word shift's
 the next byte is masked) and merged by one LOP3. 11 integer ops per 8 weights plus the shared
 load / store; code 8 (-0) becomes 0x80 (-0).
 
+The block scales arrive as E8M0 bytes (Kp / 32 x N, 1 byte per 32 weights) into a second
+staging buffer; the same warps expand them to the float32 2^(b - 127) the promotion reads, 4
+per step (b << 23, or 0x00400000 = 2^-127 for b = 0; b = 255, NaN in E8M0, never reaches the
+kernel: the operand refuses it).
+
 Only promotion group 1 loads FP4: the codes go to the tensor core unscaled and the E8M0 block
 scale is applied at promotion, as for wload = "e4m3" group 1. Folding (groups 2 / 4) during
 conversion would need a per-(channel, block) exponent shift of the table (T + 8 d per byte,
@@ -35,7 +40,8 @@ from __future__ import annotations
 
 __all__ = ["E4M3_OF_MAG", "T_LO", "T_HI", "NEG", "MAG_MASK", "SIGN_BITS", "CONV_WARP0",
            "CONV_THREADS", "PACKED_CHUNK", "BATCH", "prmt_ref", "convert_word_ref", "lut16",
-           "units_per_chunk", "staging_unit_offset", "b_unit_offset"]
+           "units_per_chunk", "staging_unit_offset", "b_unit_offset", "E8M0_ZERO_BITS",
+           "e8m0_word_ref", "scale_items_per_chunk"]
 
 E4M3_OF_MAG = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C)   # E2M1 magnitude code 0..7
 T_LO = E4M3_OF_MAG[0] | E4M3_OF_MAG[1] << 8 | E4M3_OF_MAG[2] << 16 | E4M3_OF_MAG[3] << 24
@@ -75,6 +81,24 @@ def convert_word_ref(w: int) -> tuple[int, int]:
 def lut16() -> list[int]:
     """E4M3 byte of every E2M1 code 0..15, read off convert_word_ref (code in nibble 0)."""
     return [convert_word_ref(c)[0] & 0xFF for c in range(16)]
+
+
+E8M0_ZERO_BITS = 0x00400000      # float32 2^-127 (subnormal): E8M0 byte 0
+
+
+def e8m0_word_ref(w: int) -> tuple[int, int, int, int]:
+    """Four E8M0 bytes (byte j of w) -> the float32 bit patterns of 2^(b - 127), as the
+    kernel's scale converter computes them."""
+    out = []
+    for j in range(4):
+        b = (w >> (8 * j)) & 0xFF
+        out.append(b << 23 if b else E8M0_ZERO_BITS)
+    return out[0], out[1], out[2], out[3]
+
+
+def scale_items_per_chunk(bn: int, gpc: int) -> int:
+    """4-byte E8M0 words of one chunk's weight scales (gpc x bn bytes)."""
+    return gpc * bn // 4
 
 
 def units_per_chunk(bn: int) -> int:

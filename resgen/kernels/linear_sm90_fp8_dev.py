@@ -9,9 +9,10 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .linear_sm90_fp8_convert import MAG_MASK, NEG, SIGN_BITS, T_HI, T_LO
+from .linear_sm90_wgmma_dev import ld_shared_u32
+from .linear_sm90_fp8_convert import E8M0_ZERO_BITS, MAG_MASK, NEG, SIGN_BITS, T_HI, T_LO
 
-__all__ = ["WATCHDOG_NS", "wait_parity", "fp4x8_to_e4m3"]
+__all__ = ["WATCHDOG_NS", "wait_parity", "fp4x8_to_e4m3", "e8m0x4_to_f32", "ld_shared_u32"]
 
 WATCHDOG_NS = 2_000_000_000      # 2 s: every wait in these kernels is over in microseconds
 
@@ -57,3 +58,18 @@ def fp4x8_to_e4m3(w, *, loc=None, ip=None) -> tuple:
         "=&r,=&r,r", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return tuple(Uint32(llvm.extractvalue(T.i32(), st, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def e8m0x4_to_f32(w, *, loc=None, ip=None) -> tuple:
+    """Four E8M0 bytes (byte j of w) -> four float32 bit patterns 2^(b - 127) (as Uint32), as
+    linear_sm90_fp8_convert.e8m0_word_ref."""
+    body = "".join(
+        f" bfe.u32 e, $4, {8 * j}, 8;\n shl.b32 e, e, 23;\n setp.eq.u32 z, e, 0;\n"
+        f" selp.b32 ${j}, {E8M0_ZERO_BITS:#x}, e, z;\n" for j in range(4))
+    st = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(i32,i32,i32,i32)>"), [Uint32(w).ir_value(loc=loc, ip=ip)],
+        "{\n .reg .b32 e;\n .reg .pred z;\n" + body + "}", "=&r,=&r,=&r,=&r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+    return tuple(Uint32(llvm.extractvalue(T.i32(), st, [i], loc=loc, ip=ip)) for i in range(4))

@@ -127,7 +127,16 @@ class Fp8Geometry:
 
     @property
     def scale_stage_bytes(self) -> int:
-        return 4 * self.gpc * (self.bm + self.bn)
+        """Scale bytes TMA brings per stage: float32 for both operands, or (fp4) E8M0 bytes
+        for the weight's."""
+        return 4 * self.gpc * self.bm + (1 if self.fp4 else 4) * self.gpc * self.bn
+
+    @property
+    def scale_iters(self) -> int:
+        """E8M0 words (4 scales) per converter thread per chunk, rounded up (fp4)."""
+        from .linear_sm90_fp8_convert import CONV_THREADS
+
+        return -(-self.gpc * self.bn // 4 // CONV_THREADS)
 
     @property
     def tx_bytes(self) -> int:
@@ -136,7 +145,8 @@ class Fp8Geometry:
 
     @property
     def smem_bytes(self) -> int:
-        conv = self.bn * KC if self.fp4 else 0          # the converted E4M3 B tile
+        # the converted E4M3 B tile and float32 weight scales
+        conv = self.bn * KC + 4 * self.gpc * self.bn if self.fp4 else 0
         return self.stages * (self.tx_bytes + conv) + _BAR_BYTES
 
     @property

@@ -87,7 +87,8 @@ class Fp4Operand:
 
     packed: uint8 [R_pad, Kp / 2] (ModelOpt packing: even element in the low nibble; rows past
             the real R and columns past K / 2 are zero);
-    scales: float32 [Kp / 32, R_pad] the block scales 2^e (E8M0 values), block-major;
+    scales: uint8 [Kp / 32, R_pad] the E8M0 block scale bytes (e + 127; 0 past the real rows
+            and K), block-major;
     rows:   R, the real rows. group is always 1 (the codes are converted unscaled)."""
 
     packed: torch.Tensor
@@ -196,8 +197,9 @@ def _block_exponents(q: QuantizedTensor, rp: int, kp: int) -> torch.Tensor:
 
 
 def fp4_operand(q: QuantizedTensor, kp: int, row_multiple: int = ROW_MULTIPLE) -> Fp4Operand:
-    """MXFP4 q [R, K] -> Fp4Operand (packed [R_pad, kp / 2], scales [kp / 32, R_pad]): the
-    codes as they are (no fold, so never refused), zero-padded; kp a multiple of 32, >= K."""
+    """MXFP4 q [R, K] -> Fp4Operand (packed [R_pad, kp / 2], E8M0 scales [kp / 32, R_pad]):
+    the codes and scale bytes as they are (no fold, so never refused), zero-padded; kp a
+    multiple of 32, >= K."""
     _check_mxfp4(q)
     r, k = q.shape
     if kp < k or kp % K_BLOCK or k % 2:
@@ -205,17 +207,19 @@ def fp4_operand(q: QuantizedTensor, kp: int, row_multiple: int = ROW_MULTIPLE) -
     rp = -(-max(r, 1) // row_multiple) * row_multiple
     packed = torch.zeros(rp, kp // 2, dtype=torch.uint8, device=q.codes.device)
     packed[:r, : k // 2] = q.codes
-    scales = pow2_f32(_block_exponents(q, rp, kp)).t().contiguous()
+    scales = (_block_exponents(q, rp, kp) + 127).to(torch.uint8).t().contiguous()
     return Fp4Operand(packed, scales, r, 1)
 
 
 def expand_fp4(op: Fp4Operand) -> Fp8Operand:
     """The E4M3 operand the kernel's converter builds in shared memory from op: every code
-    through linear_sm90_fp8_convert's bit math (lut16), the same scales. Equal, byte for byte,
-    to fold_operand(q, 1, kp) of the same MXFP4 tensor."""
+    through linear_sm90_fp8_convert's bit math (lut16), the scales as 2^(b - 127) (its
+    e8m0_word_ref, tested equal to pow2_f32). Equal, byte for byte, to fold_operand(q, 1, kp)
+    of the same MXFP4 tensor."""
     lut = torch.tensor(lut16(), dtype=torch.uint8, device=op.packed.device)
     codes = lut[unpack_fp4(op.packed).long()]
-    return Fp8Operand(codes.contiguous(), op.scales, op.rows, 1)
+    scales = pow2_f32(op.scales.to(torch.int32) - 127)
+    return Fp8Operand(codes.contiguous(), scales, op.rows, 1)
 
 
 def nvfp4_fold_exact() -> torch.Tensor:

@@ -246,9 +246,11 @@ class LinearSm90Fp8Family(KernelFamilyBase):
         from cutlass.cute.runtime import make_ptr
 
         gm = cute.AddressSpace.gmem
-        wdt = cutlass.Uint8 if variant.wload == WLoad.FP4 else cutlass.Float8E4M3FN
+        fp4 = variant.wload == WLoad.FP4
+        wdt = cutlass.Uint8 if fp4 else cutlass.Float8E4M3FN
+        sdt = cutlass.Uint8 if fp4 else cutlass.Float32
         return [make_ptr(cutlass.Float8E4M3FN, 0, gm, 16), make_ptr(cutlass.Float32, 0, gm, 16),
-                make_ptr(wdt, 0, gm, 16), make_ptr(cutlass.Float32, 0, gm, 16),
+                make_ptr(wdt, 0, gm, 16), make_ptr(sdt, 0, gm, 16),
                 make_ptr(cutlass.BFloat16, 0, gm, 16), cutlass.Int32(1), cutlass.Int32(16),
                 cutlass.Int32(variant.bn), cutlass.Int32(256), cuda.CUstream(0)]
 
@@ -278,16 +280,17 @@ class LinearSm90Fp8Family(KernelFamilyBase):
         kp = kp_of(problem)
         ng = kp // (32 * variant.group)
         rows = -(-problem.m // 16) * 16
-        wk = kp // 2 if variant.wload == WLoad.FP4 else kp
-        return int(problem.n * (wk + 4 * ng) + rows * (kp + 4 * ng)
+        fp4 = variant.wload == WLoad.FP4
+        wk = kp // 2 if fp4 else kp
+        return int(problem.n * (wk + (1 if fp4 else 4) * ng) + rows * (kp + 4 * ng)
                    + problem.m * problem.n * 2)
 
     def layout(self, qweight: QLinearWeight, group: int, wload: WLoad | str = WLoad.E4M3
                ) -> Any:
         """The weight as the kernel reads it (resgen.kernels.linear_sm90_fp8_operand):
         wload e4m3: an Fp8Operand (fold_operand: E4M3 codes [N, Kp], group scales
-        [Kp / (32 group), N]); fp4 (group 1): an Fp4Operand (packed E2M1 [N, Kp / 2], block
-        scales [Kp / 32, N])."""
+        [Kp / (32 group), N]); fp4 (group 1): an Fp4Operand (packed E2M1 [N, Kp / 2], E8M0 block
+        scale bytes [Kp / 32, N])."""
         from ..kernels.linear_sm90_fp8_operand import fold_operand, fp4_operand, kp_fp8
 
         if qweight.fmt != "mxfp4" or qweight.selection is not None:
