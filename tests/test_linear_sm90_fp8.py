@@ -250,7 +250,7 @@ def _probe_b_layout(bn: int, stages: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("bn, stages", [(64, 2), (48, 1)])
+@pytest.mark.parametrize("bn, stages", [(64, 2), (48, 1), (192, 1)])
 def test_the_converter_writes_every_byte_of_the_swizzled_b_tile_once(bn, stages):
     """The template's converter loop emulated over all 96 threads and every stage: each
     16-byte unit is converted by exactly one (thread, iteration), the bytes it stores land
@@ -264,6 +264,9 @@ def test_the_converter_writes_every_byte_of_the_swizzled_b_tile_once(bn, stages)
     assert staging.shape[1] == bn * CV.PACKED_CHUNK
     tile = [None] * (stages * bn * 128)
     units = CV.units_per_chunk(bn)
+    # the template's unguarded (batched) iterations have a unit for every thread
+    assert (geom.conv_full - 1) * CV.CONV_THREADS + CV.CONV_THREADS - 1 < units
+    assert geom.conv_iters - geom.conv_full in (0, 1)
     done = [0] * units
     for s in range(stages):
         done = [0] * units
