@@ -1,6 +1,7 @@
 """GPU check + timing of linear_sm90_fp8 (MXFP4 W4A4 on Hopper's FP8 tensor cores, issue 20
-section 3) on Qwen3-8B's four projections, in one process (about 4-6 minutes, compiles
-included):
+section 3) on Qwen3-8B's four projections, in one process (estimated 7-9.5 minutes with the
+command below, about 11 compiles included; unmeasured; at the timeout it stops with what it
+has):
 
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
         timeout -k 10 -s INT 570 python3 bench/linear_sm90_fp8_h200.py --budget-s 300
