@@ -7,6 +7,7 @@ RESGEN_TUNED_DIR   the shipped dispatch tables, one per GPU (default: the packag
                    <package>/_tuned, in an installed wheel; <repo>/tuned in a source checkout)
 RESGEN_COORDINATOR the PostgreSQL URL `resgen tune` coordinates through by default (its
                    --coordinator; unset: no coordinator; resgen.search.coordinator)
+RESGEN_EXPERIMENTAL opt-in families
 
 The compile target (`settings().arch`, the default of resgen.ops and the compile-only CLI) is
 this machine's GPU's arch when a CUDA GPU is present (compute capability 9.0 -> sm_90a), else
@@ -67,6 +68,7 @@ class Settings:
     no_gpu_arch: str                 # RESGEN_ARCH, else DEFAULT_ARCH
     tuned_dir: Path = _REPO_TUNED
     coordinator: str | None = None   # RESGEN_COORDINATOR
+    experimental: frozenset[str] = frozenset()
 
     @property
     def user_db(self) -> Path:
@@ -85,7 +87,9 @@ def settings() -> Settings:
     cache = os.environ.get("RESGEN_CACHE_DIR") or str(Path.home() / ".cache" / "resgen")
     db = os.environ.get("RESGEN_DB")
     tuned = os.environ.get("RESGEN_TUNED_DIR")
+    exp = os.environ.get("RESGEN_EXPERIMENTAL", "")
     return Settings(cache_dir=Path(cache), db_path=Path(db) if db else None,
                     no_gpu_arch=os.environ.get("RESGEN_ARCH") or DEFAULT_ARCH,
                     tuned_dir=Path(tuned) if tuned else default_tuned_dir(),
-                    coordinator=os.environ.get("RESGEN_COORDINATOR") or None)
+                    coordinator=os.environ.get("RESGEN_COORDINATOR") or None,
+                    experimental=frozenset(n for n in exp.split(",") if n))
