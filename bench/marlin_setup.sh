@@ -12,8 +12,8 @@
 #      kernel_selector.h is filtered to those configs;
 #   3. marlin.cu's host code (marlin::marlin_mm) and gptq_marlin_repack.cu's kernel are cut out
 #      verbatim (without their torch front ends) and compiled with our binding,
-#      bench/marlin_capi.cu, for sm_90a, cudart linked statically (no torch, no libcudart
-#      dependency: the .so loads next to any torch build);
+#      bench/marlin_capi.cu, for sm_90a (no torch dependency: the .so loads next to any torch
+#      build; it needs libcudart.so.13, which torch cu13 loads first);
 #   4. the result into the ignored folder .peers/marlin/: libmarlin_fp4_sm90a.so and
 #      build.json (vLLM version, nvcc version, configs).
 # Only torch's header-only headers (torch/headeronly, used by vLLM's scalar_type.hpp and
@@ -116,7 +116,10 @@ done
 compile "$ROOT/bench/marlin_capi.cu" "$BUILD/obj/capi.o" & pids+=($!)
 objs+=("$BUILD/obj/capi.o")
 for pid in "${pids[@]}"; do wait "$pid"; done
-"$NVCC" -shared -cudart static -gencode arch=compute_90a,code=sm_90a "${objs[@]}" \
+# cudart: shared (soname libcudart.so.13, which torch cu13 has loaded before the library is
+# opened). A static cudart (or libstdc++) would pull glibc 2.34+ symbol versions
+# (pthread / dl) from this machine's glibc, which the GPU image may not have.
+"$NVCC" -shared -cudart shared -gencode arch=compute_90a,code=sm_90a "${objs[@]}" \
     -o "$OUTDIR/libmarlin_fp4_sm90a.so"
 "$PY" - "$OUTDIR" "$VER" "$NVCC" <<'PYEOF'
 import json, subprocess, sys, hashlib
@@ -124,7 +127,7 @@ from pathlib import Path
 out, ver, nvcc = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 so = out / "libmarlin_fp4_sm90a.so"
 nv = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip()
-json.dump({"vllm": ver, "arch": "sm_90a", "nvcc": nv.splitlines()[-1],
+json.dump({"vllm": ver, "arch": "sm_90a", "nvcc": nv.splitlines()[-1], "cudart": "shared",
            "sha256": hashlib.sha256(so.read_bytes()).hexdigest(),
            "bytes": so.stat().st_size, "capi_version": 1}, open(out / "build.json", "w"),
           indent=1)

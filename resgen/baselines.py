@@ -76,9 +76,10 @@ def cublas_fp8_torch_quant(x: torch.Tensor, w: torch.Tensor) -> Callable[[], tor
 
 def fp8_rowwise_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [R, K] (any float dtype) -> (E4M3 [R, K], float32 scales [R, 1]) with
-    scale = max(amax(|row|) * fp32(1 / 448), 1e-12) and x8 = clamp(x / scale, +-448) (round to nearest
-    even in the cast). The torch reference of the fused kernel, and the quantizer of the
-    weights (per output channel) and of the pre-quantized activations."""
+    scale = max(amax(|row|) * fp32(1 / 448), 1e-12) and x8 = clamp(x / scale, +-448) (IEEE
+    division, round to nearest even in the cast). The torch reference of the fused kernel,
+    and the quantizer of the weights (per output channel) and of the pre-quantized
+    activations."""
     _check_2d_float(x, "fp8_rowwise_quant input")
     xf = x.float()
     scale = (xf.abs().amax(dim=1, keepdim=True) * INV_E4M3_MAX).clamp(min=1e-12)
@@ -180,7 +181,7 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _fp8_rowwise_quant_kernel(x_ptr, y_ptr, s_ptr, K, INV_MAX: tl.constexpr,
                                   BLOCK: tl.constexpr):
-        # One program per row of x [R, K] bf16: amax over the row, scale = max(amax / 448,
+        # One program per row of x [R, K] bf16: amax over the row, scale = max(amax * INV_MAX,
         # 1e-12) into s [R, 1] float32, y = clamp(x / scale, +-448) as E4M3 (fp8_rowwise_quant)
         row = tl.program_id(0).to(tl.int64)
         amax = tl.zeros((BLOCK,), dtype=tl.float32)

@@ -68,7 +68,12 @@ def load() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        raise MarlinUnavailable(f"Marlin library {path} does not load: {e}") from e
+        if "libcudart" not in str(e) or not _preload_cudart():
+            raise MarlinUnavailable(f"Marlin library {path} does not load: {e}") from e
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e2:
+            raise MarlinUnavailable(f"Marlin library {path} does not load: {e2}") from e2
     try:
         ver = lib.marlin_capi_version()
     except AttributeError as e:
@@ -85,6 +90,23 @@ def load() -> ctypes.CDLL:
     lib.marlin_capi_sms.restype = i
     _LIB = lib
     return lib
+
+
+def _preload_cudart() -> bool:
+    """Load libcudart.so.13 globally from the nvidia pip packages torch cu13 uses (the library
+    links it by soname; torch normally has it loaded already). True if one loaded."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for cand in sorted(glob.glob(os.path.join(root, "*", "lib", "libcudart.so.13*"))):
+            try:
+                ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def check_args(x: torch.Tensor, q: QuantizedTensor, fmt: str) -> None:
@@ -152,10 +174,14 @@ def nvfp4_process_global_scale(alpha: torch.Tensor, factor: float) -> torch.Tens
 
 
 def mxfp4_process_scales(s: torch.Tensor) -> torch.Tensor:
-    """Permuted E8M0 scales (as bf16 values, [K / 32, N]) -> float8_e8m0fnu in Marlin's
-    interleave (vLLM mxfp4_marlin_process_scales, 16-bit activations)."""
-    s = s.view(-1, 4)[:, [0, 2, 1, 3]].view(s.size(0), -1)
-    return s.to(torch.float8_e8m0fnu).contiguous()
+    """Permuted E8M0 scales ([K / 32, N], uint8 codes) -> float8_e8m0fnu in Marlin's
+    interleave (vLLM mxfp4_marlin_process_scales, 16-bit activations). vLLM permutes them as
+    bf16 values and casts back to E8M0: the same bytes for every finite E8M0 value (powers of
+    two 2^-127..2^127 are exact in bf16), so the bytes are permuted directly here."""
+    if s.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 scales must be uint8 E8M0 codes, got {s.dtype}")
+    s = s.reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(s.size(0), -1)
+    return s.contiguous().view(torch.float8_e8m0fnu)
 
 
 @dataclass
@@ -205,8 +231,8 @@ def prepare(q: QuantizedTensor) -> MarlinFP4Weight:
         scales, factor = nvfp4_process_scales(s)
         gs: torch.Tensor | None = nvfp4_process_global_scale(q.global_scale, factor)
     else:
-        e8 = q.scales.contiguous().view(torch.float8_e8m0fnu).t().contiguous()
-        scales = mxfp4_process_scales(permute_scales(e8.to(torch.bfloat16), n))
+        codes = q.scales.contiguous().view(torch.uint8).t().contiguous()        # [K / 32, N]
+        scales = mxfp4_process_scales(permute_scales(codes, n))
         gs = None
     locks = torch.zeros(lib.marlin_capi_sms() * LOCKS_PER_SM, dtype=torch.int32, device=dev)
     return MarlinFP4Weight(fmt, n, k, qweight, scales, gs, locks)

@@ -110,14 +110,18 @@ def test_nvfp4_small_scales_are_rescaled_not_zeroed():
     assert torch.equal(_s0e5m3_value(out) / 2 ** 7 / factor, s.float())
 
 
-def test_mxfp4_scales_are_interleaved_e8m0():
-    q = formats.quantize(torch.randn(128, 512), "mxfp4")
-    e8 = q.scales.view(torch.float8_e8m0fnu).t().contiguous()
-    s = BM.permute_scales(e8.to(torch.bfloat16), 128)
-    out = BM.mxfp4_process_scales(s)
+def test_mxfp4_scales_are_the_bytes_of_vllms_bf16_route():
+    q = formats.quantize(torch.randn(128, 512) * torch.logspace(-30, 30, 512), "mxfp4")
+    codes = q.scales.t().contiguous()                                        # [K/32, N]
+    out = BM.mxfp4_process_scales(BM.permute_scales(codes, 128))
     assert out.dtype == torch.float8_e8m0fnu and out.shape == (16, 128)
-    want = s.float().view(-1, 4)[:, [0, 2, 1, 3]].reshape(16, 128)
-    assert torch.equal(out.to(torch.float32), want)
+    # vLLM: view E8M0, to bf16, permute, interleave as values, back to E8M0
+    s = BM.permute_scales(codes.view(torch.float8_e8m0fnu).to(torch.bfloat16), 128)
+    want = s.view(-1, 4)[:, [0, 2, 1, 3]].view(16, -1).to(torch.float8_e8m0fnu)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    assert len(set(codes.flatten().tolist())) > 20              # a wide range of exponents
+    with pytest.raises(ValueError, match="uint8"):
+        BM.mxfp4_process_scales(codes.float())
 
 
 def test_fp8_rowwise_quant_math():
