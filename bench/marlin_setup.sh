@@ -4,8 +4,8 @@
 # Run HERE, on the development machine (it reaches PyPI and has nvcc; no GPU needed):
 #     bash bench/marlin_setup.sh
 # Steps, all outside the project tree except the result:
-#   1. the vLLM sdist (pip download --no-binary, no install) into $MARLIN_PEERS (default
-#      /work/peers), unpacked there (csrc/quantization/marlin/, csrc/core/);
+#   1. the vLLM sdist (pip download --no-binary :all: --no-clean, no install) unpacked into
+#      $MARLIN_PEERS (default /work/peers): csrc/quantization/marlin/, csrc/core/;
 #   2. generate_kernels.py (vLLM's own generator, arch 9.0) into a build folder; its
 #      BF16 x FE2M1f -> BF16 instantiation file (NVFP4 and MXFP4 scales, every thread config
 #      vLLM builds for them) is compiled, split into parts to use both cores, and its
@@ -33,14 +33,27 @@ PY=${PYTHON:-python3}
 
 if [ ! -d "$SRC/csrc/quantization/marlin" ]; then
     mkdir -p "$PEERS/vllm_dl"
-    if ! ls "$PEERS/vllm_dl/vllm-$VER.tar.gz" >/dev/null 2>&1; then
-        # --no-build-isolation --no-deps: only the tarball is wanted; pip's metadata step
-        # may fail afterwards (it needs torch), the tarball is kept either way.
-        "$PY" -m pip download --no-deps --no-binary :all: --no-build-isolation \
-            "vllm==$VER" -d "$PEERS/vllm_dl" || true
+    if [ -f "$PEERS/vllm_dl/vllm-$VER.tar.gz" ]; then
+        tar xzf "$PEERS/vllm_dl/vllm-$VER.tar.gz" -C "$PEERS"
+    else
+        # The source is all that is wanted. pip's metadata step fails here (vLLM's setup
+        # needs a CUDA torch; --no-build-isolation keeps it from installing one first), and
+        # then pip saves no tarball; --no-clean keeps the unpacked tree in its TMPDIR.
+        tmp="$PEERS/piptmp"
+        rm -rf "$tmp" && mkdir -p "$tmp"
+        TMPDIR="$tmp" "$PY" -m pip download --no-deps --no-binary :all: --no-build-isolation \
+            --no-clean "vllm==$VER" -d "$PEERS/vllm_dl" || true
+        if [ -f "$PEERS/vllm_dl/vllm-$VER.tar.gz" ]; then
+            tar xzf "$PEERS/vllm_dl/vllm-$VER.tar.gz" -C "$PEERS"
+        else
+            tree=$(ls -d "$tmp"/pip-download-*/vllm_* | head -1)
+            grep -qx "Version: $VER" "$tree/PKG-INFO"
+            mv "$tree" "$SRC"
+        fi
+        rm -rf "$tmp"
     fi
-    tar xzf "$PEERS/vllm_dl/vllm-$VER.tar.gz" -C "$PEERS"
 fi
+grep -qx "Version: $VER" "$SRC/PKG-INFO"
 MSRC="$SRC/csrc/quantization/marlin"
 TORCH_INC=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 test -f "$TORCH_INC/torch/headeronly/util/Exception.h"

@@ -163,7 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--import", dest="imports", action="append", default=[])
 
     b = sub.add_parser("bench", help="dispatched winners, whole layer, vs torch.matmul BF16, "
-                                     "_scaled_mm FP8, Triton MXFP4 and the HBM floor (GPU)")
+                                     "_scaled_mm FP8 (torch-op quant, pre-quantized, fused "
+                                     "per-token quant), vLLM Marlin W4A16 (if built: "
+                                     "bench/marlin_setup.sh), Triton MXFP4 and the HBM floor "
+                                     "(GPU)")
     b.add_argument("--model", required=True, type=_csv(str))
     b.add_argument("--db", type=Path, default=None)
     b.add_argument("--tp", type=positive_int, default=1)
@@ -889,8 +892,8 @@ def _show_served(args: argparse.Namespace) -> int:
 
 # -- bench -----------------------------------------------------------------------------------------
 def _load_baselines() -> Any:
-    """cuBLAS BF16 / FP8, Triton MXFP4 and the HBM floor (resgen.baselines: package code, so
-    `resgen bench` works from an installed copy)."""
+    """cuBLAS BF16 / FP8 (three forms), Marlin W4A16, Triton MXFP4 and the HBM floor
+    (resgen.baselines: package code, so `resgen bench` works from an installed copy)."""
     from . import baselines
 
     return baselines
