@@ -14,6 +14,10 @@ Stacks (one process, interleaved as far as memory allows; --stacks):
            varlen FlashAttention), the same glue and the same CUDA graphs: baseline (a)
     hf     transformers BF16 with a static cache and torch.compile (generate with
            cache_implementation="static", which compiles the decoding step): baseline (b)
+    X-compiled  engine stack X (comp, plain, w4a16, bf16) with compile="glue": the glue
+           between the kernels through torch.compile (resgen/engine/glue.py), compiled on
+           each batch bucket's first step, before its graph capture (first_step_s includes
+           the compile); the table adds X-compiled / X
 
 Per (batch, context) point: decode tokens/s of the serving loop (graph replay + greedy
 sampling + the next-token copy, as LLM.generate runs it, without the per-step host read) over
@@ -33,6 +37,8 @@ token copy (its step time minus the replay's), as a fraction of the serving step
     python3 bench/engine_speed.py --stacks bf16,hf          # call 2 (~8 min)
         # -> $OUT/engine_speed.json; a table last (ratios across stacks of the same run)
     python3 bench/engine_speed.py --merge a.json b.json     # one table over two runs
+    python3 bench/engine_speed.py --stacks comp,comp-compiled --batches 1,8,64 \
+        --contexts 8192                # compiled glue vs eager glue (~7 min)
 
 --cpu runs the same code on a tiny Qwen3 config with the reference backend (no graphs, no
 compile): what tests/test_engine_bench.py runs.
@@ -62,6 +68,20 @@ ENGINE = {"comp": dict(fmt="nvfp4", compensation="full", kv="nvfp4", attn="resat
           # the Hopper mode (docs/hopper_native.md): FP4 weights, BF16 activations, ResAttn
           "w4a16": dict(fmt="nvfp4", compensation="w4a16", kv="nvfp4", attn="resattn"),
           "bf16": dict(fmt="bf16", kv="bf16")}
+COMPILED = "-compiled"          # suffix: the engine stack with compile="glue"
+
+
+def engine_spec(stack: str) -> dict[str, Any] | None:
+    """resgen.load's options of an engine stack (None: not an engine stack)."""
+    base, comp = (stack[: -len(COMPILED)], "glue") if stack.endswith(COMPILED) else \
+        (stack, "none")
+    if base not in ENGINE:
+        return None
+    return {**ENGINE[base], "compile": comp}
+
+
+def known(stack: str) -> bool:
+    return stack == "hf" or engine_spec(stack) is not None
 
 
 def qwen3_config(name: str = "qwen3-8b") -> dict:
@@ -305,7 +325,9 @@ def build_engine(stack: str, cfg: dict, device: torch.device, max_batch: int,
     weights = RandomWeights(cfg, device)
     calib = [torch.randint(0, cfg["vocab_size"], (256,),
                            generator=torch.Generator().manual_seed(2))]
-    kw = dict(ENGINE[stack])
+    kw = engine_spec(stack)
+    if kw is None:
+        raise ValueError(f"not an engine stack: {stack!r}")
     return resgen.load((cfg, weights), backend=backend, max_batch=max_batch,
                        max_seq_len=max_seq_len, kv_fraction=kv_fraction,
                        calib=calib if kw["fmt"] != "bf16" else None,
@@ -331,9 +353,12 @@ def run_engine_stack(stack: str, cfg: dict, device: torch.device, batches: list[
     """Every point of one resgen-engine stack (comp / plain / w4a16 / bf16)."""
     timer = Timer(device)
     max_ctx = max(contexts) + headroom(steps) + 8
-    rec: dict[str, Any] = {"stack": stack, "points": [], "config": ENGINE[stack]}
+    spec = engine_spec(stack)
+    if spec is None:
+        raise ValueError(f"not an engine stack: {stack!r}")
+    rec: dict[str, Any] = {"stack": stack, "points": [], "config": spec}
     t0 = time.perf_counter()
-    dense_kv = ENGINE[stack]["kv"] != "nvfp4"
+    dense_kv = spec["kv"] != "nvfp4"
     llm = build_engine(stack, cfg, device, 1 if dense_kv else max(batches),
                        max(max_ctx, prefill_len + 8), backend, 0.85)
     rec["load_s"] = time.perf_counter() - t0
@@ -366,6 +391,7 @@ def run_engine_stack(stack: str, cfg: dict, device: torch.device, batches: list[
             rec["points"].append(p)
             log(f"{stack} B={b} ctx={c}: " + (p.get("error") or
                                                f"{p['tok_s']:.1f} tok/s ({p['step_ms']:.3f} ms)"))
+    rec["glue_notes"] = llm.glue_notes
     if device.type == "cuda" and 1 in batches:
         if dense_kv:
             llm.resize_kv(max_batch=1, max_seq_len=min(max_ctx, llm.cfg.max_positions),
@@ -489,8 +515,10 @@ def table(res: dict[str, Any]) -> str:
     was headed "plain/comp" though it held comp / plain); prefill and overhead lines."""
     st = res["stacks"]
     pts = sorted({(p["batch"], p["context"]) for r in st.values() for p in r["points"]})
-    head = ["B", "ctx"] + [s for s in STACKS if s in st] + ["comp/bf16", "comp/hf",
-                                                           "comp/plain", "w4a16/comp"]
+    names = [s for s in STACKS if s in st] + [s for s in st if s not in STACKS]
+    compiled = [s for s in names if s.endswith(COMPILED) and s[: -len(COMPILED)] in st]
+    head = ["B", "ctx"] + names + ["comp/bf16", "comp/hf", "comp/plain", "w4a16/comp"] + \
+        [s.replace(COMPILED, "-c") + "/" + s[: -len(COMPILED)] for s in compiled]
     lines = [" ".join(f"{h:>10s}" for h in head)]
 
     def tok(s: str, b: int, c: int) -> float | None:
@@ -499,15 +527,15 @@ def table(res: dict[str, Any]) -> str:
 
     for b, c in pts:
         row = [str(b), f"{c // 1024}K" if c % 1024 == 0 else str(c)]
-        for s in STACKS:
-            if s not in st:
-                continue
+        for s in names:
             p = _point(st[s], b, c)
             row.append("-" if p is None else ("no fit" if p.get("fits") is False else (
                 "error" if "error" in p else f"{p['tok_s']:.1f}")))
         comp, bf, hf, plain, w16 = (tok(s, b, c) for s in ("comp", "bf16", "hf", "plain",
                                                             "w4a16"))
-        for a, d in ((comp, bf), (comp, hf), (comp, plain), (w16, comp)):
+        pairs = [(comp, bf), (comp, hf), (comp, plain), (w16, comp)] + \
+            [(tok(s, b, c), tok(s[: -len(COMPILED)], b, c)) for s in compiled]
+        for a, d in pairs:
             row.append(f"{a / d:.2f}" if a and d else "-")
         lines.append(" ".join(f"{x:>10s}" for x in row))
     for s, r in st.items():
@@ -525,7 +553,8 @@ def table(res: dict[str, Any]) -> str:
                          f"{100 * ov['overhead_fraction']:.1f}% (glue "
                          f"{100 * ov['glue_fraction']:.1f}%, idle "
                          f"{100 * ov['idle_fraction']:.1f}%, host "
-                         f"{100 * ov['host_fraction']:.1f}%)")
+                         f"{100 * ov['host_fraction']:.1f}%); glue kernels per step "
+                         f"{ov.get('kernels_per_step', {}).get('glue', float('nan')):.0f}")
     return "\n".join(lines)
 
 
@@ -538,6 +567,8 @@ def estimate(stacks: list[str], batches: list[int], contexts: list[int],
             t += 40 + 100 * len(hf_points)
         else:
             t += 60 + 40 + 4 * len(batches) * len(contexts)
+            if s.endswith(COMPILED):        # inductor: the prefill's and each bucket's regions
+                t += 40 + 45 * len(batches)
     return t
 
 
@@ -563,9 +594,10 @@ def main(argv: list[str] | None = None) -> int:
         print(table(res))
         return 0
     stacks = [s for s in args.stacks.split(",") if s]
-    bad = [s for s in stacks if s not in STACKS]
+    bad = [s for s in stacks if not known(s)]
     if bad:
-        print(f"unknown stacks {bad}; known {STACKS}", file=sys.stderr)
+        print(f"unknown stacks {bad}; known {STACKS} and the engine stacks with "
+              f"'{COMPILED}'", file=sys.stderr)
         return 2
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]

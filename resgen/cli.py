@@ -5,7 +5,7 @@
                 [--policy tune|bench] [--search] [--coverage] [--plan]
     resgen show [--db]                      winners as a table
     resgen bench --model qwen3-8b [--db]    winners vs torch.matmul BF16 / _scaled_mm FP8 (GPU)
-    resgen db verify|merge|export           database maintenance
+    resgen db verify|merge|export|refingerprint   database maintenance
     resgen report ... / resgen plan ...     quality report and compensation planner
                                             (resgen.quality.cli)
 
@@ -214,6 +214,30 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fresh-only", action="store_true",
                    help="with --winners: choose among rows tuned with this checkout's "
                         "templates and versions only")
+    r = dsub.add_parser("refingerprint",
+                        help="give rows the new code's fingerprints where the kernel is "
+                             "provably unchanged since --from (resgen/db/refingerprint.py)")
+    r.add_argument("--db", type=Path, required=True,
+                   help="the tuning database (.sqlite, or .sqlite.xz as tuned/ ships it)")
+    r.add_argument("--from", dest="from_rev", required=True, metavar="GIT_REV",
+                   help="the revision the rows were tuned with (git archive REV resgen)")
+    r.add_argument("--repo", type=Path, default=None,
+                   help="the git repository --from names (default: the one holding the "
+                        "running resgen, which is the new side)")
+    r.add_argument("--out", type=Path, default=None,
+                   help="write a new database here (xz when it ends in .xz); default: in place")
+    r.add_argument("--workers", type=positive_int, default=1,
+                   help="child processes per side for renders and compiles (both sides run "
+                        "at once: 2 x N processes; default 1)")
+    r.add_argument("--winners-only", action="store_true",
+                   help="only each workload's winning timed row (as `db export --winners`)")
+    r.add_argument("--family", dest="families", action="append", default=None,
+                   help="only rows of this family (repeatable; a staged migration)")
+    r.add_argument("--check-ptx", choices=["auto", "always", "never"], default="auto",
+                   help="tier 2, compile both renders on the CPU and compare PTX and host IR: "
+                        "auto (rows tier 1 cannot decide), always (every row), never")
+    r.add_argument("--dry-run", action="store_true", help="report only, write nothing")
+    r.add_argument("--json", action="store_true", help="the summary as one JSON line too")
 
     from .checkpoint import cli as checkpoint_cli       # `resgen quantize`
     checkpoint_cli.add_parser(sub)
@@ -1296,6 +1320,28 @@ def _merge_rule(args: argparse.Namespace, keep: Callable[[Any], bool] | None
     return [only_first(offset + i) for i in range(len(args.sources))]
 
 
+def _refingerprint(args: argparse.Namespace) -> int:
+    """`resgen db refingerprint` (resgen.db.refingerprint); bad input is one line, exit 2;
+    exit 0 when every row considered is identical, 1 when some are left alone."""
+    from .db.refingerprint import RefingerprintError, refingerprint
+
+    try:
+        s = refingerprint(args.db, args.from_rev, out=args.out, workers=args.workers,
+                          winners_only=args.winners_only, check_ptx=args.check_ptx,
+                          dry_run=args.dry_run, repo=args.repo, families=args.families)
+    except RefingerprintError as e:
+        print(f"resgen db refingerprint: {e}", file=sys.stderr)
+        return 2
+    where = "dry run, nothing written" if args.dry_run else \
+        f"written to {args.out or args.db}"
+    print(f"{args.db} from {args.from_rev} ({where})")
+    for line in s.lines():
+        print(line)
+    if args.json:
+        print(json.dumps(s.as_dict()))
+    return 0 if not s.left else 1
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from .db import DatabaseError, TuningDB
 
@@ -1323,6 +1369,8 @@ def cmd_db(args: argparse.Namespace) -> int:
                         counts = dst.merge_from(s, keep=keep_src)
                     print(f"{src} -> {args.into}: {counts}")
             return 0
+        if args.dbcmd == "refingerprint":
+            return _refingerprint(args)
         if args.dbcmd == "export" and args.winners:
             with TuningDB(args.path, readonly=True) as db:
                 counts = db.export_winners(args.out, _servable_filter(True) if args.fresh_only

@@ -23,7 +23,8 @@ Compensation = Union[Literal["none", "full"], float]
 # How base and residue meet: "exact" (two products, or one over K + ext, each exact, summed in
 # FP32: Blackwell's block-scaled numerics) or "presum" (X_hat + R_hat summed in FP32, rounded
 # once to FP16 by resgen.formats.presum_fp16, ONE product with the exactly decoded weight: the
-# Hopper-native form of issue 20 section 1; no kernel computes it yet).
+# Hopper-native form of issue 20 section 1; linear_sm90_mma's fold="presum" variants compute it
+# for NVFP4 M-Ext).
 Fold = Literal["exact", "presum"]
 FOLDS: tuple[str, ...] = ("exact", "presum")
 

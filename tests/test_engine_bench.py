@@ -180,3 +180,21 @@ def test_compare_of_a_bad_file_is_one_line(tmp_path, capsys):
         assert EC.main(["--compare", str(path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("engine_correctness --compare:"), err
+
+
+def test_speed_compiled_glue_stacks_and_their_ratio_column():
+    """X-compiled is engine stack X with compile="glue"; the table gives X-c / X per point."""
+    assert ES.engine_spec("comp-compiled") == {**ES.ENGINE["comp"], "compile": "glue"}
+    assert ES.engine_spec("comp") == {**ES.ENGINE["comp"], "compile": "none"}
+    assert ES.engine_spec("hf-compiled") is None and not ES.known("hf-compiled")
+    assert ES.known("w4a16-compiled") and ES.known("hf")
+    assert ES.main(["--stacks", "comp,nope-compiled", "--cpu"]) == 2
+    pt = {"batch": 1, "context": 8192, "fits": True}
+    res = {"stacks": {"comp": {"points": [{**pt, "tok_s": 250.0}]},
+                      "comp-compiled": {"points": [{**pt, "tok_s": 300.0}]}}}
+    text = ES.table(res)
+    head, row = text.splitlines()[:2]
+    assert "comp-c/comp" in head and "comp-compiled" in head
+    assert row.split()[-1] == "1.20"
+    assert ES.estimate(["comp-compiled"], [1, 8], [8192], []) > \
+        ES.estimate(["comp"], [1, 8], [8192], [])

@@ -45,6 +45,8 @@ SHARED = {
     "kernels/cubin": "reading a cubin's resource usage",
     "kernels/fp4_device": "the FP4 math on the device (decode, block quantization)",
     "kernels/sm90_ptx": "Hopper inline-PTX wrappers",
+    "kernels/sm90_ptx_f16": "Hopper inline-PTX wrappers for FP16 operands (apart from sm90_ptx "
+                            "so that the BF16 kernels' fingerprints stay)",
     "kernels/cluster_ptx": "Hopper thread-block-cluster PTX (DSMEM, cluster barriers)",
     "kernels/layouts": "the Hopper FP4 weight layout and its CPU emulator, used by both "
                        "linear families (the issue counts it as linear_sm90_mma's; a rename "

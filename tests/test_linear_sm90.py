@@ -262,7 +262,7 @@ def test_make_xop_rejects_mismatched_inputs():
 from resgen.kernels.linear_sm90_geom import Geometry  # noqa: E402
 from resgen.kernels.linear_sm90_sim import simulate_kernel  # noqa: E402
 from resgen.search import family as family_registry  # noqa: E402
-from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant,  # noqa: E402
+from resgen.search.linear_sm90 import (FAMILY, Act, Fold, LinearSm90Variant,  # noqa: E402
                                        Packing, Pipeline, Reduction, compare, geometry_of)
 from resgen.search.variant import LinearProblem  # noqa: E402
 
@@ -279,7 +279,7 @@ def test_variant_key_changes_with_every_field():
     other = {"warps_m": 2, "warps_k": 4, "m_tiles": 2, "n_tiles": 2, "groups": 2,
              "pipeline": Pipeline.REGS, "stages": 2, "l2_prefetch": 2, "split_k": 2,
              "reduce": Reduction.WORKSPACE, "packing": Packing.NIB, "act": Act.FUSED,
-             "pdl": True, "cluster": 2}
+             "pdl": True, "cluster": 2, "fold": Fold.PRESUM}
     assert set(other) == {f.name for f in dataclasses.fields(LinearSm90Variant)}
     keys = {base.key()}
     for name, value in other.items():

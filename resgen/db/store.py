@@ -506,6 +506,41 @@ class TuningDB:
                 if r["workload_digest"] == problem.digest() and _timing_ok(r) and accept(r)]
         return pick_winner(rows, _tie_rel(rows) if tie_rel is None else tie_rel)
 
+    def set_fingerprints(self, updates: Iterable[tuple[int, str]]) -> dict[str, int]:
+        """Give results new fingerprints ((result id, fingerprint) pairs) and the checksums
+        over them, all in ONE transaction (an interrupt leaves every row as it was); timings
+        and everything else are untouched. Only `resgen db refingerprint` calls this, after
+        proving the kernels identical. A row whose (workload, variant, new fingerprint,
+        environment) already exists keeps its fingerprint ("already_present")."""
+        todo = list(updates)
+
+        def tx() -> dict[str, int]:
+            written = present = 0
+            for rid, fp in todo:
+                cur = self.conn.execute(
+                    "SELECT r.*, e.digest AS ed, w.digest AS wd, v.digest AS vd FROM results r "
+                    "JOIN workloads w ON w.id = r.workload_id JOIN variants v ON "
+                    "v.id = r.variant_id JOIN environments e ON e.id = r.environment_id "
+                    "WHERE r.id = ?", (int(rid),))
+                row = cur.fetchone()
+                if row is None:
+                    raise DatabaseError(f"{self.path}: no result {rid}")
+                d = dict(zip([c[0] for c in cur.description], row))
+                clash = self.conn.execute(
+                    "SELECT 1 FROM results WHERE workload_id = ? AND variant_id = ? AND "
+                    "fingerprint = ? AND environment_id = ? AND id != ?",
+                    (d["workload_id"], d["variant_id"], fp, d["environment_id"], d["id"])
+                ).fetchone()
+                if clash is not None:
+                    present += 1
+                    continue
+                d["fingerprint"] = fp
+                self.conn.execute("UPDATE results SET fingerprint = ?, checksum = ? WHERE id = ?",
+                                  (fp, row_checksum(d, d["ed"], d["wd"], d["vd"]), d["id"]))
+                written += 1
+            return {"written": written, "already_present": present}
+        return self._write(tx)
+
     def environments(self) -> list[dict[str, Any]]:
         return list(self.db.query("SELECT * FROM environments ORDER BY id"))
 

@@ -70,6 +70,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--kv-budget", type=parse_bytes, default=None,
                    help="KV cache size (e.g. 4G); default: 60%% of free GPU memory")
     g.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly")
+    g.add_argument("--compile", choices=("none", "glue"), default="none",
+                   help="glue: the torch glue between the kernels through torch.compile "
+                        "(fused; compiled on the first step of each batch size)")
     return g
 
 
@@ -140,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
         kw["kv_budget"] = args.kv_budget
     llm = load(args.model, compensation=args.compensation, kv=args.kv, fmt=args.fmt,
                attn=args.attn, calib=_calib(args.calib), backend=backend,
-               graphs=not args.no_graphs, **kw)
+               graphs=not args.no_graphs, compile=args.compile, **kw)
     out = sys.stdout
     info = llm.kv_info()
     header = (f"# {llm.cfg.name} ({llm.cfg.family}, {llm.cfg.layers} layers) on {backend}: "

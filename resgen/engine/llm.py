@@ -36,6 +36,7 @@ from .backend import BACKENDS, make_backend
 from .build import FORMATS, calibrate, checkpoint_model, dense_model, quantized_model
 from .calib import Calibration
 from .config import DecoderConfig
+from .glue import COMPILE_MODES, make_glue
 from .graphs import DecodeRunner
 from .kv import DenseKV, PagedKV, budget_from_free, bytes_per_token
 from .model import DenseDecodeAttention
@@ -77,6 +78,7 @@ class EngineOptions:
     graphs: bool = True
     prefill_tokens: int = 8192
     io: str = "bf16"
+    compile: str = "none"
     extra: dict = field(default_factory=dict)
 
 
@@ -91,7 +93,7 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
          glue: str | None = None, max_batch: int = 8, max_seq_len: int | None = None,
          kv_budget: int | None = None, kv_fraction: float = 0.6, page_size: int = 32,
          graphs: bool = True, tokenizer: Any = None, io: str = "bf16",
-         device: Any = None, fallback_bf16: bool = False) -> "LLM":
+         device: Any = None, fallback_bf16: bool = False, compile: str = "none") -> "LLM":
     """Load a model for generation on resgen's kernels.
 
     model:        a Hugging Face folder (BF16 / FP32 safetensors, or an FP4 checkpoint read
@@ -119,6 +121,10 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
     graphs:       capture decode steps in CUDA graphs (CUDA only).
     io:           the reference backend's linear interface: "bf16" (as the kernels) or "fp32".
     fallback_bf16: an FP4 checkpoint's layers the kernels cannot serve run in BF16.
+    compile:      "none" (the glue between the ops runs eagerly) or "glue" (each glue region
+                  between the ops through torch.compile / TorchInductor, compiled on its first
+                  call, before the step's CUDA-graph capture; a region that fails to compile
+                  runs eagerly, noted in llm.glue_notes and last_stats; resgen.engine.glue).
     """
     if backend is None:
         backend = "cuda" if torch.cuda.is_available() else "reference"
@@ -142,10 +148,13 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
         raise ValueError(f"kv_fraction must lie in (0, 1], got {kv_fraction!r}")
     if kv_budget is not None:
         _positive("kv_budget", kv_budget)
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
     opts = EngineOptions(fmt=fmt, compensation=compensation, kv=kv, attn=attn,
                          backend=backend, glue=glue, max_batch=max_batch,
                          max_seq_len=max_seq_len, kv_budget=kv_budget,
-                         kv_fraction=kv_fraction, page_size=page_size, graphs=graphs, io=io)
+                         kv_fraction=kv_fraction, page_size=page_size, graphs=graphs, io=io,
+                         compile=compile)
     return LLM(open_source(model, tokenizer, fallback_bf16), opts, calib, device)
 
 
@@ -185,6 +194,7 @@ class LLM:
                 self.model = quantized_model(dense, self.backend, opts.fmt, opts.compensation,
                                              self.calibration)
                 del dense
+        self.model.glue_fns = make_glue(opts.compile)
         self.load_s = time.perf_counter() - t0
         self._attach_kv()
 
@@ -275,6 +285,11 @@ class LLM:
         if self._tokenizer is _UNSET:
             self._tokenizer = self.source.tokenizer()
         return self._tokenizer
+
+    @property
+    def glue_notes(self) -> list[str]:
+        """Glue regions that failed to compile and run eagerly (compile="glue")."""
+        return list(self.model.glue_fns.notes)
 
     def kv_info(self) -> dict[str, Any]:
         """The cache: kind, bytes per token over all layers (and BF16's, for comparison),
@@ -381,6 +396,7 @@ class LLM:
         stats["prefill_tok_s"] = stats["prefill_tokens"] / max(stats["prefill_s"], 1e-9)
         stats["decode_tok_s"] = stats["decode_tokens"] / max(stats["decode_s"], 1e-9)
         stats["graph_notes"] = list(self.runner.notes)
+        stats["glue_notes"] = self.glue_notes
         self.last_stats = stats
         return out
 

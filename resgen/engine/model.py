@@ -41,21 +41,13 @@ import torch
 import torch.nn.functional as F
 
 from .config import DecoderConfig
-from .rope import apply_rope, rope_tables, signed_sin
+from .glue import REGIONS, EagerGlue, finish, rms_norm, to_io
+from .rope import rope_pairs, rope_tables
 
 __all__ = ["rms_norm", "Proj", "DenseLinear", "LayerOps", "DecoderModel", "DecodeState",
            "DenseDecodeAttention", "prefill_attention", "rows_bucket", "GLUE"]
 
 GLUE = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim times w: FP32 exactly as transformers' LlamaRMSNorm; other
-    dtypes through torch's fused F.rms_norm (FP32 inside)."""
-    if x.dtype == torch.float32:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return w * (x * torch.rsqrt(var + eps))
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def rows_bucket(t: int) -> int:
@@ -98,11 +90,13 @@ class Proj:
     def warmup(self, ms: Any) -> Any:
         return self.op.warmup(ms)
 
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The op alone: x (any dtype) cast to the op's I/O dtype -> its raw output (the
+        glue applies `finish`, resgen.engine.glue)."""
+        return self.op(to_io(x, self.io_dtype))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.op(x if x.dtype == self.io_dtype else x.to(self.io_dtype))
-        if self.bias is not None:
-            y = y.float() + self.bias
-        return y if y.dtype == self.glue else y.to(self.glue)
+        return finish(self.run(x), self.bias, self.glue)
 
 
 @dataclass
@@ -293,8 +287,8 @@ class DecodeState:
 
     def advance(self, b: int) -> None:
         act = self.active[:b]
-        self.pos[:b] += act
-        self.seq_lens[:b] += act
+        self.pos[:b].add_(act)          # in place on the views (no write-back copy_ call)
+        self.seq_lens[:b].add_(act)
         self.app_pos[:b, 1].copy_(self.pos[:b])
 
 
@@ -322,7 +316,8 @@ class DecoderModel:
         self.lm_head = lm_head.to(device, self.glue).contiguous()
         self.scale = cfg.head_dim ** -0.5
         cos, sin = rope_tables(cfg.rope, cfg.head_dim, cfg.max_positions, device)
-        self.cos, self.sin = cos.to(self.glue), signed_sin(sin).to(self.glue)
+        # [P, 2, D]: cos and the rolled signed sin (resgen.engine.rope.apply_rope)
+        self.rope_cs = rope_pairs(cos, sin).to(self.glue)
         # prefill row padding (rows_bucket) for the kernels' plan reuse; the reference backend
         # runs the exact row count (FP32 GEMMs round differently with more rows)
         self.pad_rows = backend_io == torch.bfloat16
@@ -331,44 +326,65 @@ class DecoderModel:
         self.attn: Any = None
         self.attn_plans: dict[tuple[int, int], Any] = {}   # (rows, KV class) -> bound kernel
         self.append: Callable[..., None] | None = None
+        # the glue between the ops: eager, or torch.compile'd (resgen.engine.glue)
+        self.glue_fns: Any = EagerGlue()
 
     # ------------------------------------------------------------------ one layer
-    def _layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _layer(self, i: int, h: torch.Tensor, a: torch.Tensor | None, cs: torch.Tensor,
                store: Callable[[torch.Tensor, torch.Tensor], None] | None,
                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-               record: Callable[[str, torch.Tensor], None] | None = None) -> torch.Tensor:
+               fns: dict[str, Callable[..., Any]],
+               record: Callable[[str, torch.Tensor], None] | None = None,
+               qkv_dtype: torch.dtype | None = None, w_next: torch.Tensor | None = None,
+               next_io: torch.dtype | None = None, mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i on h [T, hidden] (a: its QKV input when the previous layer's last region
+        computed it, else None) through the glue regions `fns` (resgen.engine.glue) and the
+        ops -> (h, the next QKV input: normed with w_next, cast to next_io; None without
+        w_next). qkv_dtype: q / k / v cast and made contiguous for the paged decode kernels;
+        mask [T, 1]: rows kept (decode under an O bias). With `record` (calibration) every
+        site is recorded in the glue dtype, before its projection's cast."""
         c, L = self.cfg, self.layers[i]
         t = h.shape[0]
-        a = rms_norm(h, L.in_norm, c.rms_eps)
+
+        def io(p: Proj) -> torch.dtype | None:
+            return None if record is not None else p.io_dtype
+        if a is None:
+            a = fns["attn_in"](h, L.in_norm, eps=c.rms_eps, io=io(L.qkv))
         if record is not None:
             record("attn_in", a)
-        qkv = L.qkv(a)
-        qk = qkv[:, : c.q_size + c.kv_size].unflatten(1, (c.heads + c.kv_heads, c.head_dim))
-        v = qkv[:, c.q_size + c.kv_size:].unflatten(1, (c.kv_heads, c.head_dim))
-        if L.q_norm is not None:
-            qk = torch.cat([rms_norm(qk[:, : c.heads], L.q_norm, c.rms_eps),
-                            rms_norm(qk[:, c.heads:], L.k_norm, c.rms_eps)], dim=1)
-        qk = apply_rope(qk, cos, sin)          # q and k heads in one pass
-        q, k = qk[:, : c.heads], qk[:, c.heads:]
+        q, k, v = fns["qkv"](L.qkv.run(a), L.qkv.bias, L.q_norm, L.k_norm, cs,
+                             heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                             eps=c.rms_eps, glue=self.glue, out_dtype=qkv_dtype)
         if store is not None:
             store(k, v)
         o = attend(q, k, v).reshape(t, c.q_size)
         if record is not None:
             record("o_in", o)
-        h = h + L.o(o)
-        a = rms_norm(h, L.post_norm, c.rms_eps)
+        h, a = fns["attn_out"](h, L.o.run(o), L.o.bias, L.post_norm, eps=c.rms_eps,
+                               glue=self.glue, io=io(L.gate_up))
         if record is not None:
             record("mlp_in", a)
-        gu = L.gate_up(a)
-        m = F.silu(gu[:, : c.intermediate]) * gu[:, c.intermediate:]
+        m = fns["mlp_mid"](L.gate_up.run(a), intermediate=c.intermediate, glue=self.glue,
+                           io=io(L.down))
         if record is not None:
             record("down_in", m)
-        return h + L.down(m)
+        return fns["mlp_out"](h, L.down.run(m), w_next, mask, eps=c.rms_eps, glue=self.glue,
+                              io=None if record is not None else next_io)
+
+    def _o_dtype(self, o: torch.Tensor) -> torch.Tensor:
+        """An attention output in its op's dtype, as the O projection may take it: the glue
+        rounding is skipped where it is exact (FP32 glue holds every BF16 value; the
+        projection casts to its own dtype)."""
+        return o if o.dtype == self.glue or self.glue == torch.float32 else o.to(self.glue)
+
+    def head(self, a: torch.Tensor) -> torch.Tensor:
+        """a: the final-normed hidden states [T, hidden] -> logits [T, V] in the head dtype."""
+        return F.linear(to_io(a, self.lm_head.dtype), self.lm_head)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: final hidden states [T, hidden] (before the final norm) -> float32 [T, V]."""
-        a = rms_norm(h, self.final_norm, self.cfg.rms_eps)
-        return F.linear(a.to(self.lm_head.dtype), self.lm_head).float()
+        return self.head(rms_norm(h, self.final_norm, self.cfg.rms_eps)).float()
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, seqs: list[torch.Tensor], rows: list[int] | None = None,
@@ -401,10 +417,13 @@ class DecoderModel:
         pos[:t] = torch.cat([torch.arange(n) for n in lens])
         ids, pos = ids.to(dev), pos.to(dev)
         h = self.embed[ids]
-        cos, sin = self.cos[pos], self.sin[pos]
+        cs = self.rope_cs[pos]
+        # calibration records every site: eager regions (the records are eager values)
+        fns = self.glue_fns.regions("prefill", tp) if record is None else REGIONS
         row_of = torch.cat([torch.full((n,), r, dtype=torch.int64) for n, r in
                             zip(lens, rows if rows is not None else range(len(lens)))]).to(dev)
         app = torch.stack([row_of, pos[:t]], 1).to(torch.int32)
+        a = None
         for i in range(len(self.layers)):
             st = None
             if store:
@@ -419,8 +438,14 @@ class DecoderModel:
                 if tp > t:
                     o = torch.cat([o, o.new_zeros(tp - t, *o.shape[1:])])
                 return o
-            h = self._layer(i, h, cos, sin, st, attend, rec)
-            if self.cfg.o_bias and tp > t:
+            # the next layer's input norm joins this layer's last region unless rows must
+            # be zeroed in between
+            zero = self.cfg.o_bias and tp > t
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) and not zero else None
+            h, a = self._layer(i, h, a, cs, st, attend, fns, rec,
+                               w_next=None if nxt is None else nxt.in_norm,
+                               next_io=None if nxt is None else nxt.qkv.io_dtype)
+            if zero:
                 h[t:] = 0           # padded rows stay zero (an o bias would move them)
         if want == "none":
             return None
@@ -452,11 +477,18 @@ class DecoderModel:
         after this token): the attention plan, the dense cache's window."""
         tok, pos = st.tokens[:b], st.pos[:b]
         h = self.embed[tok]
-        cos, sin = self.cos[pos], self.sin[pos]
+        cs = self.rope_cs[pos]
         kv = self.kv
         lens = st.seq_lens[:b]
         c = self.cfg
-        for i in range(len(self.layers)):
+        fns = self.glue_fns.regions("decode", b)
+        # padded rows kept at zero under an O bias: the mask once per step
+        mask = st.active[:b, None].to(self.glue) if c.o_bias else None
+        # the paged kernels take contiguous q / k / v in their dtype: cast in the qkv region
+        qkv_dtype = self.attn_io if kv.kind == "nvfp4" else None
+        a = None
+        n = len(self.layers)
+        for i in range(n):
             if kv.kind == "nvfp4":
                 cache, bt, app = kv.caches[i], st.block_tables[:b], st.app_pos[:b]
 
@@ -470,7 +502,7 @@ class DecoderModel:
                     op = self.attn_plans.get((b, kv_len))
                     o = op(qq, _c, _bt, lens) if op is not None else \
                         self.attn(qq, _c, _bt, lens, max_kv_len=kv_len)
-                    return o.to(self.glue)
+                    return self._o_dtype(o)
             else:
                 kc, vc = kv.k[i], kv.v[i]
                 rid = st.rows_ids[:b]
@@ -482,11 +514,17 @@ class DecoderModel:
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _k=kc,
                            _v=vc) -> torch.Tensor:
                     o = self.attn(q.to(_k.dtype), _k[:b], _v[:b], lens, self.scale, kv_len)
-                    return o.to(self.glue)
-            h = self._layer(i, h, cos, sin, store, attend)
-            if c.o_bias:
-                h = h * st.active[:b, None].to(h.dtype)
-        st.logits[:b].copy_(self.logits(h))
+                    return self._o_dtype(o)
+            # the last region adds the residual and norms for the next layer (the final
+            # norm after the last one)
+            last = i + 1 == n
+            w_next = self.final_norm if last else self.layers[i + 1].in_norm
+            h, a = self._layer(i, h, a, cs, store, attend, fns, qkv_dtype=qkv_dtype,
+                               w_next=w_next, mask=mask,
+                               next_io=self.lm_head.dtype if last else
+                               self.layers[i + 1].qkv.io_dtype)
+        # the head's output converted to FP32 by the copy itself (no separate cast)
+        st.logits[:b].copy_(self.head(a))
         st.advance(b)
 
     def warmup(self, b: int, kv_len: int, max_len: int | None = None) -> None:

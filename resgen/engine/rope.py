@@ -5,8 +5,9 @@ compares them value for value): "default", "linear" (inverse frequencies / facto
 (Llama 3.1's smoothed per-band scaling) and "yarn" (interpolation / extrapolation ramp and the
 attention factor applied to cos and sin). The tables are computed once in FP32 as transformers
 computes them (position x inverse frequency, then cos / sin, times the attention factor), so a
-decode step gathers its rows instead of recomputing them; rotation is rotate-half (the Hugging
-Face layout of q / k weights).
+decode step gathers its rows instead of recomputing them (cos and the rolled signed sin side by
+side, rope_pairs: one gather); rotation is rotate-half (the Hugging Face layout of q / k
+weights).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from .config import RopeConfig
 
-__all__ = ["inv_freq", "rope_tables", "signed_sin", "apply_rope"]
+__all__ = ["inv_freq", "rope_tables", "signed_sin", "rope_pairs", "apply_rope"]
 
 
 def inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -96,10 +97,31 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([-sin[..., :h], sin[..., h:]], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin_signed: [T, D] in x's dtype (the rows of x's positions; the
-    caller casts the tables once per step, as transformers casts them to x's dtype) -> x
-    rotated: x * cos + rotate_half(x) * sin, the products rounded separately and added (the
-    order transformers uses, so FP32 results match it bit for bit)."""
-    c, s = cos[:, None, :], sin_signed[:, None, :]
-    return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
+def rope_pairs(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos, sin [P, D] (rope_tables) -> [P, 2, D]: cos and roll(signed_sin(sin), D / 2), the
+    table apply_rope reads (one gather per step for both; rolling the table instead of x
+    makes both products of the rotation one broadcast multiply)."""
+    s = signed_sin(sin)
+    return torch.stack([cos, s.roll(s.shape[-1] // 2, dims=-1)], dim=1)
+
+
+def apply_rope(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cs: [T, 2, D] rows of rope_pairs (the rows of x's positions, in x's
+    dtype: the caller casts the table once, as transformers casts cos / sin to x's dtype) ->
+    x rotated: x * cos + rotate_half(x) * sin, the products rounded separately and added (the
+    order transformers uses, so FP32 results match it bit for bit).
+
+    Eagerly in three launches instead of four (x * cos, roll, * sin, +): p = x * [cos, rs]
+    (rs = roll(signed sin)) holds x * cos and x * rs; roll(x * rs) == roll(x) * signed sin, so
+    each half of the result is one add of p's halves written in place (IEEE addition
+    commutes exactly: the same values). Under torch.compile the plain formula (inductor
+    fuses it into one kernel either way)."""
+    c, rs = cs[:, None, 0, :], cs[:, None, 1, :]
+    h = x.shape[-1] // 2
+    if torch.compiler.is_compiling():
+        return x * c + x.roll(h, dims=-1) * (rs.roll(h, dims=-1))
+    p = x.unsqueeze(2) * cs.unsqueeze(1)                  # [T, H, 2, D]
+    out = torch.empty_like(x)
+    torch.add(p[..., 0, :h], p[..., 1, h:], out=out[..., :h])
+    torch.add(p[..., 0, h:], p[..., 1, :h], out=out[..., h:])
+    return out

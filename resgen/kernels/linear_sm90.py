@@ -144,6 +144,13 @@ class LinearSm90Launcher:
         g = self.geom
         if wt.kp != g.kp or wt.out_features != g.n or wt.packing != g.packing:
             raise ValueError("weight does not match the compiled variant (N, Kp, packing)")
+        # presum (resgen.kernels.linear_sm90_presum): the operand is M-Ext's row pairs, the
+        # kernel's rows are the tokens
+        presum = getattr(g, "fold", "exact") == "presum"
+        if presum and rows != 2 * m:
+            raise ValueError(f"a presum variant reads the M-Ext row pairs: rows must be 2 * m "
+                             f"= {2 * m}, got {rows}")
+        krows = m if presum else rows
         if g.fused:
             if xop.dtype != torch.bfloat16 or xop.dim() != 2 or xop.shape != (m, g.k):
                 raise ValueError(f"a fused variant takes x: bf16 [{m}, {g.k}]")
@@ -162,7 +169,7 @@ class LinearSm90Launcher:
         else:
             if xop.dtype != torch.bfloat16 or xop.dim() != 2 or xop.shape[1] != g.kp:
                 raise ValueError(f"xop must be bf16 [rows, {g.kp}]")
-            t_pad = -(-rows // g.tok) * g.tok
+            t_pad = -(-krows // g.tok) * g.tok * (2 if presum else 1)
             if xop.shape[0] < t_pad:
                 raise ValueError(f"xop must hold {t_pad} rows (the rows rounded up to the "
                                  f"token tile of {g.tok}: the kernel reads whole tiles)")
@@ -172,7 +179,7 @@ class LinearSm90Launcher:
             raise ValueError("xop/x and out must be contiguous")
         if out.shape[-1] != g.n or out.dtype != torch.bfloat16 or out.shape[0] < m:
             raise ValueError(f"out must be bf16 [>= {m}, {g.n}]")
-        if g.ws_floats(rows, m) > self.ws.numel() or g.sem_count(rows) > self.sem.numel():
+        if g.ws_floats(krows, m) > self.ws.numel() or g.sem_count(krows) > self.sem.numel():
             raise ValueError("the workspace was sized for fewer rows")
         ax = alpha_x if alpha_x is not None else self.one
         mk = masks if masks is not None else self.nomask
@@ -182,5 +189,5 @@ class LinearSm90Launcher:
         self.compiled(self._ptr(wt.words, 16), self._ptr(wt.scales, 16), self._ptr(xop, 16),
                       self._ptr(out, 16), self._ptr(ax, 4), self._ptr(wt.alpha, 4),
                       self._ptr(self.ws, 16), self._ptr(self.sem, 4), self._ptr(mk, 4),
-                      int(m), int(rows), stream)
+                      int(m), int(krows), stream)
         return out

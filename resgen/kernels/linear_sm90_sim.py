@@ -12,6 +12,12 @@ byte images of the buffers the kernel receives, and models the PTX it emits:
 A wrong stride, fragment slot or fold in the index math shows up as a mismatch against
 resgen.reference.linear, without a GPU.
 
+Presum variants (fold "presum", resgen.kernels.linear_sm90_presum.PresumGeometry): the B
+fragment of token r is the base row 2r plus the residue row 2r + 1 of the row-pair xop, added
+in FP32 and rounded once to FP16 (cvt.rn.f16x2.f32), the weight pairs decode to FP16 bits
+(the module's decoders, shared with the device code) times the FP16 scale (mul.rn.f16x2), the
+MMA takes FP16 halves, and the epilogue is the plain one (tokens in the accumulator columns).
+
 Fused variants (act "fused"): each CTA's operand tile is built in a NaN-poisoned byte image of
 its shared memory by walking the kernel's work items with the same Geometry functions; the
 per-block quantization itself is resgen.formats (the device code calls resgen.kernels.fp4_device,
@@ -27,6 +33,7 @@ from .. import formats
 from .layouts import Sm90Weight, _bf16_halves, decode_pairs
 from .linear_sm90_dev import SCALE_CONSTS
 from .linear_sm90_geom import Geometry
+from .linear_sm90_presum import F16_DECODERS, PRESUM_SCALE_CONSTS
 
 __all__ = ["simulate_kernel"]
 
@@ -65,19 +72,55 @@ def _halves_f64(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return h[..., 0], h[..., 1]
 
 
-def _mma(a: list[torch.Tensor], b: list[torch.Tensor], c: list[torch.Tensor]) -> list[torch.Tensor]:
-    """mma.m16n8k16 for one warp: a: 4 x int64 [32], b: 2 x int64 [32], c: 4 x float32 [32]."""
+def _f16_halves(r: torch.Tensor) -> torch.Tensor:
+    """int64 f16x2 bit patterns [...] -> float16 [..., 2] (low half first)."""
+    h = torch.stack([r & 0xFFFF, (r >> 16) & 0xFFFF], dim=-1)
+    return torch.where(h >= 2 ** 15, h - 2 ** 16, h).to(torch.int16).view(torch.float16)
+
+
+def _f16_halves_f64(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = _f16_halves(r).double()
+    return h[..., 0], h[..., 1]
+
+
+def _f16_bits(v: torch.Tensor) -> torch.Tensor:
+    """float [...] -> int64 FP16 bit patterns (RNE: cvt.rn.f16 / mul.rn.f16)."""
+    return v.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _f16_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """mul.rn.f16x2 on int64 bit patterns (the product of two FP16 values rounded once: the
+    float64 product is exact, 11 x 11 bits)."""
+    p = _f16_halves(a).double() * _f16_halves(b).double()
+    h = _f16_bits(p)
+    return h[..., 0] | (h[..., 1] << 16)
+
+
+def _presum_words(base: list[torch.Tensor], res: list[torch.Tensor]) -> list[torch.Tensor]:
+    """cvt.rn.f16x2.f32 of the FP32 sums of two rows' bf16 pairs (presum B words)."""
+    out = []
+    for bw, rw in zip(base, res):
+        s = _bf16_halves(bw).float() + _bf16_halves(rw).float()     # add.f32
+        h = _f16_bits(s)
+        out.append(h[..., 0] | (h[..., 1] << 16))
+    return out
+
+
+def _mma(a: list[torch.Tensor], b: list[torch.Tensor], c: list[torch.Tensor],
+         halves=_halves_f64) -> list[torch.Tensor]:
+    """mma.m16n8k16 for one warp: a: 4 x int64 [32], b: 2 x int64 [32], c: 4 x float32 [32];
+    halves: the operand type's bits -> values (BF16; _f16_halves_f64 for the FP16 MMA)."""
     lane = torch.arange(32)
     g, t = lane // 4, lane % 4
     A = torch.zeros(16, 16, dtype=torch.float64)
     B = torch.zeros(16, 8, dtype=torch.float64)
     C = torch.zeros(16, 8, dtype=torch.float64)
     for reg, (row_off, k_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
-        lo, hi = _halves_f64(a[reg])
+        lo, hi = halves(a[reg])
         A[g + row_off, 2 * t + k_off] = lo
         A[g + row_off, 2 * t + 1 + k_off] = hi
     for reg, k_off in enumerate((0, 8)):
-        lo, hi = _halves_f64(b[reg])
+        lo, hi = halves(b[reg])
         B[2 * t + k_off, g] = lo
         B[2 * t + 1 + k_off, g] = hi
     C[g, 2 * t], C[g, 2 * t + 1] = c[0].double(), c[1].double()
@@ -86,9 +129,11 @@ def _mma(a: list[torch.Tensor], b: list[torch.Tensor], c: list[torch.Tensor]) ->
     return [D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]]
 
 
-def _scale(sw: torch.Tensor, i: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """scale_pair: PRMT picks byte 2 (i % 2) (row r0) / + 1 (row r1) into b | b << 16, IMAD."""
-    mul, add = SCALE_CONSTS[fmt]
+def _scale(sw: torch.Tensor, i: int, fmt: str, consts=SCALE_CONSTS
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale_pair: PRMT picks byte 2 (i % 2) (row r0) / + 1 (row r1) into b | b << 16, IMAD
+    (consts: BF16 scales; PRESUM_SCALE_CONSTS for presum's FP16 ones)."""
+    mul, add = consts[fmt]
     out = []
     for byte in (2 * (i % 2), 2 * (i % 2) + 1):
         b = (sw >> (8 * byte)) & 0xFF
@@ -177,6 +222,7 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
     if wt.kp != geom.kp or wt.out_features != geom.n or wt.packing != geom.packing:
         raise ValueError("weight does not match the geometry")
     G = geom
+    presum = getattr(G, "fold", "exact") == "presum"
     wmem, smem_, xmem = _Mem(wt.words), _Mem(wt.scales), _Mem(xop)
     gx, gy, gz = G.grid(rows)
     ws = torch.zeros(max(G.ws_floats(rows, m), 1)) if ws is None else ws
@@ -295,19 +341,34 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
                                 rloc = (8 * nt + g) % G.tok
                                 a = G.xs_row(rloc) + G.xs_col(wk, it, u, i, t)
                                 mem = tmem
+                            elif presum:
+                                a = G.x_off(G.xb_row(r), grp * 4 + i, t)
+                                xw.append(_presum_words(xmem.words(a, 8),
+                                                        xmem.words(a + G.res_off, 8)))
+                                continue
                             else:
                                 a = G.x_off(r, grp * 4 + i, t)
                                 mem = xmem
                             xw.append(mem.words(a, 8))
                         for mt in range(G.m_tiles):
-                            s0, s1 = _scale(sv[mt][i // 2], i, G.fmt)
+                            if presum:
+                                s0, s1 = _scale(sv[mt][i // 2], i, G.fmt, PRESUM_SCALE_CONSTS)
+                            else:
+                                s0, s1 = _scale(sv[mt][i // 2], i, G.fmt)
                             for j in range(4):
-                                rp = decode_pairs(_as_i32(wv[mt][i][j]), G.packing)
-                                a4 = [_bf16_mul(rp[:, 0], s0), _bf16_mul(rp[:, 1], s1),
-                                      _bf16_mul(rp[:, 2], s0), _bf16_mul(rp[:, 3], s1)]
+                                if presum:
+                                    rl = F16_DECODERS[G.packing](wv[mt][i][j] & _M32)
+                                    rl = [q & _M32 for q in rl]
+                                    a4 = [_f16_mul(rl[0], s0), _f16_mul(rl[1], s1),
+                                          _f16_mul(rl[2], s0), _f16_mul(rl[3], s1)]
+                                else:
+                                    rp = decode_pairs(_as_i32(wv[mt][i][j]), G.packing)
+                                    a4 = [_bf16_mul(rp[:, 0], s0), _bf16_mul(rp[:, 1], s1),
+                                          _bf16_mul(rp[:, 2], s0), _bf16_mul(rp[:, 3], s1)]
+                                halves = _f16_halves_f64 if presum else _halves_f64
                                 for nt in range(G.n_tiles):
                                     acc[mt][nt] = _mma(a4, [xw[nt][2 * j], xw[nt][2 * j + 1]],
-                                                       acc[mt][nt])
+                                                       acc[mt][nt], halves)
             accs[(warp % G.warps_m, warp // G.warps_m)] = acc
         # in-CTA split-K, warp order
         for wm in range(G.warps_m):

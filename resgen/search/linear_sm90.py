@@ -37,6 +37,18 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
                        once, issues its weight prologue (cp.async ring / register buffer / L2
                        bulk prefetch of the first l2_prefetch iterations), then waits for the
                        previous kernel before reading activations or writing anything
+    fold               how M-Ext's base and residue meet: "exact" (the residue rows ride as
+                       extra MMA rows, the epilogue folds row pairs: Blackwell's numerics, twice
+                       the MMAs) or "presum" (each token's base + residue summed in FP32 in the
+                       B load, rounded once to FP16, ONE FP16 MMA against the weight decoded
+                       exactly in FP16, no fold: resgen.kernels.linear_sm90_presum). Presum is
+                       valid for compensation "full" (M-Ext), NVFP4, xop variants only (PRESUM_*
+                       below say why not elsewhere); it is a kernel choice of the "full"
+                       workload, checked against reference.linear(fold="presum") AND within
+                       the family tolerance of the exact fold's reference, so the tuner picks
+                       whichever is faster. Keys: an exact variant's key has no "fold" field
+                       (keys, digests and names of every stored exact variant are unchanged)
+                       and a key without one parses as "exact".
 Fused variants also depend on the problem's row count: a CTA's operand tile holds
 TOK = min(8 n_tiles, next power of two >= rows) xop rows (compile_key keeps that much of M).
 Not implemented yet (no field, so no key pretends otherwise): activations staged through shared
@@ -57,7 +69,8 @@ from .sm90_linear import (TOLERANCE, W4A16_FUSED, Packing, Sm90LinearFamily,
                           cached_weight_sets, compare, kp_of, layer_quantizer, random_layer)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
-__all__ = ["Packing", "Pipeline", "Reduction", "Act", "LinearSm90Variant", "LinearSm90Family",
+__all__ = ["Packing", "Pipeline", "Reduction", "Act", "Fold", "PRESUM_MEXT_ONLY",
+           "PRESUM_NVFP4_ONLY", "PRESUM_XOP_ONLY", "LinearSm90Variant", "LinearSm90Family",
            "FAMILY", "TOLERANCE", "compare", "geometry_of", "kp_of", "rows_of", "tok_rows_of",
            "layer_quantizer", "random_layer"]
 
@@ -82,6 +95,26 @@ class Act(Choice):
     FUSED = "fused"
 
 
+class Fold(Choice):
+    """How M-Ext's base and residue products meet (see the module docstring)."""
+
+    EXACT = "exact"
+    PRESUM = "presum"
+
+
+# Where presum cannot run, and why (why_invalid returns these).
+PRESUM_MEXT_ONLY = ("presum sums the M-Ext residue rows into the base: it needs compensation "
+                    "'full' (plain W4A4 / W4A16 have no residue; K-Ext presum adds residues onto "
+                    "base channels, which moves the output by 3-6e-3, beyond the exact fold's "
+                    "3e-3 check: docs/hopper_native.md)")
+PRESUM_NVFP4_ONLY = ("MXFP4 presum needs each token row's power-of-two shift (formats."
+                     "presum_fp16: from max |X_hat + R_hat| over ALL of K) before its first MMA;"
+                     " a CTA of this kernel sees only its K range and the quantizer does not "
+                     "emit the shift")
+PRESUM_XOP_ONLY = ("presum reads the quantizer's row-pair operand; the fused prologue writes "
+                   "the BF16 row pair (fused presum is not built)")
+
+
 @dataclass(frozen=True, slots=True)
 class LinearSm90Variant(VariantBase):
     FAMILY: ClassVar[str] = "linear_sm90_mma"
@@ -99,10 +132,37 @@ class LinearSm90Variant(VariantBase):
     act: Act = field(default=Act.XOP, metadata={"short": "act"})
     pdl: bool = field(default=False, metadata={"short": "pdl"})
     cluster: int = field(default=1, metadata={"range": IntRange(1, 4, pow2=True), "short": "cl"})
+    fold: Fold = field(default=Fold.EXACT, metadata={"short": "fd"})
 
     @property
     def deterministic(self) -> bool:
         return self.reduce != Reduction.ATOMIC
+
+    @property
+    def presum(self) -> bool:
+        return self.fold == Fold.PRESUM
+
+    # The fold is keyed only where it is not the default: the keys (hence digests and stored
+    # rows) of every exact variant are the ones they had before the axis existed.
+    def as_dict(self) -> dict[str, Any]:
+        d = VariantBase.as_dict(self)
+        if self.fold == Fold.EXACT:
+            del d["fold"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "LinearSm90Variant":
+        """VariantBase.from_dict; a dict without "fold" (every key stored before the axis
+        existed, and every exact key since) is the exact fold."""
+        if isinstance(d, dict) and "fold" not in d:
+            d = {**d, "fold": Fold.EXACT.value}
+        # (no zero-argument super() in a slotted dataclass: the class is recreated)
+        return VariantBase.from_dict.__func__(cls, d)  # type: ignore[attr-defined]
+
+    def name(self) -> str:
+        """VariantBase.name, without the fold for exact variants (as before the axis)."""
+        n = VariantBase.name(self)
+        return n if self.presum else n.removesuffix("_fdexact")
 
     @property
     def fused(self) -> bool:
@@ -127,9 +187,16 @@ def _ksel(problem: LinearProblem) -> int:
 
 
 def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
+    """The kernel's Geometry (presum: resgen.kernels.linear_sm90_presum.PresumGeometry, whose
+    GEMM rows are tokens: mext False)."""
     from ..kernels.linear_sm90_geom import Geometry
 
     fused = variant.fused
+    if variant.presum:
+        from ..kernels.linear_sm90_presum import presum_geometry
+
+        return presum_geometry(geometry_of(replace(variant, fold=Fold.EXACT),
+                                           replace(problem, compensation="none")))
     return Geometry(fmt=problem.fmt, mext=problem.compensation == "full",
                     packing=variant.packing.value, n=problem.n, kq=kp_of(problem) // 64,
                     warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
@@ -158,6 +225,17 @@ def _why_not_fused(v: LinearSm90Variant, p: LinearProblem) -> str | None:
     tok = tok_rows_of(v, p)
     if 8 * (v.n_tiles - 1) >= tok:
         return f"n8 tiles past the {tok} operand rows of a CTA"
+    return None
+
+
+def _why_not_presum(v: LinearSm90Variant, p: LinearProblem) -> str | None:
+    """Why the presum fold cannot run v on p (None: it can): M-Ext, NVFP4, xop only."""
+    if p.compensation != "full":
+        return PRESUM_MEXT_ONLY
+    if p.fmt != "nvfp4":
+        return PRESUM_NVFP4_ONLY
+    if v.fused:
+        return PRESUM_XOP_ONLY
     return None
 
 
@@ -194,6 +272,10 @@ class LinearSm90Family(Sm90LinearFamily):
             return f"linear_sm90_mma runs on {self.ARCHS}, not {arch}"
         if not isinstance(v, LinearSm90Variant) or not isinstance(p, LinearProblem):
             return "not a LinearSm90Variant / LinearProblem"
+        if v.presum:
+            why = _why_not_presum(v, p)
+            if why is not None:
+                return why
         if p.n % 16:
             return f"N={p.n} is not a multiple of 16 (one m16 tile)"
         warps = v.warps_m * v.warps_k
@@ -282,8 +364,10 @@ class LinearSm90Family(Sm90LinearFamily):
         z tiles x cross-CTA split-K (only where channel blocks alone leave the 132 SMs of an
         H200 short: fewer than 264 CTAs) x activation source (fused only where it can run)
         x PDL x (fused) clusters of 1 or 2 CTAs sharing the quantization (K + extension
-        lengths with a factor 3 also split over 3 CTAs). The nib packing, 2-group iterations
-        and clusters of 4 lost everywhere on the H200 (bench/results/h200/
+        lengths with a factor 3 also split over 3 CTAs), then, where the presum fold runs
+        (NVFP4 M-Ext: _why_not_presum), the presum twin of every exact xop variant. The nib
+        packing, 2-group iterations and clusters of 4 lost everywhere on the H200
+        (bench/results/h200/
         linear_cluster_check.log for the clusters) and are valid variants outside the
         space."""
         rows = problem.rows
@@ -315,6 +399,11 @@ class LinearSm90Family(Sm90LinearFamily):
                                                           red, Packing.SPLIT, act, pdl, cl)
                                     if self.why_invalid(v, problem, arch) is None:
                                         out.append(v)
+        if _why_not_presum(LinearSm90Variant(fold=Fold.PRESUM), problem) is None:
+            # the presum twin of every exact xop variant (same tiles and pipeline), after the
+            # exact ones: the exact variants keep their space indices
+            out += [tw for tw in (replace(v, fold=Fold.PRESUM) for v in out if not v.fused)
+                    if self.why_invalid(tw, problem, arch) is None]
         d = self.default(problem, arch)
         if d not in out:
             out.insert(0, d)
@@ -382,6 +471,11 @@ class LinearSm90Family(Sm90LinearFamily):
             want = 2 if rows >= (4 if v.pipeline == Pipeline.BULK else 2) else 1
             s += 0.0 if v.cluster == want else 0.3
         s += 1.2 if v.pdl else 0.0
+        if v.presum:
+            # NOT measured yet: presum halves the MMAs of M-Ext, which pays where the MMAs
+            # matter (from 32 operand rows, M >= 16: ahead of its exact twin); below that the
+            # extra B-load arithmetic may cost more than it saves (behind its twin)
+            s += -0.5 if rows >= 32 else 0.5
         return s
 
     def default(self, problem: LinearProblem, arch: str) -> LinearSm90Variant:
@@ -429,7 +523,8 @@ class LinearSm90Family(Sm90LinearFamily):
                 "l2_prefetch": int(g.l2_prefetch),
                 "split_k": int(g.split_k), "reduce": g.reduce, "act": g.act,
                 "pdl": bool(g.pdl), "k": int(g.k), "ksel": int(g.ksel),
-                "tok_rows": int(g.tok_rows), "cluster": int(g.cluster)}
+                "tok_rows": int(g.tok_rows), "cluster": int(g.cluster),
+                "fold": variant.fold.value}
 
     def compile_key(self, variant: LinearSm90Variant, problem: LinearProblem) -> LinearProblem:
         """M is a run-time argument (the grid's token tiles): one compile per (fmt, mode, N,
@@ -478,7 +573,10 @@ class LinearSm90Family(Sm90LinearFamily):
         return not variant.fused
 
     def xop_row_multiple(self, variant: LinearSm90Variant, problem: LinearProblem) -> int:
-        return geometry_of(variant, problem).tok
+        """Operand rows are padded to whole token tiles (presum: TOK tokens = 2 TOK row-pair
+        rows)."""
+        g = geometry_of(variant, problem)
+        return g.tok * (2 if variant.presum else 1)
 
     def launcher(self, compiled: Any, variant: LinearSm90Variant, problem: LinearProblem,
                  device: torch.device | str) -> Any:
@@ -496,8 +594,9 @@ class LinearSm90Family(Sm90LinearFamily):
             # compiled for one token was run with three).
             raise ValueError(f"{variant.name()} was compiled for {made_for}, not for {want}")
         g = geometry_of(variant, problem)
-        return LinearSm90Launcher(compiled, g, ws_floats=g.ws_floats(problem.rows, problem.m),
-                                  sem_count=g.sem_count(problem.rows), device=device)
+        grows = problem.m if variant.presum else problem.rows    # the GEMM's rows: tokens
+        return LinearSm90Launcher(compiled, g, ws_floats=g.ws_floats(grows, problem.m),
+                                  sem_count=g.sem_count(grows), device=device)
 
     def weight_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
                     seed: int) -> list:

@@ -49,7 +49,8 @@ from .family import compare as family_compare
 from .variant import Choice, LinearProblem, VariantBase
 
 __all__ = ["Packing", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensation_of",
-           "quantizer_k", "QUANT_K_ALIGN", "reference_output", "bf16_operand",
+           "quantizer_k", "QUANT_K_ALIGN", "reference_output", "fold_of", "check_folds",
+           "bf16_operand",
            "W4A16Operand", "W4A16_FUSED", "layer_quantizer", "random_layer",
            "cached_weight_sets", "clone_tensors",
            "LinearBinding", "Sm90LinearFamily", "Sm90LinearRunner"]
@@ -104,16 +105,36 @@ def quantizer_k(problem: LinearProblem) -> int:
     return pad_to(problem.k, QUANT_K_ALIGN)
 
 
-def reference_output(x: torch.Tensor, qweight: QLinearWeight, comp: str | float
-                     ) -> torch.Tensor:
+def reference_output(x: torch.Tensor, qweight: QLinearWeight, comp: str | float,
+                     fold: str = "exact") -> torch.Tensor:
     """The reference a linear kernel is checked against: resgen.reference.linear_w4a16 for
-    "w4a16", else resgen.reference.linear(x, qweight, comp). x: float [M, K] -> float32
-    [M, N]."""
+    "w4a16", else resgen.reference.linear(x, qweight, comp, fold=fold). x: float [M, K] ->
+    float32 [M, N]."""
     from .. import reference
 
     if comp == "w4a16":
         return reference.linear_w4a16(x, qweight)
-    return reference.linear(x, qweight, comp)
+    return reference.linear(x, qweight, comp, fold=fold)  # type: ignore[arg-type]
+
+
+def fold_of(variant: Any) -> str:
+    """The variant's fold ("exact" for families and variants without the axis)."""
+    f = getattr(variant, "fold", "exact")
+    return str(getattr(f, "value", f))
+
+
+def check_folds(out: torch.Tensor, x: torch.Tensor, qweight: QLinearWeight,
+                comp: str | float, fold: str) -> CheckResult:
+    """out against the reference of its own fold; a presum variant ALSO against the exact
+    fold's reference at the same tolerance (it serves the exact fold's workload: issue 20,
+    "verify that, don't assume it"). The worse result counts."""
+    res = compare(out, reference_output(x, qweight, comp, fold))
+    if fold == "exact" or not res.ok:
+        return res
+    ex = compare(out, reference_output(x, qweight, comp))
+    if not ex.ok:
+        return dataclasses.replace(ex, detail=f"{ex.detail} against the exact fold")
+    return res if res.rel_err >= ex.rel_err else ex
 
 
 # Why fused variants cannot serve W4A16 (their prologue quantizes the activations to FP4).
@@ -487,6 +508,7 @@ class Sm90LinearRunner:
         self.device = torch.device(device)
         self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.comp = compensation_of(problem)
+        self.fold = fold_of(variant)
         self.m, self.rows = problem.m, problem.rows
         self.fused = not family.needs_quantizer(variant)
         self.w4a16 = problem.w4a16
@@ -566,9 +588,9 @@ class Sm90LinearRunner:
 
     def check(self) -> CheckResult:
         """The whole layer vs resgen.reference.linear (check_quantized; W4A16:
-        reference.linear_w4a16), preceded for variants that read a prepared operand by the
-        GEMM alone on a torch-built operand (check_gemm): fresh random activations,
-        NaN-poisoned outputs."""
+        reference.linear_w4a16; a presum variant vs the presum AND the exact fold: check_folds),
+        preceded for variants that read a prepared operand by the GEMM alone on a torch-built
+        operand (check_gemm): fresh random activations, NaN-poisoned outputs."""
         if not self.fused:
             gemm = self.check_gemm()
             if not gemm.ok:
@@ -586,7 +608,7 @@ class Sm90LinearRunner:
                          device=self.device)
         binding(xb, out)
         self._sync()
-        return compare(out, reference_output(xb.float(), qw, self.comp))
+        return check_folds(out, xb.float(), qw, self.comp, self.fold)
 
     def check_gemm(self) -> CheckResult:
         """Fresh random activations quantized in torch (bf16-rounded for fused variants;
@@ -598,7 +620,7 @@ class Sm90LinearRunner:
             x = x.to(torch.bfloat16).float()
         out = self.run_on(x)
         self._sync()
-        return compare(out, reference_output(x, qw, self.comp))
+        return check_folds(out, x, qw, self.comp, self.fold)
 
     # ------------------------------------------------------------------ test hooks
     def run_on(self, x: torch.Tensor, set_index: int = 0) -> torch.Tensor:

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The presum fold of linear_sm90_mma (issue 20 section 1) on one H200 in one device call,
+# about 8-9 minutes: (1) its GPU tests (tests/gpu/test_linear_sm90_presum_gpu.py: Qwen3-8B
+# shapes, M = 1, 16, 64, 128, against reference.linear(fold="presum") and the exact fold; the
+# FP16 rounding case; graph replay), (2, opt-in) the covering GPU test of NVFP4 M-Ext, whose
+# covering subset now holds presum variants too, (3) bench/probes/presum_probe.py: exact vs
+# presum for the same tile configuration (and presum with half the n8 tiles: the same tokens
+# per CTA), whole layers. Run from the repository root with
+# .devcache carried (scripts/devcache.sh):
+#
+#     bash bench/presum_h200.sh       # device: nvidia-h200, carry [".devcache"], timeout_s 600
+#
+# Everything lands in $OUT (default /tmp/resgen-out): gpu_tests_presum.{xml,log},
+# gpu_tests_cover_full.{xml,log}, presum_probe.{json,log}. Step (2) runs only with
+# RESGEN_PRESUM_COVER=1 (the probe then has less time: its JSON keeps what it measured).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/resgen-out}
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1
+# shellcheck disable=SC1091
+source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
+export RESGEN_CACHE_DIR=/tmp/resgen-cache
+RC=0
+
+# 1. Correctness first.
+timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_linear_sm90_presum_gpu.py --junitxml "$OUT/gpu_tests_presum.xml" \
+    > "$OUT/gpu_tests_presum.log" 2>&1
+T=$?
+echo "gpu tests (tests/gpu/test_linear_sm90_presum_gpu.py): rc=$T"
+tail -n 8 "$OUT/gpu_tests_presum.log"
+[ "$T" -ne 0 ] && RC=$T
+
+# 2. The covering subset of the NVFP4 M-Ext space (exact and presum variants), M = 1 .. 40.
+PROBE_S=340
+if [ "${RESGEN_PRESUM_COVER:-0}" = "1" ]; then
+    PROBE_S=190
+    timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_linear_sm90_gpu.py \
+        -k "test_covering_variants and nvfp4-full" --junitxml "$OUT/gpu_tests_cover_full.xml" \
+        > "$OUT/gpu_tests_cover_full.log" 2>&1
+    T=$?
+    echo "gpu tests (covering, nvfp4-full): rc=$T"
+    tail -n 5 "$OUT/gpu_tests_cover_full.log"
+    [ "$T" -ne 0 ] && RC=$T
+fi
+
+# 3. Exact vs presum, same tiles, whole layers (JSON rewritten after every variant).
+timeout -k 5 -s INT "$PROBE_S" python3 bench/probes/presum_probe.py > "$OUT/presum_probe.log" 2>&1
+T=$?
+echo "presum_probe: rc=$T"
+tail -n 12 "$OUT/presum_probe.log"
+[ "$T" -ne 0 ] && RC=$T
+exit "$RC"

@@ -1,0 +1,128 @@
+"""linear_sm90_mma's presum fold on an H200 (issue 20 section 1): Qwen3-8B's four projections,
+NVFP4 M-Ext (the only combination presum runs: MXFP4 and fused are refused, checked below),
+M = 1, 16, 64, 128. Each variant is the space's first presum variant by the prior for its M
+and, for the same tiles, the default's presum twin; the runner's check (the GEMM alone on a
+torch-built operand, then the whole layer behind the real quant_sm90 quantizer) compares
+against reference.linear(fold="presum") AND the exact fold's reference at 3e-3, on fresh random
+inputs, NaN-poisoned outputs, twice (state left by a call), then bit-identical reruns. A
+hand-made operand whose result is decided by the single FP16 rounding (presum: 0, exact fold:
+not 0) shows the kernel rounds as formats.presum_fp16 does. Also: CUDA-graph replay of a bound
+presum layer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from resgen import calibrate as C
+from resgen.kernels import layouts as L
+from resgen.search import build
+from resgen.search.linear_sm90 import (FAMILY, PRESUM_NVFP4_ONLY, PRESUM_XOP_ONLY, Act, Fold,
+                                       LinearSm90Variant, Pipeline, geometry_of)
+from resgen.search.variant import LinearProblem
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ARCH = "sm_90a"
+QWEN3_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+MS = (1, 16, 64, 128)
+_COMPILED: dict[tuple[str, str], object] = {}
+
+
+def _compiled(v: LinearSm90Variant, p: LinearProblem):
+    key = (v.key(), FAMILY.compile_key(v, p).key())
+    if key not in _COMPILED:
+        out = build.compile_variant(FAMILY, v, p, ARCH)
+        assert out.ok, out.error
+        assert out.spill_bytes <= 16, f"{v.name()}: {out.spill_bytes} bytes of local memory"
+        _COMPILED[key] = out.compiled
+    return _COMPILED[key]
+
+
+def _variants(p: LinearProblem) -> list[LinearSm90Variant]:
+    """The prior's first presum variant of the space, and the default's presum twin."""
+    space = [v for v in FAMILY.space(p, ARCH) if v.presum]
+    assert space, "no presum variant in the NVFP4 M-Ext space"
+    best = min(space, key=lambda v: FAMILY.prior(v, p))
+    twin = dataclasses.replace(FAMILY.default(p, ARCH), fold=Fold.PRESUM)
+    return list(dict.fromkeys([best, twin]))
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("n, k", QWEN3_8B, ids=lambda s: str(s))
+def test_presum_qwen3_8b(n, k, m):
+    p = LinearProblem("nvfp4", "full", m, n, k)
+    for v in _variants(p):
+        assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
+        r = FAMILY.runner(_compiled(v, p), v, p, "cuda", n_sets=1, seed=m)
+        r.as_layer()                       # the real quant_sm90 quantizer in front
+        for _ in range(2):
+            res = r.check()
+            assert res.ok, f"{v.name()} m={m}: {res.detail} (rel {res.rel_err:.3e})"
+        if v.deterministic:
+            x = torch.randn(m, k, device="cuda")
+            a, b = r.run_on(x), r.run_on(x)
+            torch.cuda.synchronize()
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{v.name()}: reruns"
+
+
+def test_presum_is_refused_where_it_cannot_run():
+    v = LinearSm90Variant(warps_m=1, warps_k=8, stages=3, fold=Fold.PRESUM)
+    assert FAMILY.why_invalid(v, LinearProblem("mxfp4", "full", 16, 4096, 4096),
+                              ARCH) == PRESUM_NVFP4_ONLY
+    assert FAMILY.why_invalid(dataclasses.replace(v, act=Act.FUSED),
+                              LinearProblem("nvfp4", "full", 1, 4096, 4096),
+                              ARCH) == PRESUM_XOP_ONLY
+
+
+def test_presum_rounds_once_to_fp16_on_the_gpu():
+    """Token 0's operand (1 + 2^-12, -1) on a weight of equal values: presum (1 + 2^-12 is 1 in
+    FP16) gives exactly 0, the exact fold c 2^-12; token 1 (1 + 2^-9, exact in FP16) gives the
+    exact fold's value. The operand goes to the GEMM directly (hand-made row pairs)."""
+    n, k = 64, 256
+    qw = C.prepare_weight(torch.ones(n, k), "nvfp4")
+    p = LinearProblem("nvfp4", "full", 2, n, k)
+    v = LinearSm90Variant(warps_m=4, warps_k=1, pipeline=Pipeline.DIRECT, stages=1,
+                          fold=Fold.PRESUM)
+    launch = FAMILY.launcher(_compiled(v, p), v, p, "cuda")
+    wt = FAMILY.layout(qw, "split")
+    wt = dataclasses.replace(wt, **{f.name: getattr(wt, f.name).cuda()
+                                    for f in dataclasses.fields(wt)
+                                    if isinstance(getattr(wt, f.name), torch.Tensor)})
+    xop = torch.zeros(16, 256, dtype=torch.bfloat16)
+    xop[0, 0], xop[0, 1], xop[1, 0] = 1.0, -1.0, 2.0 ** -12
+    xop[2, 5], xop[3, 5] = 1.0, 2.0 ** -9
+    ax = torch.ones(1)
+    emu = L.emulate_linear_sm90(xop, L.prepare_sm90_weight(qw, "split"), 2, "row_pair", ax)
+    out = torch.full((2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    launch(wt, xop.cuda(), 2, 4, ax.cuda(), out)
+    torch.cuda.synchronize()
+    assert geometry_of(v, p).fold == "presum"
+    assert bool((out[0] == 0).all()) and bool((emu[0] != 0).all())
+    assert torch.equal(out[1].cpu().float(), emu[1].to(torch.bfloat16).float())
+
+
+def test_presum_layer_replays_in_a_cuda_graph():
+    p = LinearProblem("nvfp4", "full", 16, 4096, 4096)
+    v = _variants(p)[0]
+    r = FAMILY.runner(_compiled(v, p), v, p, "cuda", n_sets=1, seed=3)
+    r.as_layer()
+    assert r.check().ok
+    eager = r().clone()
+    side = torch.cuda.Stream()                 # warm-up off the capture stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        r()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        r()
+    r.out.fill_(float("nan"))
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))
