@@ -2,7 +2,8 @@
 # vLLM's Marlin W4A16 and the two fair FP8 W8A8 forms as `resgen bench` baselines, on one
 # H200. First, here: bash bench/marlin_setup.sh (builds the ignored .peers/marlin/, 0.5 MB).
 #
-# One device call (carry [".devcache", ".peers"]: about 62 MiB with the 12 MiB tree):
+# One device call (carry [".devcache", ".peers"]: about 62-63.5 MiB with the 12-13 MiB tree,
+# close to the 64 MiB limit: the two-call form below is the safe one):
 #   bash bench/marlin_h200.sh all                # timeout_s 600, about 7-9 min
 # or two back-to-back calls (/tmp survives between calls on a warm machine):
 #   bash bench/marlin_h200.sh tests              # carry [".peers"], timeout_s 300, ~1-2 min
