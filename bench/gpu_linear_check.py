@@ -461,7 +461,7 @@ def _baselines(B, F, torch, locked, stop) -> None:
             if name == "triton_mxfp4":
                 rec.update(locked(lambda: _triton(B, F, n, k, m)))
             else:
-                make = B.cublas_bf16 if name == "cublas_bf16" else B.cublas_fp8
+                make = B.cublas_bf16 if name == "cublas_bf16" else B.cublas_fp8_torch_quant
                 per = n * k * 2 if name == "cublas_bf16" else n * k
 
                 def sets(cnt, make=make, n=n, k=k, m=m):

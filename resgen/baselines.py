@@ -1,8 +1,17 @@
 """Baselines every resgen benchmark compares against (`resgen bench`, bench/*.py).
 
 - cuBLAS BF16: torch.matmul on bf16 operands.
-- cuBLAS FP8: torch._scaled_mm with per-tensor scales (E4M3 x E4M3 -> bf16).
+- cuBLAS FP8 W8A8 (E4M3 x E4M3 -> bf16, torch._scaled_mm), three forms:
+  - cublas_fp8_prequant: rowwise scales (per token [M, 1], per output channel [1, N]), the
+    activations quantized once outside the timed call: the lower bound of any W8A8 layer;
+  - cublas_fp8_fused: the same GEMM behind one fused per-token quantization kernel (Triton),
+    as a serving engine runs a W8A8 layer;
+  - cublas_fp8_torch_quant: per-tensor scales, the activation quantized per call by several
+    torch ops (the first FP8 baseline; slower than BF16 at small M, so it flatters resgen;
+    kept because bench/gpu_linear_check.py and the stored `fp8_us` numbers use it).
 - Triton MXFP4 x BF16: tl.dot_scaled with E2M1 weights and E8M0 scales (Triton upcasts on Hopper).
+- vLLM's Marlin FP4 x BF16 (W4A16, NVFP4 and MXFP4): resgen.baselines_marlin (built by
+  bench/marlin_setup.sh, outside the tree).
 - The HBM floor: bytes that must move / 4.45 TB/s (the H200's achieved read bandwidth).
 All take a prepared operand set and return a zero-argument callable for the timer.
 """
@@ -13,10 +22,18 @@ from typing import Callable
 
 import torch
 
+from . import baselines_marlin
+from .baselines_marlin import MarlinUnavailable
+
 HBM_BYTES_PER_S = 4.45e12
 
 __all__ = ["HBM_BYTES_PER_S", "floor_us", "nvfp4_weight_bytes", "mxfp4_weight_bytes",
-           "cublas_bf16", "cublas_fp8", "triton_mxfp4", "TRITON_AVAILABLE", "TRITON_FORMS"]
+           "cublas_bf16", "cublas_fp8_torch_quant", "cublas_fp8_prequant", "cublas_fp8_fused",
+           "fp8_rowwise_quant", "fp8_weight_rowwise", "triton_mxfp4", "marlin_fp4",
+           "MarlinUnavailable", "TRITON_AVAILABLE", "TRITON_FORMS"]
+
+E4M3_MAX = 448.0
+INV_E4M3_MAX = 1.0 / E4M3_MAX    # scales are amax * fp32(1/448) in both quantizers
 
 
 def nvfp4_weight_bytes(n: int, k: int) -> int:
@@ -39,20 +56,113 @@ def cublas_bf16(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: torch.matmul(x, wt)
 
 
-def cublas_fp8(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Per-tensor FP8 E4M3 (activation quantized per call, as a serving stack does)."""
+def cublas_fp8_torch_quant(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """x: [M, K] bf16 (M % 16 == 0), w: [N, K] bf16 -> callable returning [M, N] bf16.
+    Per-tensor FP8 E4M3, the activation quantized per call by torch ops (amax, divide, cast:
+    several kernels). Formerly `cublas_fp8`."""
     f8 = torch.float8_e4m3fn
-    w_scale = (w.abs().amax().float() / 448.0).clamp(min=1e-12)
+    w_scale = (w.abs().amax().float() / E4M3_MAX).clamp(min=1e-12)
     w8 = (w.float() / w_scale).to(f8).t()          # column-major [K, N] for _scaled_mm
     one = torch.ones((), device=x.device)
 
     def run() -> torch.Tensor:
-        x_scale = (x.abs().amax().float() / 448.0).clamp(min=1e-12)
+        x_scale = (x.abs().amax().float() / E4M3_MAX).clamp(min=1e-12)
         x8 = (x.float() / x_scale).to(f8)
         return torch._scaled_mm(x8, w8, scale_a=x_scale * one, scale_b=w_scale,
                                 out_dtype=torch.bfloat16)
 
     return run
+
+
+def fp8_rowwise_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [R, K] (any float dtype) -> (E4M3 [R, K], float32 scales [R, 1]) with
+    scale = max(amax(|row|) * fp32(1 / 448), 1e-12) and x8 = clamp(x / scale, +-448) (IEEE
+    division, round to nearest even in the cast). The torch reference of the fused kernel,
+    and the quantizer of the weights (per output channel) and of the pre-quantized
+    activations."""
+    _check_2d_float(x, "fp8_rowwise_quant input")
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) * INV_E4M3_MAX).clamp(min=1e-12)
+    x8 = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, scale
+
+
+def fp8_weight_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K] -> (E4M3 [K, N] column-major view for _scaled_mm, float32 scale_b [1, N])."""
+    w8, ws = fp8_rowwise_quant(w)
+    return w8.t(), ws.reshape(1, -1).contiguous()
+
+
+def _check_2d_float(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{what} must be a 2-D float tensor, got {x.dtype} {tuple(x.shape)}")
+
+
+def _check_fp8_gemm_args(x: torch.Tensor, w: torch.Tensor) -> None:
+    """The shapes torch._scaled_mm takes: x [M, K], w [N, K], M, K, N multiples of 16."""
+    _check_2d_float(x, "FP8 activations x")
+    _check_2d_float(w, "FP8 weights w")
+    (m, k), (n, kw) = x.shape, w.shape
+    if k != kw:
+        raise ValueError(f"x has K={k}, w has K={kw}")
+    if m % 16 or k % 16 or n % 16:
+        raise ValueError(f"torch._scaled_mm needs M, K and N multiples of 16, got M={m} K={k} "
+                         f"N={n} (pad the activation rows)")
+
+
+def cublas_fp8_prequant(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """x: [M, K] bf16 (M % 16 == 0), w: [N, K] bf16 -> callable returning [M, N] bf16:
+    rowwise-scaled torch._scaled_mm on activations quantized HERE, once (not in the timed
+    call): the GEMM alone, the lower bound of a W8A8 layer."""
+    _check_fp8_gemm_args(x, w)
+    w8, ws = fp8_weight_rowwise(w)
+    x8, xs = fp8_rowwise_quant(x)
+    return lambda: torch._scaled_mm(x8, w8, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+
+def cublas_fp8_fused(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """x: [M, K] bf16 (M % 16 == 0), w: [N, K] bf16 -> callable returning [M, N] bf16: one
+    fused per-token quantization kernel (Triton: amax, scale, cast, one program per row;
+    the math of fp8_rowwise_quant) then rowwise-scaled torch._scaled_mm (scale_a [M, 1],
+    scale_b [1, N]), as a serving engine runs a W8A8 layer."""
+    _check_fp8_gemm_args(x, w)
+    if not TRITON_AVAILABLE:
+        raise RuntimeError("Triton is not installed (the fused FP8 quantizer is a Triton "
+                           "kernel)")
+    w8, ws = fp8_weight_rowwise(w)
+    x = x.contiguous()
+    m, k = x.shape
+    x8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    block = min(4096, triton.next_power_of_2(k))
+
+    def run() -> torch.Tensor:
+        _fp8_rowwise_quant_kernel[(m,)](x, x8, xs, k, INV_MAX=INV_E4M3_MAX, BLOCK=block)
+        return torch._scaled_mm(x8, w8, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+    return run
+
+
+def fp8_rowwise_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel alone (for its check against fp8_rowwise_quant): x [R, K] bf16 CUDA ->
+    (E4M3 [R, K], float32 [R, 1])."""
+    if not TRITON_AVAILABLE:
+        raise RuntimeError("Triton is not installed")
+    _check_2d_float(x, "fp8_rowwise_quant_triton input")
+    x = x.contiguous()
+    r, k = x.shape
+    x8 = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(r, 1, dtype=torch.float32, device=x.device)
+    _fp8_rowwise_quant_kernel[(r,)](x, x8, xs, k, INV_MAX=INV_E4M3_MAX,
+                                    BLOCK=min(4096, triton.next_power_of_2(k)))
+    return x8, xs
+
+
+def marlin_fp4(x: torch.Tensor, q, fmt: str,
+               out: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """vLLM's Marlin W4A16 GEMM (see resgen.baselines_marlin.marlin_fp4): x bf16 [M, K], q the
+    fmt ("nvfp4" / "mxfp4") QuantizedTensor of the [N, K] weights, repacked once here."""
+    return baselines_marlin.marlin_fp4(x, q, fmt, out=out)
 
 
 try:
@@ -67,6 +177,25 @@ except Exception:       # pragma: no cover - Triton is present on the GPU machin
 TRITON_FORMS: tuple[str, ...] = ("rhs", "swapped", "swapped_fast", "upcast")
 
 if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _fp8_rowwise_quant_kernel(x_ptr, y_ptr, s_ptr, K, INV_MAX: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+        # One program per row of x [R, K] bf16: amax over the row, scale = max(amax * INV_MAX,
+        # 1e-12) into s [R, 1] float32, y = clamp(x / scale, +-448) as E4M3 (fp8_rowwise_quant)
+        row = tl.program_id(0).to(tl.int64)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            rk = k0 + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row * K + rk, mask=rk < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0) * INV_MAX, 1e-12)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            rk = k0 + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row * K + rk, mask=rk < K, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)   # IEEE, as torch
+            tl.store(y_ptr + row * K + rk, q.to(tl.float8e4nv), mask=rk < K)
 
     @triton.jit
     def _mxfp4_rhs_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,

@@ -163,7 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--import", dest="imports", action="append", default=[])
 
     b = sub.add_parser("bench", help="dispatched winners, whole layer, vs torch.matmul BF16, "
-                                     "_scaled_mm FP8, Triton MXFP4 and the HBM floor (GPU)")
+                                     "_scaled_mm FP8 (torch-op quant, pre-quantized, fused "
+                                     "per-token quant), vLLM Marlin W4A16 (if built: "
+                                     "bench/marlin_setup.sh), Triton MXFP4 and the HBM floor "
+                                     "(GPU)")
     b.add_argument("--model", required=True, type=_csv(str))
     b.add_argument("--db", type=Path, default=None)
     b.add_argument("--tp", type=positive_int, default=1)
@@ -913,8 +916,8 @@ def _show_served(args: argparse.Namespace) -> int:
 
 # -- bench -----------------------------------------------------------------------------------------
 def _load_baselines() -> Any:
-    """cuBLAS BF16 / FP8, Triton MXFP4 and the HBM floor (resgen.baselines: package code, so
-    `resgen bench` works from an installed copy)."""
+    """cuBLAS BF16 / FP8 (three forms), Marlin W4A16, Triton MXFP4 and the HBM floor
+    (resgen.baselines: package code, so `resgen bench` works from an installed copy)."""
     from . import baselines
 
     return baselines
@@ -972,7 +975,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     env = current_environment()
     disp = runtime.Dispatcher(paths=[args.db] if args.db else None)
     policy = DEFAULT_POLICY
-    rows, table = [], []
+    rows = []
     base_cache: dict[tuple, dict] = {}
     compiled: dict[tuple, Any] = {}                 # one compile per compile key (M buckets)
     for p in problems:
@@ -989,14 +992,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             base_cache[key] = _bench_baselines(bl, p, policy)
         rec.update(base_cache[key])
         rows.append(rec)
-        r_us, b_us, f_us = rec.get("resgen_us"), rec.get("bf16_us"), rec.get("fp8_us")
-        t_us = rec.get("triton_us")
         wbytes = (bl.nvfp4_weight_bytes if p.fmt == "nvfp4" else bl.mxfp4_weight_bytes)(p.n, p.k)
         rec["floor_us"] = bl.floor_us(wbytes)
-        pct = f"{100 * rec['floor_us'] / r_us:.0f}" if r_us else "-"
-        table.append([p.fmt, p.compensation, p.m, f"{p.n}x{p.k}", _fmt(r_us), pct, _fmt(b_us),
-                      _fmt(f_us), _ratio(b_us, r_us), _ratio(f_us, r_us), _ratio(t_us, r_us),
-                      rec.get("variant", rec.get("error", ""))[:48]])
         torch.cuda.empty_cache()
     out_path = args.out or (Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT")
                             else Path("bench/results/h200") / f"bench_{int(time.time())}.json")
@@ -1004,18 +1001,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_path.write_text(json.dumps({"environment": env.as_dict(), "policy": policy.as_dict(),
                                     "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                                     "rows": rows}, indent=1))
-    plain = {(r["problem"]["fmt"], r["problem"]["m"], r["problem"]["n"], r["problem"]["k"]):
-             r.get("resgen_us") for r in rows if r["problem"]["compensation"] == "none"}
-    for r, line in zip(rows, table):       # this mode against resgen plain W4A4, same layer
-        pr = r["problem"]
-        line.insert(-1, _ratio(plain.get((pr["fmt"], pr["m"], pr["n"], pr["k"])),
-                               r.get("resgen_us")))
-    print(_table(["fmt", "comp", "M", "NxK", "resgen us", "%floor", "bf16 us", "fp8 us",
-                  "x bf16", "x fp8", "x triton", "x none", "variant"], table))
+    print(_bench_table(rows))
     for line in _bench_sums(rows):
         print(line)
+    for why in sorted({r["marlin_error"] for r in rows if r.get("marlin_error")}):
+        print(f"note: no Marlin W4A16 baseline: {why}")
     print(f"-> {out_path}")
     return 0
+
+
+# The baselines `resgen bench` times, as (JSON key, name in the sums); the table's ratio
+# columns follow this order. fp8_us is the per-tensor FP8 form quantized by torch ops (the key
+# the first bench JSON files and bench/report read); the two fair W8A8 forms are
+# fp8_prequant_us (activations quantized outside the timed call: the lower bound) and
+# fp8_fused_us (one fused per-token quantization kernel, as a serving engine runs).
+BASELINE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("bf16_us", "cuBLAS BF16"), ("fp8_us", "cuBLAS FP8 torch-quant"),
+    ("fp8_prequant_us", "cuBLAS FP8 prequant"), ("fp8_fused_us", "cuBLAS FP8 fused-quant"),
+    ("marlin_us", "Marlin W4A16"), ("triton_us", "Triton MXFP4"))
+_SHORT = {"bf16_us": "bf16", "fp8_us": "fp8tq", "fp8_prequant_us": "fp8pre",
+          "fp8_fused_us": "fp8fused", "marlin_us": "marlin", "triton_us": "triton"}
+
+
+def _bench_table(rows: list[dict[str, Any]]) -> str:
+    """One line per layer: resgen's time, its share of the HBM floor, each baseline's time and
+    baseline / resgen (x > 1: resgen is faster), and resgen plain W4A4 ("none") / this mode
+    on the same layer. Columns: BASELINE_COLUMNS' order; '-' where a time is missing."""
+    plain = {(r["problem"]["fmt"], r["problem"]["m"], r["problem"]["n"], r["problem"]["k"]):
+             r.get("resgen_us") for r in rows if r["problem"]["compensation"] == "none"}
+    keys = [k for k, _ in BASELINE_COLUMNS]
+    table = []
+    for r in rows:
+        pr = r["problem"]
+        r_us = r.get("resgen_us")
+        pct = f"{100 * r['floor_us'] / r_us:.0f}" if r_us and r.get("floor_us") else "-"
+        table.append([pr["fmt"], pr["compensation"], pr["m"], f"{pr['n']}x{pr['k']}",
+                      _fmt(r_us), pct]
+                     + [_fmt(r.get(k)) for k in keys if k != "triton_us"]
+                     + [_ratio(r.get(k), r_us) for k in keys]
+                     + [_ratio(plain.get((pr["fmt"], pr["m"], pr["n"], pr["k"])), r_us),
+                        r.get("variant", r.get("error", ""))[:48]])
+    heads = (["fmt", "comp", "M", "NxK", "resgen us", "%floor"]
+             + [f"{_SHORT[k]} us" for k in keys if k != "triton_us"]
+             + [f"x {_SHORT[k]}" for k in keys] + ["x none", "variant"])
+    return _table(heads, table)
 
 
 def _bench_sums(rows: list[dict[str, Any]]) -> list[str]:
@@ -1039,8 +1068,7 @@ def _bench_sums(rows: list[dict[str, Any]]) -> list[str]:
                 all(r.get("resgen_us") for r in base):
             tot = sum(r["resgen_us"] for r in base)
             line += f"; resgen none {tot:.2f} us (x{tot / ours:.2f})"
-        for key, name in (("bf16_us", "cuBLAS BF16"), ("fp8_us", "cuBLAS FP8"),
-                          ("triton_us", "Triton MXFP4"), ("floor_us", "HBM floor")):
+        for key, name in BASELINE_COLUMNS + (("floor_us", "HBM floor"),):
             if all(r.get(key) for r in rs):
                 tot = sum(r[key] for r in rs)
                 line += (f"; {name} {tot:.2f} us (x{tot / ours:.2f})" if key != "floor_us"
@@ -1058,31 +1086,105 @@ def _ratio(base: float | None, ours: float | None) -> str:
 
 
 def _bench_baselines(bl: Any, p: Any, policy: Any) -> dict[str, Any]:
-    """torch.matmul BF16 and torch._scaled_mm FP8 per-tensor on the layer's shape (the FP8
-    activation rows are padded to a multiple of 16, which _scaled_mm requires)."""
+    """The layer's shape under each baseline (BASELINE_COLUMNS): torch.matmul BF16; the three
+    torch._scaled_mm FP8 forms (activation rows padded to a multiple of 16, which _scaled_mm
+    requires; the two rowwise forms checked against the FP32 product of their own E4M3
+    operands before timing); vLLM's Marlin W4A16 in the layer's format (checked against
+    x @ the dequantized weights before timing; skipped with the reason in marlin_error when
+    its library is absent); Triton MXFP4 for MXFP4 layers."""
     import torch
 
     from .search.timing import CallableRunner, measure
 
     out: dict[str, Any] = {}
-    wbytes = p.n * p.k * 2
-    n_sets = policy.sets_for(wbytes)
+    n_sets = policy.sets_for(p.n * p.k * 2)          # bf16 weights
+    fp8_sets = policy.sets_for(p.n * p.k)            # E4M3 weights: half the bytes per set
     try:
-        xs = [torch.randn(p.m, p.k, device="cuda", dtype=torch.bfloat16) for _ in range(n_sets)]
+        xs = [torch.randn(p.m, p.k, device="cuda", dtype=torch.bfloat16)
+              for _ in range(max(n_sets, fp8_sets))]
         ws = [torch.randn(p.n, p.k, device="cuda", dtype=torch.bfloat16) / p.k ** 0.5
-              for _ in range(n_sets)]
-        out["bf16_us"] = measure(CallableRunner([bl.cublas_bf16(x, w) for x, w in zip(xs, ws)]),
+              for _ in range(max(n_sets, fp8_sets))]
+        out["bf16_us"] = measure(CallableRunner([bl.cublas_bf16(x, w) for x, w in
+                                                 zip(xs[:n_sets], ws[:n_sets])]),
                                  policy, n_sets).median_us
         m16 = -(-p.m // 16) * 16
         xp = [torch.nn.functional.pad(x, (0, 0, 0, m16 - p.m)) for x in xs]
-        out["fp8_us"] = measure(CallableRunner([bl.cublas_fp8(x, w) for x, w in zip(xp, ws)]),
-                                policy, n_sets).median_us
         out["fp8_rows"] = m16
+        for key, make in (("fp8_us", bl.cublas_fp8_torch_quant),
+                          ("fp8_prequant_us", getattr(bl, "cublas_fp8_prequant", None)),
+                          ("fp8_fused_us", getattr(bl, "cublas_fp8_fused", None))):
+            if make is None:
+                continue
+            try:
+                if key != "fp8_us":
+                    out[key.replace("_us", "_rel_err")] = _check_fp8(bl, make, xp[0], ws[0])
+                out[key] = measure(CallableRunner([make(x, w) for x, w in
+                                                   zip(xp[:fp8_sets], ws[:fp8_sets])]),
+                                   policy, fp8_sets).median_us
+            except Exception as e:
+                out[key.replace("_us", "_error")] = f"{type(e).__name__}: {e}"[:300]
+        if hasattr(bl, "marlin_fp4"):
+            out.update(_bench_marlin(bl, xs[0], p, policy))
         if p.fmt == "mxfp4" and getattr(bl, "TRITON_AVAILABLE", False):
             out.update(_bench_triton(bl, xs[0], p, policy))
         del xs, ws, xp
     except Exception as e:
         out["baseline_error"] = f"{type(e).__name__}: {e}"[:500]
+    return out
+
+
+FP8_TOLERANCE = 1e-2        # bf16 output of an FP32-accumulated E4M3 product
+MARLIN_TOLERANCE = 1e-2     # bf16 output, FP32 accumulation and FP32 global reduction
+
+
+def _rel_err(y: Any, ref: Any) -> float:
+    """||y - ref|| / ||ref|| in FP32; NaN (never passes) if y holds a NaN or Inf."""
+    import torch
+
+    y = y.float()
+    if not bool(torch.isfinite(y).all()):
+        return float("nan")
+    return float((y - ref).norm() / ref.norm())
+
+
+def _check_fp8(bl: Any, make: Any, x: Any, w: Any) -> float:
+    """A rowwise FP8 form against the FP32 product of its own E4M3 operands (fresh quantization
+    of x and w by bl.fp8_rowwise_quant, dequantized); raises if rel err > FP8_TOLERANCE."""
+    x8, xs = bl.fp8_rowwise_quant(x)
+    w8, ws = bl.fp8_rowwise_quant(w)
+    ref = (x8.float() * xs) @ (w8.float() * ws).T
+    rel = _rel_err(make(x, w)(), ref)
+    if not rel <= FP8_TOLERANCE:
+        raise RuntimeError(f"wrong result: rel err {rel:.3g} > {FP8_TOLERANCE}")
+    return rel
+
+
+def _bench_marlin(bl: Any, x: Any, p: Any, policy: Any) -> dict[str, Any]:
+    """vLLM's Marlin W4A16 (resgen.baselines_marlin) in the layer's format: weights quantized by
+    resgen.formats and repacked once (not timed); checked first against x @ dequantize(q)^T in
+    FP32 (output poisoned with NaN; rel err <= MARLIN_TOLERANCE), then timed over the policy's
+    weight sets. marlin_error says why it was not timed (library absent, wrong result, ...)."""
+    import torch
+
+    from . import formats
+    from .search.timing import CallableRunner, measure
+
+    out: dict[str, Any] = {}
+    try:
+        n_sets = policy.sets_for(p.n * p.k // 2)
+        qs = [formats.quantize(torch.randn(p.n, p.k, device="cuda"), p.fmt)
+              for _ in range(n_sets)]
+        y = torch.full((p.m, p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fn = bl.marlin_fp4(x, qs[0], p.fmt, out=y)
+        ref = x.float() @ formats.dequantize(qs[0]).T
+        rel = _rel_err(fn(), ref)
+        out["marlin_rel_err"] = rel
+        if not rel <= MARLIN_TOLERANCE:
+            raise RuntimeError(f"wrong result: rel err {rel:.3g} > {MARLIN_TOLERANCE}")
+        fns = [fn] + [bl.marlin_fp4(x, q, p.fmt) for q in qs[1:]]
+        out["marlin_us"] = measure(CallableRunner(fns), policy, n_sets).median_us
+    except Exception as e:
+        out["marlin_error"] = f"{type(e).__name__}: {e}"[:300]
     return out
 
 
