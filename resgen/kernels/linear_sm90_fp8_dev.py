@@ -9,12 +9,22 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .linear_sm90_wgmma_dev import ld_shared_u32
 from .linear_sm90_fp8_convert import E8M0_ZERO_BITS, MAG_MASK, NEG, SIGN_BITS, T_HI, T_LO
 
 __all__ = ["WATCHDOG_NS", "wait_parity", "fp4x8_to_e4m3", "e8m0x4_to_f32", "ld_shared_u32"]
 
 WATCHDOG_NS = 2_000_000_000      # 2 s: every wait in these kernels is over in microseconds
+
+
+@dsl_user_op
+def ld_shared_u32(saddr, *, loc=None, ip=None) -> Uint32:
+    """One 32-bit shared-memory load at the 32-bit address `saddr` (this family's own copy:
+    a family imports no other family's modules, and resgen.kernels.sm90_ptx's bytes are
+    hashed into every sm_90 family's fingerprints)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Int32(saddr).ir_value(loc=loc, ip=ip)], "ld.shared.u32 $0, [$1];",
+        "=r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @dsl_user_op
