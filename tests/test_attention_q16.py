@@ -293,3 +293,49 @@ def test_q16_compiles_for_sm90a_without_spills(case):
     assert out.ok, out.error
     assert out.registers is not None and out.registers <= 255
     assert out.spill_bytes == 0, f"{out.spill_bytes} bytes of local memory"
+
+
+# ----------------------------------------------------------------------------- the GPU probe
+
+
+def _probe():
+    import importlib.util
+
+    path = HERE.parent / "bench" / "probes" / "q16_probe.py"
+    spec = importlib.util.spec_from_file_location("q16_probe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_q16_probe_plan_is_valid_and_compiles_little():
+    """bench/probes/q16_probe.py: 12 points x 3 modes, every candidate valid for its mode, and
+    few distinct compiles (the device call is sized by them: about 15 s each)."""
+    P = _probe()
+    pts = P.points()
+    assert len(pts) == 12 and pts[0][2] == 32768
+    idents = set()
+    for geom, b, n in pts:
+        for mode in P.MODES:
+            p = P.problem(geom, b, n, mode)
+            assert p.query == ("q16" if mode == "q16" else "nvfp4")
+            assert p.compensation == (mode == "resattn")
+            vs = P.candidates(p)
+            assert vs and all(FAMILY.why_invalid(v, p, ARCH) is None for v in vs)
+            if mode == "q16":
+                assert all(v.packing == Packing.DENSE for v in vs)
+            idents |= {P.compile_identity(v, p) for v in vs}
+    assert len(idents) <= 16, len(idents)
+
+
+def test_q16_probe_summary_table():
+    P = _probe()
+    rows = [{"point": "qwen3-8b b=8 kv=32K", "q16": {"best": {"us": 50.0}},
+             "plain": {"best": {"us": 49.0}}, "resattn": {"best": {"us": 52.0}},
+             "flashinfer": {"us": 80.0}},
+            {"point": "qwen3-32b b=1 kv=8K", "q16": {"best": None}, "plain": {"best": None},
+             "resattn": None}]
+    lines = P.summary(rows)
+    assert len(lines) == 3 and "q16/plain" in lines[0]
+    assert "1.020" in lines[1] and "0.962" in lines[1] and "80.00" in lines[1]
+    assert lines[2].split()[-1] == "-"
