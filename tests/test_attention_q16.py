@@ -339,3 +339,19 @@ def test_q16_probe_summary_table():
     assert len(lines) == 3 and "q16/plain" in lines[0]
     assert "1.020" in lines[1] and "0.962" in lines[1] and "80.00" in lines[1]
     assert lines[2].split()[-1] == "-"
+
+
+def test_tune_attention_modes():
+    """`resgen tune --attn-modes`: q16 workloads only when asked (not in the default list until
+    the shipped table covers them), bad names refused."""
+    from resgen.models import get_model, tuning_workloads
+
+    m8 = [get_model("qwen3-8b")]
+    default = tuning_workloads(FAMILY, m8, attn_batches=[1, 8], kv_lens=[8192])
+    assert default and all(p.query == "nvfp4" for p in default)
+    assert {p.compensation for p in default} == {True, False}
+    q16 = tuning_workloads(FAMILY, m8, attn_batches=[1, 8], kv_lens=[8192], attn_modes=["q16"])
+    assert len(q16) == len(default) // 2
+    assert all(p.query == "q16" and not p.compensation for p in q16)
+    with pytest.raises(ValueError, match="attention modes"):
+        tuning_workloads(FAMILY, m8, attn_modes=["q8"])
