@@ -277,6 +277,7 @@ def attach_checks(llm: Any) -> Checks:
                                   checks)
     append, attn = m.append, m.attn
     comp = llm.options.attn == "resattn"
+    query = "q16" if llm.options.attn == "q16" else "nvfp4"
 
     def checked_append(cache: Any, k: torch.Tensor, v: torch.Tensor, bt: torch.Tensor,
                        pos: torch.Tensor) -> None:
@@ -298,7 +299,8 @@ def attach_checks(llm: Any) -> Checks:
                      **kw: Any) -> torch.Tensor:
             o = attn(q, cache, bt, sl, **kw)
             live = sl > 0
-            ref = R.decode_attention(q.float(), cache, bt, sl, compensation=comp, pv="fp32")
+            ref = R.decode_attention(q.float(), cache, bt, sl, compensation=comp, pv="fp32",
+                                     query=query)
             r = dataclasses.asdict(compare(o[live], ref[live], attention_sm90.TOLERANCE["f16"]))
             checks.record("attention", r)
             return o

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kv-lens", type=_csv(positive_int), default=list(DEFAULT_KV_LENS))
     t.add_argument("--attn-pv", type=_csv(str), default=["f16", "fp8"],
                    help="decode attention P.V numerics to tune (f16, fp8)")
+    t.add_argument("--attn-modes", type=_csv(str), default=["resattn", "plain"],
+                   help="decode attention modes to tune: resattn, plain, q16 (the FP16 query "
+                        "x NVFP4 K/V, the Hopper-native mode; not in the default list until "
+                        "the shipped table covers it)")
     t.add_argument("--tp", type=positive_int, default=1)
     t.add_argument("--db", type=Path, default=None,
                    help="output database (default: the user's cache database)")
@@ -366,7 +370,7 @@ def _tune_workloads(args: argparse.Namespace, fams: Sequence[Any], models: Seque
 
     kw = dict(tp=args.tp, formats=args.formats, compensations=args.compensations,
               m_buckets=args.m_buckets, attn_batches=args.attn_batches, kv_lens=args.kv_lens,
-              attn_pv=args.attn_pv)
+              attn_pv=args.attn_pv, attn_modes=args.attn_modes)
     problems: dict[str, list] = {}
     per_model: dict[str, dict[str, int]] = {}
     jobs: list = []

@@ -27,7 +27,8 @@ from .search.variant import AttentionProblem, LinearProblem
 
 __all__ = ["ModelSpec", "LinearShape", "AttentionGeometry", "MODELS", "get_model",
            "get_models", "linear_problems", "attention_problems", "tuning_workloads",
-           "COMPENSATIONS", "LINEAR_MODES", "FORMATS", "ATTENTION_PV"]
+           "COMPENSATIONS", "LINEAR_MODES", "FORMATS", "ATTENTION_PV", "ATTENTION_MODES",
+           "DEFAULT_ATTENTION_MODES"]
 
 FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
 _MAX_FEATURES = 1 << 20          # LinearProblem's n and k range
@@ -220,18 +221,34 @@ def linear_problems(models: Sequence[ModelSpec], tp: int = 1,
 
 
 ATTENTION_PV: tuple[str, ...] = ("f16", "fp8")
+# Decode attention modes -> (compensation, query) of AttentionProblem. "q16" (the FP16 query,
+# never quantized: issue 20 section 2) is not in the default list until the shipped table
+# covers it (as compensation "w4a16" for the linear layers).
+ATTENTION_MODES: dict[str, tuple[bool, str]] = {"resattn": (True, "nvfp4"),
+                                                "plain": (False, "nvfp4"),
+                                                "q16": (False, "q16")}
+DEFAULT_ATTENTION_MODES: tuple[str, ...] = ("resattn", "plain")
 
 
 def attention_problems(models: Sequence[ModelSpec], tp: int = 1,
                        batches: Sequence[int] = (1,), kv_lens: Sequence[int] = (8192,),
                        page_size: int = 32, compensation: Sequence[bool] = (True, False),
-                       pv: Sequence[str] = ATTENTION_PV) -> list[AttentionProblem]:
-    """Decode attention workloads per geometry: ResAttn and the plain NVFP4-KV form, with the
+                       pv: Sequence[str] = ATTENTION_PV,
+                       modes: Sequence[str] | None = None) -> list[AttentionProblem]:
+    """Decode attention workloads per geometry: ResAttn and the plain NVFP4-KV form (or the
+    given `modes`, names of ATTENTION_MODES, which then replace `compensation`), with the
     P.V product in FP16 (V decoded exactly) and in FP8 E4M3 (the paper's)."""
+    if modes is None:
+        forms = [(bool(c), "nvfp4") for c in compensation]
+    else:
+        bad = [m for m in modes if m not in ATTENTION_MODES]
+        if bad:
+            raise ValueError(f"attention modes {bad} not in {sorted(ATTENTION_MODES)}")
+        forms = [ATTENTION_MODES[m] for m in modes]
     return _dedupe(AttentionProblem(batch=b, q_heads=g.q_heads, kv_heads=g.kv_heads,
                                     head_dim=g.head_dim, kv_len=L, page_size=page_size,
-                                    compensation=c, pv=v)
-                   for spec in models for g in [spec.attention(tp)] for c in compensation
+                                    compensation=c, pv=v, query=qm)
+                   for spec in models for g in [spec.attention(tp)] for c, qm in forms
                    for v in pv for b in batches for L in kv_lens)
 
 
@@ -239,8 +256,8 @@ def tuning_workloads(family: Any, models: Sequence[ModelSpec], *, tp: int = 1,
                      formats: Sequence[str] = FORMATS,
                      compensations: Sequence[str] = COMPENSATIONS,
                      m_buckets: Sequence[int] = (1,), attn_batches: Sequence[int] = (1,),
-                     kv_lens: Sequence[int] = (8192,), attn_pv: Sequence[str] = ATTENTION_PV
-                     ) -> list[Any]:
+                     kv_lens: Sequence[int] = (8192,), attn_pv: Sequence[str] = ATTENTION_PV,
+                     attn_modes: Sequence[str] = DEFAULT_ATTENTION_MODES) -> list[Any]:
     """The workloads `resgen tune` gives a kernel family for the models, deduplicated: its
     own `model_problems` hook when it has one; the linear or attention workloads for those
     problem types; for another problem type (e.g. the quantizer's), its
@@ -256,7 +273,8 @@ def tuning_workloads(family: Any, models: Sequence[ModelSpec], *, tp: int = 1,
     if family.PROBLEM is LinearProblem:
         return lin
     if family.PROBLEM is AttentionProblem:
-        return attention_problems(models, tp, attn_batches, kv_lens, pv=attn_pv)
+        return attention_problems(models, tp, attn_batches, kv_lens, pv=attn_pv,
+                                  modes=attn_modes)
     names = {f.name for f in dataclasses.fields(family.PROBLEM)}
     for_linear = getattr(family.PROBLEM, "for_linear", None)
     out, seen = [], set()

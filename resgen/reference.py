@@ -17,7 +17,8 @@ from .formats import QuantizedTensor
 from .kvcache import PagedKVCache
 
 __all__ = ["Compensation", "Fold", "FOLDS", "linear", "linear_w4a16", "decode_attention",
-           "nmse", "attention_fp32", "quantize_query", "check_compensation"]
+           "nmse", "attention_fp32", "quantize_query", "query_fp16", "QUERY_MODES",
+           "Q16_EXP_OFFSET", "check_compensation"]
 
 Compensation = Union[Literal["none", "full"], float]
 # How base and residue meet: "exact" (two products, or one over K + ext, each exact, summed in
@@ -183,6 +184,41 @@ def quantize_query(q: torch.Tensor, *, scale: Literal["row", "tensor"] = "row"):
     return mk(c, sc), mk(rc, rsc), alpha
 
 
+# How the decode query meets the NVFP4 K/V: "nvfp4" (split into FP4 base [+ residue]: plain /
+# ResAttn, Blackwell's block-scaled numerics) or "q16" (rounded to FP16 once, no quantization:
+# issue 20 section 2, the attention analogue of W4A16; on Hopper the MMA takes FP16 anyway).
+QUERY_MODES: tuple[str, ...] = ("nvfp4", "q16")
+# q16 row scale 2^(floor(log2 amax) - 14): the row's amax lands in [2^14, 2^15), far below
+# FP16's 65504, so nothing overflows, and a BF16 element (8 significant bits) is exact in FP16
+# down to 2^-17 after scaling, i.e. every element >= amax * 2^-31 converts exactly.
+Q16_EXP_OFFSET = 14
+
+
+def query_fp16(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Q16 query: q: [..., D] float -> (q16 [..., D] float32 holding FP16 values, scale
+    [..., 1] float32 power of two) with q ~= q16 * scale.
+
+    scale = 2^max(floor(log2 amax) - 14, -126) per row (amax = max |q| of the row; an all-zero
+    row gets 2^-126); q16 = fp16_rne(q / scale). For BF16 inputs the conversion is exact for
+    every element >= amax * 2^-31 (smaller ones round to FP16 subnormals or zero, an absolute
+    error <= amax * 2^-39); it never overflows. The kernels compute the same scale from the
+    FP32 exponent bits of amax (resgen.kernels.attention_sm90_q16_device.query_stage_q16).
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() < 1:
+        raise ValueError("query_fp16 takes a tensor [..., D]")
+    qf = q.float()
+    if not bool(torch.isfinite(qf).all()):
+        raise ValueError("queries contain NaN or Inf")
+    amax = qf.abs().amax(-1, keepdim=True)
+    bits = amax.view(torch.int32)
+    expo = (bits >> 23) & 0xFF                       # biased FP32 exponent of amax
+    sexp = torch.clamp(expo - Q16_EXP_OFFSET, min=1)   # biased exponent of the scale
+    scale = (sexp << 23).view(torch.float32)
+    inv = ((254 - sexp) << 23).view(torch.float32)   # 1 / scale, exact (a power of two)
+    q16 = (qf * inv).to(torch.float16).float()
+    return q16, scale
+
+
 FP8_P_SCALE = 256.0     # P is scaled by 2^8 before E4M3 rounding in the FP8 PV path
 
 
@@ -195,7 +231,8 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
                      seq_lens: torch.Tensor, *, compensation: bool = True,
                      pv: Literal["fp32", "bf16", "f16", "fp8"] = "fp32",
                      query_scale: Literal["row", "tensor"] = "row",
-                     sm_scale: float | None = None, fold: Fold = "exact") -> torch.Tensor:
+                     sm_scale: float | None = None, fold: Fold = "exact",
+                     query: str = "nvfp4") -> torch.Tensor:
     """Reference ResAttn decode attention over a paged NVFP4 KV cache.
 
     q: [B, Hq, D] float; block_tables: int [B, max_pages]; seq_lens: int [B].
@@ -204,6 +241,10 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
     fold="presum": scores = fp16(Q_hat + R_hat) K_hat^T * sm_scale, one product (the query's
     base and residue summed in FP32 and rounded once, resgen.formats.presum_fp16; K_hat is
     exact in FP16).
+    query="q16" (needs compensation=False): scores = q16 K_hat^T * scale_q * sm_scale with
+    (q16, scale_q) = query_fp16(q), the query rounded once to FP16 and never quantized: more
+    accurate than ResAttn and than fold="presum" (which rounds the already quantized
+    Q_hat + R_hat to FP16), at plain NVFP4-KV cost (one product).
     pv: "fp32" exact P V_hat; "bf16" / "f16" P rounded to BF16 / FP16 (V_hat / alpha_v is
         exact in both); "fp8" P * 2^8 and V_hat / alpha_v rounded to E4M3 (the paper's FP8 PV;
         the 2^8 puts P in [0, 256] so probabilities down to 2^-14 stay E4M3 normals).
@@ -215,6 +256,11 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
         raise ValueError(f"query_scale must be 'row' or 'tensor', got {query_scale!r}")
     if fold not in FOLDS:
         raise ValueError(f"fold must be one of {FOLDS}, got {fold!r}")
+    if query not in QUERY_MODES:
+        raise ValueError(f"query must be one of {QUERY_MODES}, got {query!r}")
+    if query == "q16" and (compensation or fold != "exact"):
+        raise ValueError("query='q16' is not quantized, so it has no residue to compensate: "
+                         "pass compensation=False (and fold='exact')")
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("queries must be a tensor [B, Hq, D]")
     bsz, hq, d = q.shape
@@ -236,9 +282,14 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, block_tables: torch.T
     if not bool(torch.isfinite(q).all()):
         raise ValueError("queries contain NaN or Inf")
     scale = sm_scale if sm_scale is not None else d ** -0.5
-    base, res, alpha_q = quantize_query(q, scale=query_scale)
-    qu = formats.dequantize(base, apply_global_scale=False).double()
-    ru = formats.dequantize(res, apply_global_scale=False).double()
+    if query == "q16":
+        q16, alpha_q = query_fp16(q)
+        qu = q16.double()
+        ru = torch.zeros_like(qu)
+    else:
+        base, res, alpha_q = quantize_query(q, scale=query_scale)
+        qu = formats.dequantize(base, apply_global_scale=False).double()
+        ru = formats.dequantize(res, apply_global_scale=False).double()
     if fold == "presum" and compensation:
         qu = formats.presum_fp16((qu.float() + ru.float()), "nvfp4").double()
         compensation = False                 # the residue is inside the one operand now

@@ -373,17 +373,22 @@ cute = pytest.importorskip("cutlass.cute", reason="CuTe DSL not installed")
 
 
 def test_host_shape_has_the_device_cfg_fields():
-    """AttnShape copies AttnCfg's fields (the host module must import without CuTe DSL)."""
+    """AttnShape copies AttnCfg's fields (the host module must import without CuTe DSL), plus
+    `query` last (the Q16 stage is a helper module of its own; AttnCfg, which every existing
+    kernel imports, stays unchanged)."""
     from resgen.kernels.attention_sm90 import AttnShape
     from resgen.kernels.attention_sm90_device import AttnCfg
 
     def spec(cls):
         return [(f.name, f.type, f.default) for f in dataclasses.fields(cls)]
 
-    assert spec(AttnShape) == spec(AttnCfg)
+    assert spec(AttnShape)[:-1] == spec(AttnCfg)
+    assert spec(AttnShape)[-1] == ("query", "str", "nvfp4")
     sh = AttnShape(head_dim=128, group=4, page_size=32, num_warps=4, kc=32, compensation=True,
                    packing="pair", pv="f16", reduction="none")
-    assert sh.cfg().threads == 128 and sh.cfg().__dict__ == sh.__dict__
+    assert sh.cfg().threads == 128 and {**sh.cfg().__dict__, "query": "nvfp4"} == sh.__dict__
+    with pytest.raises(ValueError, match="q16"):
+        dataclasses.replace(sh, query="q16")          # q16: no residue, dense columns only
 
 
 def _compile(v: AttentionSm90Variant, p: AttentionProblem):

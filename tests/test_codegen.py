@@ -96,7 +96,8 @@ def _families_of(module: str) -> list:
 
 def test_key_separation_problems_and_fake_family():
     for p in (LinearProblem(), LinearProblem(fmt="mxfp4", compensation="0.125", m=7),
-              AttentionProblem(), FakeProblem(m=3)):
+              AttentionProblem(compensation=False), FakeProblem(m=3)):
+        # (plain attention: from ResAttn, query="q16" is no legal alternative, no residue)
         assert assert_keys_separate(p) == len(dataclasses.fields(p))
     for v in FakeFamily().space(FakeProblem(), "sm_90a")[::7]:
         assert assert_keys_separate(v) == 4

@@ -212,20 +212,31 @@ def test_paged_nvfp4_cache_holds_the_quantized_kv(kind):
     """The paged NVFP4 cache (append, block tables, scratch page) holds exactly the NVFP4 K/V
     transformers' quantized cache holds: with exact attention over it the decode logits agree
     to FP32 rounding; ResAttn's query quantization then adds a small error, plain NVFP4-KV
-    attention (query quantized without residue) a larger one."""
+    attention (query quantized without residue) a larger one; Q16 (the query rounded to FP16
+    only) a far smaller one than ResAttn."""
     m = tiny_model(kind)
     seq, p = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], 3
     ref = _hf_qdq_decode(m, seq, p)
     errs = {}
-    for attn in ("exact", "resattn", "plain"):
+    for attn in ("exact", "resattn", "plain", "q16"):
         llm = _load(m, fmt="bf16", kv="nvfp4", io="fp32",
-                    attn="plain" if attn == "plain" else "resattn")
+                    attn="resattn" if attn == "exact" else attn)
         if attn == "exact":
             llm.model.attn = _ExactAttention()
         got = llm.forced_decode([seq], [p], reduce="logits")[0]
         errs[attn] = float((got - ref).norm() / ref.norm())
     assert errs["exact"] < 1e-5, errs
     assert errs["resattn"] < 0.05 and errs["resattn"] < errs["plain"], errs
+    assert errs["q16"] < 0.2 * errs["resattn"], errs
+
+
+def test_attention_mode_defaults_to_q16_for_w4a16_only():
+    m = tiny_model("qwen3", layers=1)
+    assert _load(m, compensation="w4a16").options.attn == "q16"
+    assert _load(m, compensation="w4a16", attn="resattn").options.attn == "resattn"
+    assert _load(m, fmt="bf16", kv="nvfp4").options.attn == "resattn"
+    with pytest.raises(ValueError, match="attn"):
+        _load(m, attn="fp16")
 
 
 @pytest.mark.parametrize("kind, comp", [("qwen2", "full"), ("qwen3", "full"),

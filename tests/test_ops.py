@@ -446,7 +446,7 @@ class _EmulatedDecodeAttention:
         self.fn, self.shape, self.num_splits = fn, shape, num_splits
         self.cfg = EmuConfig(compensation=shape.compensation, packing=shape.packing,
                              pv=shape.pv, num_warps=shape.num_warps, num_splits=num_splits,
-                             kc=shape.kc)
+                             kc=shape.kc, query=shape.query)
         self.workspaces = []
         _EmulatedDecodeAttention.made.append(self)
 
@@ -464,11 +464,11 @@ class _EmulatedDecodeAttention:
         return out
 
 
-@pytest.mark.parametrize("compensation", [True, False])
+@pytest.mark.parametrize("compensation", [True, False, "q16"])
 def test_served_attention_is_the_tuned_call_bit_for_bit(compensation, monkeypatch):
     """attention_sm90: the runner's bound op (family.bind) and resgen.ops.DecodeAttention
     without op_fn (so through the same family.bind) give the same bits on the runner's paged
-    cache, ResAttn and plain NVFP4-KV, 2 KV splits reduced in the last CTA."""
+    cache, ResAttn, plain NVFP4-KV and Q16, 2 KV splits reduced in the last CTA."""
     import resgen.kernels.attention_sm90 as KA
     from resgen.ops import DecodeAttention
     from resgen.search.attention_sm90 import (FAMILY, AttentionSm90Variant, Packing,
@@ -477,9 +477,12 @@ def test_served_attention_is_the_tuned_call_bit_for_bit(compensation, monkeypatc
 
     monkeypatch.setattr(KA, "DecodeAttentionSm90", _EmulatedDecodeAttention)
     monkeypatch.setattr(_EmulatedDecodeAttention, "made", [])
-    p = AttentionProblem(2, 8, 2, 64, 64, 16, compensation, "f16")
-    v = AttentionSm90Variant(num_warps=4, kc=16, packing=Packing.PAIR, splits=2,
-                             reduction=Reduction.LASTCTA, prefetch=True)
+    query = "q16" if compensation == "q16" else "nvfp4"     # Q16: the FP16 query, dense
+    compensation = compensation is True
+    p = AttentionProblem(2, 8, 2, 64, 64, 16, compensation, "f16", query)
+    v = AttentionSm90Variant(num_warps=4, kc=16,
+                             packing=Packing.DENSE if query == "q16" else Packing.PAIR,
+                             splits=2, reduction=Reduction.LASTCTA, prefetch=True)
     assert FAMILY.why_invalid(v, p, ARCH) is None
     compiled = object()
     r = FAMILY.runner(compiled, v, p, "cpu", n_sets=1, seed=4)
@@ -487,8 +490,8 @@ def test_served_attention_is_the_tuned_call_bit_for_bit(compensation, monkeypatc
     assert chk.ok, chk.detail
     tuned = r().clone()
     q, cache, bt, sl = r.sets[0]
-    attn = DecodeAttention(8, 2, 64, 16, compensation=compensation, variant=v,
-                           compile_fn=lambda f, vv, pp, a: compiled)
+    attn = DecodeAttention(8, 2, 64, 16, compensation=None if query == "q16" else compensation,
+                           query=query, variant=v, compile_fn=lambda f, vv, pp, a: compiled)
     served = attn(q, cache, bt, sl, max_kv_len=64)
     assert attn.plan(2, 64).problem == p
     assert torch.equal(served.view(torch.int16), tuned.view(torch.int16))

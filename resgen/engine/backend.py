@@ -47,7 +47,9 @@ class Backend:
         raise NotImplementedError
 
     def attention(self, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
-                  compensation: bool) -> Any:
+                  compensation: bool, query: str = "nvfp4") -> Any:
+        """The paged decode attention op: ResAttn (compensation), plain, or Q16 (query
+        "q16": the FP16 query, compensation False)."""
         raise NotImplementedError
 
     def append(self, head_dim: int, kv_heads: int, page_size: int
@@ -63,11 +65,11 @@ class CudaBackend(Backend):
 
         return Linear(qweight, compensation, device=self.device)
 
-    def attention(self, q_heads, kv_heads, head_dim, page_size, compensation):
+    def attention(self, q_heads, kv_heads, head_dim, page_size, compensation, query="nvfp4"):
         from ..ops import DecodeAttention
 
         return DecodeAttention(q_heads, kv_heads, head_dim, page_size,
-                               compensation=compensation)
+                               compensation=compensation, query=query)
 
     def append(self, head_dim, kv_heads, page_size):
         from ..kernels.attention_sm90 import KVAppendSm90, compile_append
@@ -130,10 +132,11 @@ class _RefAttention:
     """DecodeAttention's call on resgen.reference.decode_attention (FP32-exact P V, the
     kernels' f16 P is inside their tolerance), with the kernel's input contract checked."""
 
-    def __init__(self, compensation: bool, io_dtype: torch.dtype, check_contract: bool
-                 ) -> None:
+    def __init__(self, compensation: bool, io_dtype: torch.dtype, check_contract: bool,
+                 query: str = "nvfp4") -> None:
         self.compensation, self.io_dtype = compensation, io_dtype
         self.check = check_contract
+        self.query = query
 
     def warmup(self, shapes: Any) -> list:
         return []
@@ -151,7 +154,7 @@ class _RefAttention:
                 raise AssertionError("block_tables and seq_lens must be int32")
         y = R.decode_attention(q.float(), cache, block_tables, seq_lens,
                                compensation=self.compensation, pv="fp32",
-                               sm_scale=sm_scale).to(self.io_dtype)
+                               sm_scale=sm_scale, query=self.query).to(self.io_dtype)
         if out is None:
             return y
         out.copy_(y)
@@ -186,16 +189,17 @@ class SimBackend(Backend):
                       family="linear_sm90_wgmma", dispatcher=self.dispatcher,
                       compile_fn=_sim_compile, quantizer_fn=_sim_quantizer)
 
-    def attention(self, q_heads, kv_heads, head_dim, page_size, compensation):
+    def attention(self, q_heads, kv_heads, head_dim, page_size, compensation, query="nvfp4"):
         from ..ops import DecodeAttention
 
         # the op's planning runs (geometry check, dispatch per batch / KV class); the
         # reference stands in for the compiled kernel
         op = DecodeAttention(q_heads, kv_heads, head_dim, page_size,
-                             compensation=compensation, dispatcher=self.dispatcher,
-                             compile_fn=lambda f, v, p, a: None,
+                             compensation=compensation, query=query,
+                             dispatcher=self.dispatcher, compile_fn=lambda f, v, p, a: None,
                              op_fn=lambda c, v, p: _RefAttention(p.compensation,
-                                                                 torch.bfloat16, True))
+                                                                 torch.bfloat16, True,
+                                                                 p.query))
         return op
 
     def append(self, head_dim, kv_heads, page_size):
@@ -240,8 +244,8 @@ class ReferenceBackend(Backend):
     def linear(self, qweight, compensation):
         return _FakeQuantOp(qweight, compensation, self.io, self.device)
 
-    def attention(self, q_heads, kv_heads, head_dim, page_size, compensation):
-        return _RefAttention(compensation, self.io_dtype, False)
+    def attention(self, q_heads, kv_heads, head_dim, page_size, compensation, query="nvfp4"):
+        return _RefAttention(compensation, self.io_dtype, False, query)
 
     def append(self, head_dim, kv_heads, page_size):
         return _ref_append(False)

@@ -3,7 +3,7 @@
     resgen generate --model <hf dir | .gguf> --prompt "..." [--prompt ...] [--chat]
         [--max-new-tokens 128] [--temperature 0] [--top-p 1] [--seed S] [--stop TEXT]
         [--fmt nvfp4|mxfp4|bf16] [--compensation none|full|0.125|...] [--kv nvfp4|bf16]
-        [--attn resattn|plain] [--calib text-file | calibration.safetensors]
+        [--attn resattn|plain|q16] [--calib text-file | calibration.safetensors]
         [--backend cuda|sim|reference] [--max-batch N] [--max-seq-len N] [--kv-budget 4G]
 
 One prompt streams its tokens as they arrive; several are generated as one batch and printed
@@ -60,7 +60,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="none | full | w4a16 (FP4 weights, BF16 activations: the Hopper "
                         "mode) | a K-Ext ratio (0.125, 0.25, 0.5, 1.0)")
     g.add_argument("--kv", choices=("nvfp4", "bf16", "fp32"), default="nvfp4")
-    g.add_argument("--attn", choices=("resattn", "plain"), default="resattn")
+    g.add_argument("--attn", choices=("resattn", "plain", "q16"), default=None,
+                   help="decode attention over the NVFP4 KV cache (default: q16 with "
+                        "--compensation w4a16, else resattn)")
     g.add_argument("--calib", default=None,
                    help="calibration text file, or a .safetensors calibration file")
     g.add_argument("--backend", choices=("cuda", "sim", "reference"), default=None,

@@ -43,10 +43,11 @@ from .model import DenseDecodeAttention
 from .sampling import SamplingParams, sample
 from .source import ModelSource, open_source
 
-__all__ = ["LLM", "Completion", "load", "KV_KINDS"]
+__all__ = ["LLM", "Completion", "load", "KV_KINDS", "ATTN_MODES"]
 
 log = logging.getLogger("resgen.engine")
 KV_KINDS = ("nvfp4", "bf16", "fp32")
+ATTN_MODES = ("resattn", "plain", "q16")
 
 
 @dataclass
@@ -89,7 +90,7 @@ def _positive(name: str, v: Any) -> int:
 
 
 def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str = "nvfp4",
-         attn: str = "resattn", calib: Any = None, backend: str | None = None,
+         attn: str | None = None, calib: Any = None, backend: str | None = None,
          glue: str | None = None, max_batch: int = 8, max_seq_len: int | None = None,
          kv_budget: int | None = None, kv_fraction: float = 0.6, page_size: int = 32,
          graphs: bool = True, tokenizer: Any = None, io: str = "bf16",
@@ -109,7 +110,10 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
     kv:           "nvfp4" (paged NVFP4 cache, append kernel, decode attention kernels) or
                   "bf16" (dense BF16 cache and SDPA: with fmt="bf16" the BF16 engine);
                   "fp32" for the reference backend.
-    attn:         "resattn" (query residue compensated) or "plain" (NVFP4-KV attention).
+    attn:         "resattn" (query residue compensated), "plain" (NVFP4-KV attention) or
+                  "q16" (the FP16 query, never quantized, x NVFP4 K/V: more accurate than
+                  ResAttn at plain cost); None: "q16" for compensation "w4a16" (nothing is
+                  quantized but weights and the KV cache), else "resattn".
     calib:        calibration data: token ids (a list / tensor, or a list of such), text, a
                   Calibration or its file; gives static NVFP4 input scales and the K-Ext
                   channel selections. None: dynamic NVFP4 scales (K-Ext ratios then refused).
@@ -138,8 +142,10 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     if kv not in KV_KINDS:
         raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
-    if attn not in ("resattn", "plain"):
-        raise ValueError(f"attn must be 'resattn' or 'plain', got {attn!r}")
+    if attn is None:
+        attn = "q16" if compensation == "w4a16" else "resattn"
+    if attn not in ATTN_MODES:
+        raise ValueError(f"attn must be one of {ATTN_MODES}, got {attn!r}")
     if kv == "fp32" and backend != "reference":
         raise ValueError("kv='fp32' exists for the reference backend only")
     _positive("max_batch", max_batch)
@@ -245,7 +251,8 @@ class LLM:
             m.kv = PagedKV.create(c.layers, c.kv_heads, c.head_dim, budget, o.page_size,
                                   self.device, self.source.kv_scales)
             m.attn = self.backend.attention(c.heads, c.kv_heads, c.head_dim, o.page_size,
-                                            o.attn == "resattn")
+                                            o.attn == "resattn",
+                                            query="q16" if o.attn == "q16" else "nvfp4")
             m.append = self.backend.append(c.head_dim, c.kv_heads, o.page_size)
             m.attn_io = self.backend.io_dtype
         else:

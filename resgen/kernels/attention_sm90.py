@@ -38,16 +38,29 @@ LOG2E = 1.4426950408889634
 _HERE = Path(__file__).resolve().parent
 HELPER_FILES = (_HERE / "attention_sm90_device.py", _HERE / "attention_sm90_maps.py",
                 _HERE / "fp4_device.py")
+# Q16 renders import one more helper module; it is digested on its own (q16_digest) so that
+# the digest every existing render carries stays what it was.
+Q16_HELPER_FILES = (_HERE / "attention_sm90_q16_device.py",)
+QUERY_MODES = ("nvfp4", "q16")
+
+
+def _digest(files) -> str:
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def helpers_digest() -> str:
     """sha256 (16 hex) of the device helper modules the templates call: rendered into the
     kernel source so that editing a helper changes the kernel fingerprint."""
-    h = hashlib.sha256()
-    for p in HELPER_FILES:
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
+    return _digest(HELPER_FILES)
+
+
+def q16_digest() -> str:
+    """sha256 (16 hex) of the Q16 query stage's helper module (rendered into Q16 kernels)."""
+    return _digest(Q16_HELPER_FILES)
 
 
 @dataclass(frozen=True)
@@ -69,16 +82,30 @@ class AttnShape:
     pv: str
     reduction: str
     prefetch: bool = False
+    # "nvfp4" (the query split in-kernel) or "q16" (FP16 query: compensation False, packing
+    # "dense"). Not an AttnCfg field: the device module every existing kernel imports stays
+    # unchanged, and the Q16 stage lives in attention_sm90_q16_device.
+    query: str = "nvfp4"
+
+    def __post_init__(self) -> None:
+        if self.query not in QUERY_MODES:
+            raise ValueError(f"query must be one of {QUERY_MODES}, got {self.query!r}")
+        if self.query == "q16" and (self.compensation or self.packing != "dense"):
+            raise ValueError("a q16 kernel has one FP16 column per head: compensation=False "
+                             "and packing='dense'")
 
     def cfg(self):
         from .attention_sm90_device import AttnCfg   # imports CuTe DSL
 
-        return AttnCfg(**self.__dict__)
+        return AttnCfg(**{k: v for k, v in self.__dict__.items() if k != "query"})
 
 
 def attention_template_params(shape: AttnShape, variant_name: str = "") -> dict[str, Any]:
-    return {**shape.__dict__, "variant_name": variant_name or repr(shape),
-            "helpers_digest": helpers_digest()}
+    params = {**shape.__dict__, "variant_name": variant_name or repr(shape),
+              "helpers_digest": helpers_digest()}
+    if shape.query == "q16":
+        params["q16_digest"] = q16_digest()
+    return params
 
 
 def append_template_params(head_dim: int, kv_heads: int, page_size: int,

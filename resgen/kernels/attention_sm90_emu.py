@@ -22,7 +22,7 @@ import torch
 
 from .. import formats
 from ..kvcache import PagedKVCache
-from ..reference import quantize_query
+from ..reference import query_fp16, quantize_query
 from . import attention_sm90_maps as M
 
 __all__ = ["EmuConfig", "emulate_decode_attention", "prmt", "decode_k_word", "decode_v_pair",
@@ -45,6 +45,13 @@ class EmuConfig:
     num_warps: int = 4
     num_splits: int = 1
     kc: int = 32                 # keys per chunk (16 or 32)
+    query: str = "nvfp4"         # "nvfp4" (query split) | "q16" (FP16 query, dense, plain)
+
+    def __post_init__(self) -> None:
+        if self.query not in ("nvfp4", "q16"):
+            raise ValueError(f"query must be 'nvfp4' or 'q16', got {self.query!r}")
+        if self.query == "q16" and (self.compensation or self.packing != "dense"):
+            raise ValueError("query='q16' runs with compensation=False and packing='dense'")
 
 
 # ----------------------------------------------------------------------------- 32-bit words
@@ -186,7 +193,16 @@ def _mma_e4m3(a: list, b: list, c: torch.Tensor) -> torch.Tensor:
 
 
 def _query_operands(qrows: torch.Tensor, group: int, cfg: EmuConfig, d: int):
-    """In-kernel query split: f16 operand columns Qs [ncol, d] and per-head alpha [8 x ntiles]."""
+    """In-kernel query split: f16 operand columns Qs [ncol, d] and per-head alpha [8 x ntiles].
+    Q16: the FP16 query columns and their power-of-two row scales (query_stage_q16)."""
+    if cfg.query == "q16":
+        q16, scale = query_fp16(qrows.float())
+        qs = torch.zeros(8 * M.n_qk_tiles(group, "dense"), d)
+        alphas = torch.zeros(8)
+        for head in range(group):
+            qs[M.qk_col(head, 0, "dense")] = q16[head]
+            alphas[head] = scale[head, 0]
+        return qs, alphas
     base, res, alpha = quantize_query(qrows.float()[None], scale="row")
     bu = formats.dequantize(base, apply_global_scale=False)[0]
     ru = formats.dequantize(res, apply_global_scale=False)[0]

@@ -6,8 +6,10 @@
 
 cache: resgen.kvcache.PagedKVCache (NVFP4 K/V, written by the append kernel or
 PagedKVCache.from_dense); block_tables int32 [B, max_pages]; seq_lens int32 [B] (0 allowed:
-zeros out). `compensation=False` is the plain NVFP4-KV kernel (no query residue); pv "fp8"
-rounds V and P to E4M3 (the paper's PV numerics) instead of FP16.
+zeros out). `compensation=False` is the plain NVFP4-KV kernel (no query residue);
+`query="q16"` is Q16 (the query rounded to FP16, never quantized: more accurate than ResAttn
+at plain cost, issue 20 section 2); pv "fp8" rounds V and P to E4M3 (the paper's PV numerics)
+instead of FP16.
 
 Per (batch, KV length rounded up to a power of two) the op builds a plan once: the variant
 from `resgen.runtime` (buckets of batch and KV length; the tuned split count and reduction),
@@ -49,7 +51,10 @@ class DecodeAttention:
 
     q_heads, kv_heads, head_dim, page_size: the geometry (q_heads a multiple of kv_heads).
     compensation: True = ResAttn (query split into FP4 base + residue, scores added in FP32
-                  before the softmax); False = plain NVFP4-KV.
+                  before the softmax); False = plain NVFP4-KV; None (default) = True for
+                  query "nvfp4", False for "q16" (which has no residue; True is refused).
+    query:        "nvfp4" (the query quantized in-kernel: ResAttn / plain) or "q16" (the
+                  BF16 query converted to FP16 in-kernel, exactly, never quantized).
     pv:           "f16" or "fp8" (a numerics choice, never made by the tuner).
     arch:         compile target (default: resgen.settings, the GPU's arch).
     family / variant / dispatcher / compile_fn / op_fn: as for resgen.ops.Linear; op_fn
@@ -59,7 +64,8 @@ class DecodeAttention:
     """
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, page_size: int = 32, *,
-                 compensation: bool = True, pv: str = "f16", arch: str | None = None,
+                 compensation: bool | None = None, pv: str = "f16", query: str = "nvfp4",
+                 arch: str | None = None,
                  family: str | None = None, variant: Any = None, dispatcher: Any = None,
                  compile_fn: Callable[[Any, Any, AttentionProblem, str], Any] | None = None,
                  op_fn: Callable[[Any, Any, AttentionProblem], Any] | None = None) -> None:
@@ -68,12 +74,19 @@ class DecodeAttention:
                              f"{kv_heads}")
         if pv not in ("f16", "fp8"):
             raise ValueError(f"pv must be 'f16' or 'fp8', got {pv!r}")
+        if query not in ("nvfp4", "q16"):
+            raise ValueError(f"query must be 'nvfp4' or 'q16', got {query!r}")
+        if compensation is None:
+            compensation = query == "nvfp4"
+        if query == "q16" and compensation:
+            raise ValueError("query='q16' is never quantized, so there is no query residue to "
+                             "compensate: leave compensation unset (or False)")
         if arch is None:
             from ..settings import settings
 
             arch = settings().arch
         geometry = AttentionProblem(1, q_heads, kv_heads, head_dim, 0, page_size,
-                                    bool(compensation), pv)
+                                    bool(compensation), pv, query)
         if variant is not None:
             fams = [get_family(variant.FAMILY)]
         elif family is not None:
@@ -87,6 +100,7 @@ class DecodeAttention:
                                    simulated=bool(compile_fn or op_fn))
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.page_size, self.compensation, self.pv = page_size, bool(compensation), pv
+        self.query = query
         self.arch, self.family, self.variant = arch, family, variant
         self._dispatcher = dispatcher
         self._compile = compile_fn or compile_cached
@@ -95,7 +109,8 @@ class DecodeAttention:
 
     def problem(self, batch: int, kv_len: int) -> AttentionProblem:
         return AttentionProblem(int(batch), self.q_heads, self.kv_heads, self.head_dim,
-                                int(kv_len), self.page_size, self.compensation, self.pv)
+                                int(kv_len), self.page_size, self.compensation, self.pv,
+                                self.query)
 
     def plan(self, batch: int, kv_len: int) -> AttentionPlan:
         """The plan for a batch whose longest sequence has kv_len tokens, cached per batch and

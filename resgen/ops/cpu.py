@@ -73,14 +73,20 @@ class ReferenceAttention:
     """Decode attention over a paged NVFP4 cache by resgen.reference.decode_attention."""
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, page_size: int = 32, *,
-                 compensation: bool = True, pv: str = "f16") -> None:
+                 compensation: bool | None = None, pv: str = "f16",
+                 query: str = "nvfp4") -> None:
         if kv_heads < 1 or q_heads % kv_heads:
             raise ValueError(f"q_heads = {q_heads} must be a positive multiple of kv_heads = "
                              f"{kv_heads}")
         if pv not in ("f16", "fp8"):
             raise ValueError(f"pv must be 'f16' or 'fp8', got {pv!r}")
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        if query not in ("nvfp4", "q16"):
+            raise ValueError(f"query must be 'nvfp4' or 'q16', got {query!r}")
+        if compensation is None:
+            compensation = query == "nvfp4"
         self.page_size, self.compensation, self.pv = page_size, bool(compensation), pv
+        self.query = query
 
     def warmup(self, shapes: Iterable[tuple[int, int]]) -> list:
         return []
@@ -94,7 +100,7 @@ class ReferenceAttention:
             raise ValueError(f"q must be [B, {self.q_heads}, {self.head_dim}]")
         y = R.decode_attention(q.float(), cache, block_tables, seq_lens,
                                compensation=self.compensation, pv=self.pv,
-                               sm_scale=sm_scale).to(torch.bfloat16)
+                               sm_scale=sm_scale, query=self.query).to(torch.bfloat16)
         if out is None:
             return y
         out.copy_(y)

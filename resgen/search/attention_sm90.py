@@ -21,7 +21,10 @@ Variant axes (AttentionSm90Variant) and what they change:
                 reduce kernel) or "lastcta" (partials, the last CTA of a head reduces; one
                 launch, deterministic). Chosen per (batch, KV-length bucket, heads) by the
                 tuner; `preset` is the fallback rule.
-Workload fields that change numerics, not speed: compensation, pv (f16 | fp8).
+Workload fields that change numerics, not speed: compensation, pv (f16 | fp8), query
+(nvfp4 | q16). query="q16" (issue 20 section 2) is the FP16 query, never quantized: no query
+split stage and no residue chain (compensation False), one FP16 column per head, so its only
+packing is "dense"; every other axis is as for plain.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def shape_of(variant: AttentionSm90Variant, problem: AttentionProblem):
                      page_size=problem.page_size, num_warps=variant.num_warps, kc=variant.kc,
                      compensation=problem.compensation, packing=variant.packing.value,
                      pv=problem.pv, reduction=variant.reduction.value,
-                     prefetch=variant.prefetch)
+                     prefetch=variant.prefetch, query=problem.query)
 
 
 def _pages(problem: AttentionProblem) -> int:
@@ -114,6 +117,8 @@ def preset(problem: AttentionProblem, sms: int = SMS_H200) -> AttentionSm90Varia
     packing = Packing.PAIR
     if group > 4:
         packing = Packing.STACK if problem.compensation else Packing.DENSE
+    if problem.query == "q16":
+        packing = Packing.DENSE
     ctas = problem.batch * problem.kv_heads
     want = math.ceil(3 * sms / max(1, ctas))
     cap = max(1, _pages(problem) // MIN_PAGES_PER_SPLIT)
@@ -166,6 +171,8 @@ class AttentionSm90Family(KernelFamilyBase):
             return f"page_size {p.page_size} is not a multiple of kc={v.kc}"
         if p.pv == "fp8" and v.kc != 32:
             return "pv=fp8 needs kc=32 (one m16n8k32 PV step per chunk)"
+        if p.query == "q16" and v.packing != Packing.DENSE:
+            return "query=q16 has one FP16 column per head: packing must be dense"
         if v.packing == Packing.DENSE and p.compensation:
             return "dense packing has no residue column (plain NVFP4-KV only)"
         if v.packing == Packing.STACK and not p.compensation:
@@ -194,6 +201,8 @@ class AttentionSm90Family(KernelFamilyBase):
         if self.problem_invalid(problem):
             return []
         packs = [Packing.PAIR, Packing.DENSE if not problem.compensation else Packing.STACK]
+        if problem.query == "q16":
+            packs = [Packing.DENSE]
         cap = max(1, _pages(problem) // MIN_PAGES_PER_SPLIT)
         s0 = preset(problem).splits
         top = min(cap, MAX_SPLITS)
@@ -370,7 +379,7 @@ class AttentionSm90Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ref = reference.decode_attention(q.float(), cache, bt, sl, compensation=p.compensation,
-                                         pv="fp32" if p.pv == "f16" else "fp8")
+                                         pv="fp32" if p.pv == "f16" else "fp8", query=p.query)
         res = compare(out, ref, TOLERANCE[p.pv])
         if res.ok and lens[-1] == 0 and bool(out[-1].float().abs().max() != 0):
             return CheckResult(False, res.rel_err, res.tolerance,

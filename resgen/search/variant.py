@@ -252,3 +252,27 @@ class AttentionProblem(ProblemBase):
     # E4M3, the paper's FP8 PV). A workload field, not a variant axis: a tuner must never
     # trade accuracy for speed behind the user's back.
     pv: str = dataclasses.field(default="f16", metadata={"allowed": ("f16", "fp8")})
+    # How the query meets the cache: "nvfp4" (split into FP4 base [+ residue]: plain or
+    # ResAttn by `compensation`) or "q16" (FP16 query, never quantized; compensation must be
+    # False: there is no residue). Omitted from the key while "nvfp4", so every key written
+    # before the field existed (the shipped table's) parses, and means, what it did.
+    query: str = dataclasses.field(default="nvfp4", metadata={"allowed": ("nvfp4", "q16")})
+
+    def __post_init__(self) -> None:
+        ProblemBase.__post_init__(self)
+        if self.query == "q16" and self.compensation:
+            raise ValueError("AttentionProblem: query='q16' has no query residue: "
+                             "compensation must be False")
+
+    def as_dict(self) -> dict[str, Any]:
+        d = ProblemBase.as_dict(self)
+        if d["query"] == "nvfp4":
+            del d["query"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any):
+        if isinstance(d, dict) and "query" not in d:
+            d = {**d, "query": "nvfp4"}
+        # (not zero-argument super(): slots=True makes the dataclass a new class object)
+        return ProblemBase.from_dict.__func__(cls, d)  # type: ignore[attr-defined]

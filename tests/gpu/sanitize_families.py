@@ -73,6 +73,12 @@ def main() -> int:
                                 reduction=AttnReduction.LASTCTA)
     assert af.why_invalid(stack, ap8, ARCH) is None
     cases.append((af, stack, ap8))
+    # Q16 (the FP16 query stage, dense packing), G = 8, last-CTA reduction
+    aq = AttentionProblem(batch=2, q_heads=16, kv_heads=2, head_dim=128, kv_len=300,
+                          compensation=False, query="q16")
+    q16 = dataclasses.replace(af.default(aq, ARCH), splits=2, reduction=AttnReduction.LASTCTA)
+    assert af.why_invalid(q16, aq, ARCH) is None
+    cases.append((af, q16, aq))
     failed = 0
     for fam, v, p in cases:
         t0 = time.time()

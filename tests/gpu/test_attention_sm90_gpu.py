@@ -2,7 +2,9 @@
 reduction mode / packing / PV path / chunk size on fresh random inputs with NaN-poisoned
 outputs against resgen.reference (variable lengths, lengths not a multiple of the page size,
 batch 1..64, empty (zeros) and length-1 sequences), bit-identical reruns, last-CTA counters
-re-armed, CUDA-graph replay, and the append kernel bit-exact to PagedKVCache.append."""
+re-armed, CUDA-graph replay, and the append kernel bit-exact to PagedKVCache.append.
+Q16 (query "q16": the FP16 query, never quantized) the same way, plus queries whose plain
+BF16 -> FP16 cast would overflow, and Q16 closer to the FP32 attention than ResAttn."""
 
 from __future__ import annotations
 
@@ -54,20 +56,26 @@ def _op(v: AttentionSm90Variant, p: AttentionProblem):
     return DecodeAttentionSm90(compiled(v, p).compiled, shape_of(v, p), v.splits)
 
 
-def _inputs(lens, hq, hkv, d, page, seed, k_scale=1.0, v_scale=1.0):
+def _inputs(lens, hq, hkv, d, page, seed, k_scale=1.0, v_scale=1.0, q_hostile=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     ks = [torch.randn(hkv, n, d, generator=g, device="cuda") * 2 for n in lens]
     vs = [torch.randn(hkv, n, d, generator=g, device="cuda") for n in lens]
     cache, bt, sl = PagedKVCache.from_dense(ks, vs, page_size=page, k_scale=k_scale,
                                             v_scale=v_scale, seed=seed)
-    q = (torch.randn(len(lens), hq, d, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    q = torch.randn(len(lens), hq, d, generator=g, device="cuda") * 2
+    if q_hostile:           # outlier channels, a row past FP16's range, a tiny and a zero row
+        q[:, :, 5] *= 40
+        q[0, 0] *= 1e6
+        q[-1, -1] *= 1e-20
+        q[0, -1] = 0
+    q = q.to(torch.bfloat16)
     return q, cache, bt, sl, ks, vs
 
 
-def _run_check(v, p, lens, seed=0, k_scale=1.0, v_scale=1.0):
+def _run_check(v, p, lens, seed=0, k_scale=1.0, v_scale=1.0, q_hostile=False):
     op = _op(v, p)
     q, cache, bt, sl, _, _ = _inputs(lens, p.q_heads, p.kv_heads, p.head_dim, p.page_size, seed,
-                                     k_scale, v_scale)
+                                     k_scale, v_scale, q_hostile)
     out = torch.full_like(q, float("nan"))
     op(q, cache, bt, sl, out=out)
     torch.cuda.synchronize()
@@ -75,7 +83,7 @@ def _run_check(v, p, lens, seed=0, k_scale=1.0, v_scale=1.0):
     # divisions only; tests/test_attention_sm90.py checks that on the inputs of the first H200
     # run, where a Python-scalar division in quantize_query flipped plain-path query codes).
     ref = R.decode_attention(q.float(), cache, bt, sl, compensation=p.compensation,
-                             pv="fp32" if p.pv == "f16" else "fp8")
+                             pv="fp32" if p.pv == "f16" else "fp8", query=p.query)
     res = compare(out, ref, TOLERANCE[p.pv])
     assert res.ok, f"{v.name()} {p.key()} lens={lens}: {res.detail} (rel {res.rel_err:.3e})"
     for b, n in enumerate(lens):
@@ -299,6 +307,93 @@ def test_kernel_matches_emulator_closely(packing):
                                    EmuConfig(num_splits=2, packing=packing.value))
     rel = float((out.float().cpu() - emu).norm() / emu.norm())
     assert rel < 3e-3, rel
+
+
+# ----------------------------------------------------------------------------- Q16
+
+
+def _q16(**kw) -> AttentionProblem:
+    return AttentionProblem(**{"compensation": False, "query": "q16", **kw})
+
+
+_DENSE = Packing.DENSE
+Q16_VARIANTS = [
+    (AttentionSm90Variant(packing=_DENSE), _q16()),
+    (AttentionSm90Variant(packing=_DENSE, prefetch=False), _q16()),
+    (AttentionSm90Variant(packing=_DENSE, splits=3, reduction=Reduction.LASTCTA), _q16()),
+    (AttentionSm90Variant(packing=_DENSE, splits=4, reduction=Reduction.WORKSPACE), _q16()),
+    (AttentionSm90Variant(packing=_DENSE, num_warps=8, kc=16, splits=2,
+                          reduction=Reduction.LASTCTA), _q16(q_heads=64)),
+    (AttentionSm90Variant(packing=_DENSE, kc=16), _q16(page_size=16)),
+    (AttentionSm90Variant(packing=_DENSE, splits=2, reduction=Reduction.LASTCTA),
+     _q16(pv="fp8")),
+    (AttentionSm90Variant(packing=_DENSE, prefetch=False, splits=2,
+                          reduction=Reduction.LASTCTA),
+     _q16(q_heads=16, kv_heads=2, head_dim=256)),
+    (AttentionSm90Variant(packing=_DENSE, splits=2, reduction=Reduction.WORKSPACE),
+     _q16(q_heads=4, kv_heads=4, head_dim=64)),
+    (AttentionSm90Variant(packing=_DENSE, kc=16), _q16(q_heads=6, kv_heads=2, head_dim=64,
+                                                        page_size=16)),
+]
+
+
+@pytest.mark.parametrize("case", Q16_VARIANTS, ids=lambda c: f"{c[0].name()}-{c[1].key()}")
+def test_q16_variant_matches_the_q16_reference(case):
+    v, p = case
+    lens = [300, 0, 1, 33, p.page_size, p.page_size + 1, 129]
+    seed = zlib.crc32((v.key() + p.key()).encode()) % 1000
+    _run_check(v, p, lens, seed=seed)
+    _run_check(v, p, lens, seed=seed + 1, q_hostile=True)     # no FP16 overflow, exact scale
+
+
+def test_q16_reruns_graph_replay_and_the_emulator():
+    from resgen.kernels.attention_sm90_emu import EmuConfig, emulate_decode_attention
+
+    v = AttentionSm90Variant(packing=Packing.DENSE, splits=4, reduction=Reduction.LASTCTA)
+    op, (q, cache, bt, sl), first = _run_check(v, _q16(), [700, 33, 0], seed=6, q_hostile=True)
+    for _ in range(2):
+        again = op(q, cache, bt, sl)
+        torch.cuda.synchronize()
+        assert torch.equal(again.view(torch.int16), first.view(torch.int16))
+    out = torch.empty_like(q)
+    op(q, cache, bt, sl, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op(q, cache, bt, sl, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+    cpu = PagedKVCache(*(getattr(cache, f.name).cpu() for f in dataclasses.fields(cache)))
+    emu = emulate_decode_attention(q.float().cpu(), cpu, bt.cpu(), sl.cpu(),
+                                   EmuConfig(compensation=False, packing="dense",
+                                             query="q16", num_splits=4))
+    rel = float((first.float().cpu() - emu).norm() / emu.norm())
+    assert rel < 3e-3, rel
+
+
+def test_q16_is_closer_to_the_fp32_attention_than_resattn_and_plain():
+    """The three kernels on one cache and one query set vs FP32 attention over the decoded
+    NVFP4 K/V (what the query mode changes): Q16's error is the BF16 output rounding only."""
+    lens = [2000, 517, 64]
+    q, cache, bt, sl, _, _ = _inputs(lens, 32, 8, 128, 32, seed=11, q_hostile=False)
+    q[:, :, 7] *= 20                                        # outlier channel
+    kd, vd = [], []
+    for b, n in enumerate(lens):
+        ku, vu = cache.gather_unit(bt[b], n)
+        kd.append(ku * float(cache.k_scale))
+        vd.append(vu * float(cache.v_scale))
+    exact = R.attention_fp32(q.double(), kd, vd)
+    err = {}
+    for name, v, p in (("q16", AttentionSm90Variant(packing=Packing.DENSE), _q16()),
+                       ("resattn", AttentionSm90Variant(), _p()),
+                       ("plain", AttentionSm90Variant(), _p(compensation=False))):
+        out = torch.full_like(q, float("nan"))
+        _op(v, p)(q, cache, bt, sl, out=out)
+        torch.cuda.synchronize()
+        assert bool(torch.isfinite(out).all()), name
+        err[name] = R.nmse(out.float(), exact)
+    assert err["q16"] < 0.5 * err["resattn"] < 0.5 * err["plain"], err
 
 
 # ----------------------------------------------------------------------------- append
