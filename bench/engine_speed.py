@@ -319,7 +319,8 @@ def overhead_point(llm: Any, ctx: int, steps: int, timer: Timer) -> dict[str, An
 
 
 def build_engine(stack: str, cfg: dict, device: torch.device, max_batch: int,
-                 max_seq_len: int, backend: str, kv_fraction: float) -> Any:
+                 max_seq_len: int, backend: str, kv_fraction: float,
+                 kv_budget: int | None = None) -> Any:
     import resgen
 
     weights = RandomWeights(cfg, device)
@@ -329,9 +330,21 @@ def build_engine(stack: str, cfg: dict, device: torch.device, max_batch: int,
     if kw is None:
         raise ValueError(f"not an engine stack: {stack!r}")
     return resgen.load((cfg, weights), backend=backend, max_batch=max_batch,
-                       max_seq_len=max_seq_len, kv_fraction=kv_fraction,
+                       max_seq_len=max_seq_len, kv_fraction=kv_fraction, kv_budget=kv_budget,
                        calib=calib if kw["fmt"] != "bf16" else None,
                        graphs=device.type == "cuda", **kw)
+
+
+def kv_bytes_needed(cfg: dict, batch: int, max_ctx: int, prefill_len: int,
+                    page_size: int = 32) -> int:
+    """NVFP4 KV bytes for `batch` rows of max_ctx tokens plus a page of slack per row, and one
+    prefill prompt: what the bench's points use, with 25 % on top."""
+    from resgen.engine.kv import bytes_per_token
+
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    bpt = bytes_per_token(cfg["num_hidden_layers"], cfg["num_key_value_heads"], hd, "nvfp4")
+    tokens = batch * (max_ctx + 2 * page_size) + prefill_len + 2 * page_size
+    return int(tokens * bpt * 1.25)
 
 
 def fits(llm: Any, batch: int, ctx: int, steps: int) -> str | None:
@@ -359,8 +372,13 @@ def run_engine_stack(stack: str, cfg: dict, device: torch.device, batches: list[
     rec: dict[str, Any] = {"stack": stack, "points": [], "config": spec}
     t0 = time.perf_counter()
     dense_kv = spec["kv"] != "nvfp4"
+    # The paged cache holds what the points need (every row at the longest context, a page of
+    # slack per row, the prefill prompt), not a fraction of free memory: at Qwen3-32B, 85 % of
+    # the free memory left too little for the step's workspace (OOM on the H200, 2026-12-02).
+    paged_budget = None if dense_kv else kv_bytes_needed(cfg, max(batches), max_ctx,
+                                                         prefill_len)
     llm = build_engine(stack, cfg, device, 1 if dense_kv else max(batches),
-                       max(max_ctx, prefill_len + 8), backend, 0.85)
+                       max(max_ctx, prefill_len + 8), backend, 0.85, paged_budget)
     rec["load_s"] = time.perf_counter() - t0
     rec["kv"] = llm.kv_info()
     rec["dense_attention"] = getattr(llm.model.attn, "mode", None)   # BF16 engine: varlen | masked
