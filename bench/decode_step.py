@@ -30,7 +30,8 @@ kernels' share can be read off. Static NVFP4 input scales come from one BF16 pas
 
 Status: CPU-tested (tests/test_decode_step.py: the chain through resgen.ops with the kernels'
 simulations, the per-kernel check and that it names a wrong kernel); run on the H200:
-bench/results/h200/decode_step.json.xz (.log; xz-compressed when committed), indexed in bench/results/h200/README.md.
+bench/results/h200/decode_step.json.xz (.log; xz-compressed when committed), indexed in
+bench/results/h200/README.md.
 """
 
 from __future__ import annotations
