@@ -117,10 +117,40 @@ def test_key_separation_registered_families(module):
                     assert_keys_separate(other)
 
 
+def served_problems(fam) -> list[ProblemBase]:
+    """The representative problems a family does not refuse as a whole (its declared domain:
+    `problem_invalid`; e.g. linear_sm90_fp8 runs MXFP4 W4A4 at M >= 64 only), with the wider
+    linear M buckets added for families that serve none of the default ones."""
+    probs = [p for p in representative_problems(fam) if fam.problem_invalid(p) is None]
+    if not probs and fam.PROBLEM is LinearProblem:
+        probs = [p for p in (LinearProblem(fmt=f, compensation=c, m=m, n=4096, k=4096)
+                             for f in ("nvfp4", "mxfp4") for c in ("none", "full")
+                             for m in (64, 128)) if fam.problem_invalid(p) is None]
+    return probs
+
+
 @pytest.mark.parametrize("module", family_mod.family_modules())
-def test_space_and_predicate_tables_registered_families(module):
-    for fam, arch, p in [(f, a, p) for f in _families_of(module) for a in f.ARCHS
-                         for p in representative_problems(f)]:
+def test_space_and_predicate_tables_registered_families(module, monkeypatch):
+    from resgen.settings import settings
+
+    fams = _families_of(module)
+    # experimental families (resgen.settings' RESGEN_EXPERIMENTAL) are checked opted in
+    monkeypatch.setenv("RESGEN_EXPERIMENTAL", ",".join(f.NAME for f in fams))
+    settings.cache_clear()
+    try:
+        cases = []
+        for f in fams:
+            served = served_problems(f)
+            assert served, f"{f.NAME} serves none of the representative problems"
+            cases += [(f, a, p) for a in f.ARCHS for p in served]
+        _check_space_and_predicates(cases)
+    finally:
+        monkeypatch.delenv("RESGEN_EXPERIMENTAL")
+        settings.cache_clear()
+
+
+def _check_space_and_predicates(cases: list) -> None:
+    for fam, arch, p in cases:
         if True:
             space = list(fam.space(p, arch))
             assert space == list(fam.space(p, arch)), "space order must be deterministic"
