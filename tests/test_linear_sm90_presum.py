@@ -28,6 +28,7 @@ from resgen.search.linear_sm90 import (FAMILY, PRESUM_MEXT_ONLY, PRESUM_NVFP4_ON
                                        PRESUM_XOP_ONLY, Act, Fold, LinearSm90Variant, Packing,
                                        Pipeline, Reduction, compare, geometry_of)
 from resgen.search.variant import LinearProblem
+from test_linear_sm90 import _record_launcher_pointers, _TorchQuantizer
 
 ARCH = "sm_90a"
 FIXTURE = Path(__file__).parent / "fixtures" / "linear_sm90_mma_renders.json.xz"
@@ -289,46 +290,16 @@ class _SimKernel:
                         sem=t["sem"])
 
 
-def _registry(monkeypatch) -> dict:
-    from resgen.kernels import linear_sm90 as H
-
-    registry: dict = {}
-    orig = H.LinearSm90Launcher._ptr
-
-    def record(self, t, align):
-        registry[t.data_ptr()] = t
-        return orig(self, t, align)
-
-    monkeypatch.setattr(H.LinearSm90Launcher, "_ptr", record)
-    return registry
-
-
-class _TorchQuantizer:
-    """quant_sm90 stand-in: make_xop in torch (the M-Ext row-pair operand)."""
-
-    def __init__(self, qw):
-        self.qw, self.calls = qw, 0
-        self.config = type("Cfg", (), {"alpha": "static"})()
-
-    def outputs(self, m, row_multiple=1, device="cpu"):
-        return {"row_multiple": row_multiple}
-
-    def __call__(self, x, outs, alpha=None, masks=None):
-        xop, _ = make_xop(x.float(), self.qw, "full", t_multiple=outs["row_multiple"])
-        self.calls += 1
-        return type("Op", (), {"xop": xop, "alpha": alpha})()
-
-
 @pytest.mark.parametrize("drop", [False, True])
 def test_runner_checks_presum_against_both_folds(drop, monkeypatch):
-    registry = _registry(monkeypatch)
+    registry = _record_launcher_pointers(monkeypatch)
     p = LinearProblem("nvfp4", "full", 5, 64, 1024)
     v = LinearSm90Variant(warps_m=2, warps_k=2, split_k=2, reduce=Reduction.WORKSPACE,
                           stages=2, **PRESUM)
     assert FAMILY.why_invalid(v, p, ARCH) is None
     r = FAMILY.runner(_SimKernel(geometry_of(v, p), registry, drop), v, p, "cpu", n_sets=1)
     assert r.fold == "presum" and r.xop_multiple == 16
-    r.attach_quantizer(_TorchQuantizer(r.sets[0][0]))
+    r.attach_quantizer(_TorchQuantizer(r.sets[0][0], "full", "static"))
     res = r.check()
     assert res.ok != drop, res.detail
     if not drop:
@@ -471,7 +442,7 @@ def test_the_runtime_serves_a_presum_row_and_it_is_the_tuned_call(tmp_path, monk
     from resgen.search.record import ResultRecord, Status
 
     monkeypatch.setenv("RESGEN_CACHE_DIR", str(tmp_path / "cache"))
-    registry = _registry(monkeypatch)
+    registry = _record_launcher_pointers(monkeypatch)
     n, k = 64, 1024
     v = LinearSm90Variant(warps_m=2, warps_k=2, stages=3, **PRESUM)
     ex = LinearSm90Variant(warps_m=4, warps_k=1, stages=3)

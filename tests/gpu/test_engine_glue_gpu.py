@@ -19,23 +19,20 @@ pytestmark = [pytest.mark.gpu,
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 pytest.importorskip("transformers")
 
-import resgen  # noqa: E402
+import test_engine_gpu as EG  # noqa: E402
 from resgen.engine import glue as G  # noqa: E402
-from test_engine import CALIB, tiny_model  # noqa: E402
-
-SEQS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [3, 4, 100, 200, 201, 202, 7]]
-PLENS = [4, 2]
+from test_engine import tiny_model  # noqa: E402
+from test_engine_gpu import PLENS, SEQS  # noqa: E402
 
 
 def _cuda(m, **kw):
-    opts = dict(backend="cuda", max_batch=4, max_seq_len=128, page_size=16,
-                kv_budget=1 << 24, calib=CALIB, glue="bf16")
-    opts.update(kw)
-    return resgen.load(m, **opts)
+    """test_engine_gpu's engine with the serving glue (BF16) unless told otherwise."""
+    return EG._cuda(m, **{"glue": "bf16", **kw})
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,16 +12,20 @@ presum layer."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from resgen import calibrate as C
 from resgen.kernels import layouts as L
-from resgen.search import build
 from resgen.search.linear_sm90 import (FAMILY, PRESUM_NVFP4_ONLY, PRESUM_XOP_ONLY, Act, Fold,
                                        LinearSm90Variant, Pipeline, geometry_of)
 from resgen.search.variant import LinearProblem
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_linear_sm90_gpu import _compiled  # noqa: E402  (one compile cache for both files)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -29,17 +33,6 @@ pytestmark = [pytest.mark.gpu,
 ARCH = "sm_90a"
 QWEN3_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 MS = (1, 16, 64, 128)
-_COMPILED: dict[tuple[str, str], object] = {}
-
-
-def _compiled(v: LinearSm90Variant, p: LinearProblem):
-    key = (v.key(), FAMILY.compile_key(v, p).key())
-    if key not in _COMPILED:
-        out = build.compile_variant(FAMILY, v, p, ARCH)
-        assert out.ok, out.error
-        assert out.spill_bytes <= 16, f"{v.name()}: {out.spill_bytes} bytes of local memory"
-        _COMPILED[key] = out.compiled
-    return _COMPILED[key]
 
 
 def _variants(p: LinearProblem) -> list[LinearSm90Variant]:
