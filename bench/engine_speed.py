@@ -341,8 +341,8 @@ def kv_bytes_needed(cfg: dict, batch: int, max_ctx: int, prefill_len: int,
     prefill prompt: what the bench's points use, with 25 % on top."""
     from resgen.engine.kv import bytes_per_token
 
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    bpt = bytes_per_token(cfg["num_hidden_layers"], cfg["num_key_value_heads"], hd, "nvfp4")
+    bpt = bytes_per_token(cfg["num_hidden_layers"], cfg["num_key_value_heads"],
+                          cfg["head_dim"], "nvfp4")
     tokens = batch * (max_ctx + 2 * page_size) + prefill_len + 2 * page_size
     return int(tokens * bpt * 1.25)
 

@@ -18,7 +18,6 @@ points; $OUT/q16_probe.json is rewritten after every point, a short table is pri
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -55,17 +54,11 @@ def problem(geom: str, batch: int, kv_len: int, mode: str):
 
 
 def candidates(p) -> list:
-    """The fallback rule's variant and the same with 2x / 0.5x its split count (valid ones)."""
-    from resgen.search.attention_sm90 import FAMILY, MAX_SPLITS, Reduction, preset
+    """The fallback rule's variant and the same with 2x / 0.5x its split count (valid ones):
+    bench/gpu_attention_check.py's candidate rule, without a table variant."""
+    from gpu_attention_check import resattn_candidates
 
-    base = preset(p)
-    out = [base]
-    for s in (2 * base.splits, base.splits // 2):
-        s = min(s, MAX_SPLITS)
-        if s >= 1:
-            out.append(dataclasses.replace(
-                base, splits=s, reduction=Reduction.NONE if s == 1 else Reduction.LASTCTA))
-    return [v for v in dict.fromkeys(out) if FAMILY.why_invalid(v, p, ARCH) is None]
+    return resattn_candidates(p)
 
 
 def compile_identity(v, p) -> str:

@@ -67,8 +67,7 @@ def _rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     (torch._decomp's _fused_rms_norm: FP32 inside, the weight multiplied in FP32, one
     rounding), the math inductor compiles F.rms_norm to. For compiled regions only."""
     if x.dtype == torch.float32:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return w * (x * torch.rsqrt(var + eps))
+        return rms_norm(x, w, eps)
     up = x.float()
     r = torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + eps)
     return (up * r * w).to(x.dtype)
