@@ -37,8 +37,8 @@ _MAX_HEAD_DIM = 1024             # AttentionProblem's head_dim range
 # shipped table must cover (tests/test_tuned_table.py).
 COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
 # Every linear mode a LinearProblem takes: the above and W4A16 (BF16 activations, the
-# Hopper-native mode; tuned on request with --compensations w4a16 until the shipped table
-# covers it).
+# Hopper-native mode; tuned on request with --compensations w4a16; the shipped H200 table
+# covers it at the decode and prefill buckets, tests/test_tuned_table.py).
 LINEAR_MODES: tuple[str, ...] = COMPENSATIONS + ("w4a16",)
 
 
