@@ -190,9 +190,22 @@ def test_a_region_that_fails_to_compile_runs_eagerly_and_is_noted():
     assert glue.regions("decode", 1)["mlp_mid"].fn is None
 
 
-@pytest.mark.parametrize("flag, want", [([], "none"), (["--compile", "glue"], "glue")])
+def test_compile_default_is_glue_on_cuda_only():
+    """resgen.load(compile=None) compiles the glue on the CUDA backend and runs it eagerly on
+    the CPU backends; a given mode is kept as given; the reference engine loads eager."""
+    from resgen.engine.llm import resolve_compile
+
+    assert resolve_compile(None, "cuda") == "glue"
+    assert [resolve_compile(None, b) for b in ("sim", "reference")] == ["none", "none"]
+    assert resolve_compile("none", "cuda") == "none" and resolve_compile("glue", "sim") == "glue"
+    assert _load(tiny_model("qwen3")).options.compile == "none"
+
+
+@pytest.mark.parametrize("flag, want", [([], None), (["--compile", "glue"], "glue"),
+                                        (["--compile", "none"], "none")])
 def test_cli_generate_passes_compile(monkeypatch, capsys, flag, want):
-    """`resgen generate --compile glue` loads with compile="glue" (default "none"); a bad
+    """`resgen generate --compile glue` loads with compile="glue" (default None: resgen.load
+    picks glue on the CUDA backend, none on the CPU ones); a bad
     value is argparse's usage error."""
     from resgen.cli import main
     from resgen.engine import llm as L

@@ -72,9 +72,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--kv-budget", type=parse_bytes, default=None,
                    help="KV cache size (e.g. 4G); default: 60%% of free GPU memory")
     g.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly")
-    g.add_argument("--compile", choices=("none", "glue"), default="none",
+    g.add_argument("--compile", choices=("none", "glue"), default=None,
                    help="glue: the torch glue between the kernels through torch.compile "
-                        "(fused; compiled on the first step of each batch size)")
+                        "(fused; compiled on the first step of each batch size); none: "
+                        "eager glue; default: glue on a GPU, none on the CPU backends")
     return g
 
 

@@ -33,7 +33,7 @@ PLENS = [4, 2]
 
 def _cuda(m, **kw):
     opts = dict(backend="cuda", max_batch=4, max_seq_len=128, page_size=16,
-                kv_budget=1 << 24, calib=CALIB)
+                kv_budget=1 << 24, calib=CALIB, compile="none")
     opts.update(kw)
     return resgen.load(m, **opts)
 
