@@ -8,7 +8,7 @@
     as a serving engine runs a W8A8 layer;
   - cublas_fp8_torch_quant: per-tensor scales, the activation quantized per call by several
     torch ops (the first FP8 baseline; slower than BF16 at small M, so it flatters resgen;
-    kept because bench/gpu_linear_check.py and the stored `fp8_us` numbers use it).
+    kept because the stored `fp8_us` numbers of the retired gpu_linear_check.py use it).
 - Triton MXFP4 x BF16: tl.dot_scaled with E2M1 weights and E8M0 scales (Triton upcasts on Hopper).
 - vLLM's Marlin FP4 x BF16 (W4A16, NVFP4 and MXFP4): resgen.baselines_marlin (built by
   bench/marlin_setup.sh, outside the tree).

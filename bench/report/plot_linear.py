@@ -147,7 +147,7 @@ def decode_best(report: dict) -> dict[Key, float]:
     tasks = report.get("tasks") if isinstance(report, dict) else None
     if not isinstance(tasks, list):
         raise ValueError("decode report: expected a dict with a 'tasks' list "
-                         "(bench/gpu_linear_check.py output)")
+                         "(gpu_linear_check.py output)")
     best: dict[Key, float] = {}
     for t in tasks:
         us = _us(t.get("median_us"))

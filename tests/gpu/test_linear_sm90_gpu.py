@@ -113,7 +113,7 @@ QWEN = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 @pytest.mark.parametrize("n, k", QWEN)
 @pytest.mark.parametrize("fmt, comp, m", [("nvfp4", "full", 4), ("mxfp4", "0.125", 2)])
 def test_qwen_shapes(n, k, fmt, comp, m):
-    """The default (xop) and two fused PDL variants per shape; bench/gpu_linear_check.py checks
+    """The default (xop) and two fused PDL variants per shape; the tuner (resgen tune) checks
     every variant it times on these shapes too."""
     p = LinearProblem(fmt, comp, m, n, k)
     nt = min(4, -(-p.rows // 8))
