@@ -561,3 +561,29 @@ def test_the_h200_bench_plans_valid_variants_for_every_qwen3_shape(opted_in):
     assert mod.order_m([64, 128, 256, 2048]) == [2048, 128, 64, 256]
     with pytest.raises(Exception, match="c,bn"):
         mod.parse_variant("2,128")
+
+
+def test_an_unknown_experimental_name_warns_once(monkeypatch):
+    """RESGEN_EXPERIMENTAL with a name that is no experimental family (a typo) opts nothing
+    in: families() says so once per set of unknown names, naming the known ones; a correct
+    name does not warn."""
+    import warnings
+
+    from resgen.search import family as F
+
+    monkeypatch.setattr(F, "_WARNED_EXPERIMENTAL", set())
+    monkeypatch.setenv("RESGEN_EXPERIMENTAL", "linear_sm90_fp9")
+    settings.cache_clear()
+    try:
+        assert F.unknown_experimental() == ["linear_sm90_fp9"]
+        with pytest.warns(UserWarning, match=r"linear_sm90_fp9.*linear_sm90_fp8"):
+            F.families()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            F.families()                                    # once
+            monkeypatch.setenv("RESGEN_EXPERIMENTAL", "linear_sm90_fp8")
+            settings.cache_clear()
+            assert F.unknown_experimental() == []
+            F.families()
+    finally:
+        settings.cache_clear()

@@ -47,6 +47,8 @@ module to that convention).
 
 from __future__ import annotations
 
+import warnings
+
 import math
 import re
 from dataclasses import dataclass
@@ -109,6 +111,7 @@ class KernelFamilyBase:
     TEMPLATE: ClassVar[str]
     ARCHS: ClassVar[tuple[str, ...]]          # e.g. ("sm_90a",)
     COMPILE_OPTIONS: ClassVar[str] = ""       # extra cute.compile options (fingerprinted)
+    EXPERIMENTAL: ClassVar[bool] = False      # opt-in through RESGEN_EXPERIMENTAL only
     TEMPLATE_DIR: ClassVar[Path | None] = None  # None: resgen/templates
     ENTRY: ClassVar[str | None] = None        # None: the rendered module's ENTRY, or "entry"
 
@@ -293,8 +296,28 @@ def get_family(name: str) -> KernelFamilyBase:
         raise ValueError(f"unknown kernel family {name!r}; known: {sorted(_REGISTRY)}") from None
 
 
+_WARNED_EXPERIMENTAL: set[frozenset[str]] = set()
+
+
+def unknown_experimental() -> list[str]:
+    """Names in RESGEN_EXPERIMENTAL (resgen.settings) that are no registered experimental
+    family: a typo there opts nothing in, which families() warns about once."""
+    from ..settings import settings
+
+    _load_builtin()
+    known = {n for n, f in _REGISTRY.items() if getattr(f, "EXPERIMENTAL", False)}
+    return sorted(settings().experimental - known)
+
+
 def families() -> dict[str, KernelFamilyBase]:
     _load_builtin()
+    bad = unknown_experimental()
+    if bad and frozenset(bad) not in _WARNED_EXPERIMENTAL:
+        _WARNED_EXPERIMENTAL.add(frozenset(bad))
+        known = sorted(n for n, f in _REGISTRY.items() if getattr(f, "EXPERIMENTAL", False))
+        warnings.warn(f"RESGEN_EXPERIMENTAL names {bad}, which are no experimental kernel "
+                      f"family (those are {known}): nothing is opted in for them",
+                      stacklevel=2)
     return dict(_REGISTRY)
 
 

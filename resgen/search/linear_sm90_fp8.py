@@ -105,6 +105,7 @@ def kp_of(problem: LinearProblem) -> int:
 
 
 class LinearSm90Fp8Family(KernelFamilyBase):
+    EXPERIMENTAL: ClassVar[bool] = True
     NAME: ClassVar[str] = NAME
     VARIANT: ClassVar[type] = LinearSm90Fp8Variant
     PROBLEM: ClassVar[type] = LinearProblem
