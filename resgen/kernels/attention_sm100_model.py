@@ -14,7 +14,9 @@ GHz, 64 cycles per TMEM load + wait (+ 1 per register), 2 cycles per decoded V v
 thread (the E2M1 x E4M3 -> FP16 decode: a few integer / f16x2 ops per pair), 8 cycles per
 score per thread for the fold, scale, max, exp2 and sum (+ one shuffle tree and a shared-memory
 exchange per tile: 120 cycles), lastcta 0.8 us (the counter round trip and the last CTA's reads
-of the partials), combine 2.0 us (a second launch in a graph) plus its partial reads.
+of the partials), combine 2.0 us (a second launch in a graph) plus its partial reads, 1.0 us per CTA wave
+(a CTA's prologue and tail: TMEM allocation, barrier init, the query operand and its scale
+factors into shared memory / TMEM, the partial's write).
 Per CTA: max(its KV bytes over min(sm_gbps, the ring bound, its share of HBM), tiles x (MMA +
 epilogue) at the published rates): the ring overlaps loads with compute; the MMA and the
 epilogue of one tile are serial (the scores feed the softmax, P feeds P.V).
@@ -48,6 +50,7 @@ class B200:
     tile_sync_cycles: int = 120
     lastcta_us: float = 0.8
     combine_us: float = 2.0
+    cta_us: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,5 +97,5 @@ def predict(g: AttnSm100Geometry, batch: int, kv_heads: int, kv_len: int, splits
         part = batch * kv_heads * splits * g.group * (g.head_dim + 2) * 4
         red = part / (hw.hbm_gbps * 1e9) * 1e6 + (hw.lastcta_us if g.reduction == "lastcta"
                                                   else hw.combine_us)
-    total = hw.fixed_us + waves * max(mem_us, compute_us) + red
+    total = hw.fixed_us + waves * (hw.cta_us + max(mem_us, compute_us)) + red
     return Breakdown(total, mem_us * waves, compute_us * waves, red, ctas, waves, occ)
