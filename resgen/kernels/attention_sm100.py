@@ -77,7 +77,10 @@ def query_operand(q: torch.Tensor, g: AttnSm100Geometry, k_scale: float, sm_scal
 
 
 def attention_args() -> list[Any]:
-    """cute.compile arguments of the template's entry (pointers and run-time ints)."""
+    """cute.compile arguments of the template's entry, in DecodeAttentionSm100's call order:
+    k_codes, k_sf, v_codes, v_sf, q codes, q sf (uint8), fac (float32), block tables, sequence
+    lengths (int32), out (bf16), workspace (float32), counters (int32), v_scale, batch, KV
+    heads, block-table stride, splits, tiles (not read), reserved (not read), stream."""
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass.cute.runtime import make_ptr
@@ -92,7 +95,7 @@ def attention_args() -> list[Any]:
             make_ptr(cutlass.Int32, 0, gm, 4), make_ptr(cutlass.BFloat16, 0, gm, 16),
             make_ptr(cutlass.Float32, 0, gm, 16), make_ptr(cutlass.Int32, 0, gm, 4),
             cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
-            cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0)]
+            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0), cuda.CUstream(0)]
 
 
 class DecodeAttentionSm100:

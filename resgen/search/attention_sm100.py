@@ -239,18 +239,6 @@ class AttentionSm100Family(KernelFamilyBase):
         raise ValueError(f"attention_sm100 cannot run {problem.key()}: "
                          f"{self.why_invalid(v, problem, arch)}")
 
-    def model_problems(self, models: Sequence[Any], *, tp: int, formats: Sequence[str],
-                       compensations: Sequence[Any], m_buckets: Sequence[int]
-                       ) -> list[AttentionProblem]:
-        """None yet: the kernel template (resgen/templates/attention_sm100.py.j2) is not
-        written, so `resgen tune --arch sm_100a` plans no workload for this family rather than
-        planning compiles that cannot succeed (docs/attention_sm100.md, "Not done")."""
-        return []
-
-    def compile_module(self, path: Any, variant: Any, problem: Any, arch: str) -> Any:
-        raise NotImplementedError("attention_sm100 has no kernel template yet "
-                                  "(docs/attention_sm100.md, 'Not done')")
-
     def prior(self, variant: AttentionSm100Variant, problem: AttentionProblem) -> float:
         """The analytical B200 model's prediction in microseconds (never measured)."""
         from ..kernels.attention_sm100_model import predict
