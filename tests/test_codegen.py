@@ -296,15 +296,7 @@ def test_compile_only_tiny_cute_family(arch):
 
 
 # -- every real template family compiles through the pipeline (CPU, named arch) -------------
-# Families registered before their template exists (strict xfail: it fails the day the
-# template lands, so this entry is removed then).
-_NO_TEMPLATE = {"resgen.search.attention_sm100":
-                "attention_sm100's kernel template is not written yet (docs/attention_sm100.md)"}
-
-
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_NO_TEMPLATE[m]))
-    if m in _NO_TEMPLATE else m for m in family_mod.family_modules()])
+@pytest.mark.parametrize("module", family_mod.family_modules())
 def test_compile_only_every_registered_template_family(module):
     pytest.importorskip("cutlass")
     for fam in _families_of(module):
