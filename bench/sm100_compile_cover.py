@@ -5,8 +5,9 @@ last.
     python bench/sm100_compile_cover.py                      # the CI cover (every axis value)
     python bench/sm100_compile_cover.py --wide --out bench/results/cpu/sm100_compile_wide.json
 
---cover (default): linear_sm100_tc.covering_cases() + quant_sm100.covering_cases(), what
-tests/test_sm100_compile.py compiles. --wide adds, for the Qwen3-8B linear shapes at M in
+--cover (default): linear_sm100_tc.covering_cases() + quant_sm100.covering_cases() +
+attention_sm100.covering_cases(), what tests/test_sm100_compile.py and
+tests/test_attention_sm100_compile.py compile. --wide adds, for the Qwen3-8B linear shapes at M in
 --m (default 1, 16, 128), every format and compensation, the --per best variants of the
 analytical prior and --spread more spread evenly over the space: the larger covering run
 (minutes; not in CI).
@@ -56,11 +57,13 @@ def main(argv=None) -> int:
 
     from resgen.kernels.codegen import cute_dsl_version
     from resgen.search import build
+    from resgen.search import attention_sm100 as A
     from resgen.search import linear_sm100_tc as L
     from resgen.search import quant_sm100 as Q
 
-    cases = [(L, p, v) for p, v in L.covering_cases()] + [(Q, p, v) for p, v in
-                                                          Q.covering_cases()]
+    cases = ([(L, p, v) for p, v in L.covering_cases()]
+             + [(Q, p, v) for p, v in Q.covering_cases()]
+             + [(A, p, v) for p, v in A.covering_cases()])
     if args.wide:
         seen = {(p.key(), v.key()) for _, p, v in cases}
         cases += [(L, p, v) for p, v in wide_cases(args.m, args.per, args.spread)
@@ -75,7 +78,9 @@ def main(argv=None) -> int:
                      "name": v.name(), "ok": out.ok, "seconds": out.seconds,
                      "registers": out.registers, "spill_bytes": out.spill_bytes,
                      "ptx_problems": probs, "error": (out.error or "")[:2000]})
-        print(f"{len(rows):4d}/{len(cases)} {v.name()} {p.fmt} {p.compensation} m={p.m}: "
+        what = (f"{p.fmt} {p.compensation} m={p.m}" if hasattr(p, "fmt")
+                else f"D {p.head_dim} G {p.q_heads // p.kv_heads} comp {p.compensation}")
+        print(f"{len(rows):4d}/{len(cases)} {v.name()} {what}: "
               f"{'ok' if out.ok else 'FAILED'} {out.seconds or 0:.2f} s, "
               f"{out.registers} regs, {out.spill_bytes} B local"
               + (f", PTX: {probs}" if probs else ""), flush=True)

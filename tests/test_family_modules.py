@@ -337,8 +337,9 @@ def test_ops_take_their_default_arch_from_settings(monkeypatch):
         qw = C.prepare_weight(torch.randn(64, 256), "mxfp4")
         stand_in = lambda *a: None  # noqa: E731  (a simulated op: no CUDA device check)
         assert Linear(qw, "none", device="cpu", compile_fn=stand_in).arch == "sm_100a"
-        # no attention family runs on sm_100a: the op says so instead of choosing sm_90a
-        with pytest.raises(ValueError, match="no family on sm_100a"):
+        # sm_100a's attention family (attention_sm100) answers, not sm_90a's: it refuses
+        # head_dim 64 with its own reason
+        with pytest.raises(ValueError, match="head_dim 64 not in"):
             DecodeAttention(8, 2, 64)
         assert DecodeAttention(8, 2, 64, arch="sm_90a", op_fn=stand_in).arch == "sm_90a"
     finally:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("isolated_cache")
 def test_families_by_arch():
     on = {a: {f.NAME for f in families().values() if a in f.ARCHS and f.NAME != "fake_gemm"}
           for a in ("sm_90a", "sm_100a")}      # fake_gemm: the tests' own family
-    assert on["sm_100a"] == {"linear_sm100_tc", "quant_sm100"}
+    assert on["sm_100a"] == {"linear_sm100_tc", "quant_sm100", "attention_sm100"}
     assert not on["sm_100a"] & on["sm_90a"]
 
 

@@ -33,6 +33,10 @@ the resgen sm_100a kernels use those as NVIDIA's blockscaled examples do. What t
     st_f32_pred(addr, v, pred), ld_cg_f32_pred(addr, pred)   split-K partials (L2 only on the
                                   way back: other CTAs wrote them); the load gives 0 when off
     atom_add_u32_pred(addr, v, pred) -> old   atom.global.acq_rel.gpu.add.u32 when pred != 0
+    tcgen05_fence_before(), tcgen05_fence_after()   tcgen05.fence::before_thread_sync /
+                                  ::after_thread_sync: order tcgen05 operations (TMEM loads,
+                                  MMAs) across a thread barrier or mbarrier wait (added for
+                                  attention_sm100)
 
 Generic wrappers (the same PTX on every arch) are re-exported from sm90_ptx so that each piece
 of PTX is written once: st_u16, st_u32, fence_gpu, grid_dep_launch, opaque32, opaque64, ld_f32
@@ -53,8 +57,8 @@ from .sm90_ptx import (_asm, _f32, _i64, _struct, _u32, _unpack, cvt_bf16x2, fen
 __all__ = ["TMEM_LD_SHAPES", "tmem_ld_expected_count", "tmem_ld", "tmem_wait_ld", "bulk_s2g",
            "bulk_commit", "bulk_wait0", "fence_async_shared", "named_bar_sync", "mul_f32",
            "add_f32", "st_shared_u16", "st_shared_u32", "ld_shared_u32", "st_f32_pred",
-           "ld_cg_f32_pred", "atom_add_u32_pred", "st_u16", "st_u32", "ld_f32", "cvt_bf16x2",
-           "red_add_f32_pred", "fence_gpu", "grid_dep_launch", "opaque32", "opaque64"]
+           "ld_cg_f32_pred", "atom_add_u32_pred", "tcgen05_fence_before",
+           "tcgen05_fence_after", "st_u16", "st_u32", "ld_f32", "cvt_bf16x2", "red_add_f32_pred", "fence_gpu", "grid_dep_launch", "opaque32", "opaque64"]
 
 # registers per thread and repetition of each TMEM load shape (PTX ISA, tcgen05.ld)
 TMEM_LD_SHAPES: dict[str, int] = {"32x32b": 1, "16x256b": 4, "16x128b": 2}
@@ -184,3 +188,15 @@ def atom_add_u32_pred(addr, v, pred, *, loc=None, ip=None) -> Uint32:
                        "{\n .reg .pred p;\n setp.ne.b32 p, $3, 0;\n mov.b32 $0, 0;\n"
                        " @p atom.global.acq_rel.gpu.add.u32 $0, [$1], $2;\n}",
                        "=&r,l,r,r,~{memory}", effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def tcgen05_fence_before(*, loc=None, ip=None) -> None:
+    _asm(None, [], "tcgen05.fence::before_thread_sync;", "~{memory}", effects=True, loc=loc,
+         ip=ip)
+
+
+@dsl_user_op
+def tcgen05_fence_after(*, loc=None, ip=None) -> None:
+    _asm(None, [], "tcgen05.fence::after_thread_sync;", "~{memory}", effects=True, loc=loc,
+         ip=ip)
