@@ -52,7 +52,8 @@ def test_invalid_combinations_give_their_reason():
     assert "not in the thread's registers" in why(V(A.QLayout.HALF, A.TmemShape.S16X256B, 1))
     assert "columns" in why(V(tmem_rep=16))            # 16 columns of an 8-column tile
     big = dataclasses.replace(p, head_dim=256, page_size=256)
-    assert "shared memory" in why(V(tmem_rep=8, stages=8), big)
+    assert "single-buffered" in why(V(stages=3))       # no ring yet: stages=1 only
+    assert all(v.stages == 1 for v in A.FAMILY.space(big, ARCH))
     assert "head_dim" in A.FAMILY.problem_invalid(dataclasses.replace(p, head_dim=64))
     assert "pv=fp8" in A.FAMILY.problem_invalid(dataclasses.replace(p, pv="fp8"))
     assert "page_size" in A.FAMILY.problem_invalid(dataclasses.replace(p, page_size=48))
@@ -113,15 +114,15 @@ def _case(seed, lens, hkv, group, d, ps, scale=2.0):
 
 
 SIM = [  # (variant, group, head_dim, page_size, lens, compensation)
-    (A.AttentionSm100Variant(A.QLayout.PAIR, A.TmemShape.S32X32B, 8, 2), 4, 128, 32,
+    (A.AttentionSm100Variant(A.QLayout.PAIR, A.TmemShape.S32X32B, 8, 1), 4, 128, 32,
      [300, 1, 0], True),
-    (A.AttentionSm100Variant(A.QLayout.HALF, A.TmemShape.S16X128B, 2, 3, 3,
+    (A.AttentionSm100Variant(A.QLayout.HALF, A.TmemShape.S16X128B, 2, 1, 3,
                              A.Reduction.LASTCTA), 4, 128, 16, [700, 129], True),
-    (A.AttentionSm100Variant(A.QLayout.PAIR, A.TmemShape.S16X256B, 1, 2, 2,
+    (A.AttentionSm100Variant(A.QLayout.PAIR, A.TmemShape.S16X256B, 1, 1, 2,
                              A.Reduction.COMBINE), 4, 256, 256, [400], True),
-    (A.AttentionSm100Variant(A.QLayout.HALF, A.TmemShape.S32X32B, 16, 2), 8, 128, 128,
+    (A.AttentionSm100Variant(A.QLayout.HALF, A.TmemShape.S32X32B, 16, 1), 8, 128, 128,
      [260], True),
-    (A.AttentionSm100Variant(A.QLayout.PLAIN, A.TmemShape.S16X128B, 2, 2), 8, 128, 32,
+    (A.AttentionSm100Variant(A.QLayout.PLAIN, A.TmemShape.S16X128B, 2, 1), 8, 128, 32,
      [333, 5], False),
 ]
 

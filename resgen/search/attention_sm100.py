@@ -13,7 +13,9 @@ Variant axes (AttentionSm100Variant) and what they change
                 then residues at + qk_n / 2): with the load shape it decides whether each
                 base-residue score pair lands in one thread's registers
     tmem_shape, tmem_rep   the score load: tcgen05.ld .32x32b / .16x256b / .16x128b .x<rep>
-    stages      depth of the shared-memory ring of K / V tiles (128 keys each)
+    stages      depth of the shared-memory ring of K / V tiles (128 keys each); the template
+                is single-buffered (no ring yet), so only stages = 1 is valid: the axis stays
+                in the key so that ring variants, once built, are new keys
     splits      KV splits per (sequence, KV head); a run-time argument (one compile serves all)
     reduction   "none" (one split), "lastcta" (partials, the last CTA of a head reduces in
                 split order: one launch) or "combine" (partials, a second kernel reduces)
@@ -76,7 +78,7 @@ class AttentionSm100Variant(VariantBase):
     tmem_shape: TmemShape = field(default=TmemShape.S32X32B, metadata={"short": "t"})
     tmem_rep: int = field(default=8, metadata={"range": IntRange(1, 128, pow2=True),
                                                 "short": "x"})
-    stages: int = field(default=3, metadata={"range": IntRange(1, 8), "short": "st"})
+    stages: int = field(default=1, metadata={"range": IntRange(1, 8), "short": "st"})
     splits: int = field(default=1, metadata={"range": IntRange(1, MAX_SPLITS), "short": "s"})
     reduction: Reduction = field(default=Reduction.NONE, metadata={"short": "red"})
 
@@ -152,6 +154,9 @@ class AttentionSm100Family(KernelFamilyBase):
                     else f"reduction={v.reduction.value} with a single split")
         if v.splits > _tiles(p):
             return f"{v.splits} splits > {_tiles(p)} tiles of {KEYS} keys (empty splits)"
+        if v.stages != 1:
+            return (f"stages={v.stages}: the kernel is single-buffered (one K / V tile in "
+                    "shared memory, no ring yet): stages=1 only")
         g = geometry_of(v, p)
         lanes, cols, regs = tmem_span(v.tmem_shape.value, v.tmem_rep)
         if regs > 128:
@@ -195,7 +200,7 @@ class AttentionSm100Family(KernelFamilyBase):
 
     def space(self, problem: AttentionProblem, arch: str) -> Sequence[AttentionSm100Variant]:
         """Every valid candidate in a fixed order: query layout, score load (every shape at the
-        repetitions covering the whole and half the tile), 2 / 3 / 4 / 6 stages, split counts
+        repetitions covering the whole and half the tile), one stage (single-buffered), split counts
         1 and the default's x 1/2, 1, 2 (at least MIN_TILES_PER_SPLIT tiles a split), both
         reductions."""
         if self.problem_invalid(problem) or arch not in self.ARCHS:
@@ -205,7 +210,7 @@ class AttentionSm100Family(KernelFamilyBase):
         out = []
         for lay in lays:
             for shape, rep in self._tmem_options(g0.qk_n):
-                for st in (2, 3, 4, 6):
+                for st in (1,):
                     for s in self._splits(problem):
                         reds = ([Reduction.NONE] if s == 1
                                 else [Reduction.LASTCTA, Reduction.COMBINE])
@@ -220,7 +225,7 @@ class AttentionSm100Family(KernelFamilyBase):
 
     def default(self, problem: AttentionProblem, arch: str) -> AttentionSm100Variant:
         """The fallback rule: pair (ResAttn) or plain rows, .32x32b loads of the whole score
-        tile, 3 stages (2 where shared memory is short), enough splits for about two CTAs per
+        tile, one stage (the kernel is single-buffered), enough splits for about two CTAs per
         B200 SM but at least MIN_TILES_PER_SPLIT tiles a split, reduced in the last CTA."""
         why = self.problem_invalid(problem)
         if why:
@@ -232,7 +237,7 @@ class AttentionSm100Family(KernelFamilyBase):
         cap = max(1, _tiles(problem) // MIN_TILES_PER_SPLIT)
         s = max(1, min(want, cap, MAX_SPLITS))
         red = Reduction.NONE if s == 1 else Reduction.LASTCTA
-        for st in (3, 2, 1):
+        for st in (1,):
             v = AttentionSm100Variant(lay, TmemShape.S32X32B, g.qk_n, st, s, red)
             if self.why_invalid(v, problem, arch) is None:
                 return v
