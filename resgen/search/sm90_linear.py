@@ -465,8 +465,8 @@ class Sm90LinearFamily(KernelFamilyBase):
                    seed: int, fused: bool = False) -> list:
         """[(qweight, weight, x, operand, alpha_x)] * n_sets: cached weights, fresh
         activations x (float32 [M, K]). operand: for fused variants x itself as bf16 [M, K]
-        (alpha_x its static scale; W4A16: one, float32 [1], MXFP4 None); otherwise None until the runner's operand(i) builds the
-        torch-quantized xop on first use."""
+        (alpha_x its static scale; W4A16: one, float32 [1], MXFP4 None); otherwise None
+        until the runner's operand(i) builds the torch-quantized xop on first use."""
         gen = torch.Generator(device=device).manual_seed(seed * self.INPUT_SEED + problem.m)
         sets = []
         for qw, wt in self.weight_sets(problem, packing, device, n_sets, seed):
