@@ -204,15 +204,15 @@ def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
         return presum_geometry(geometry_of(replace(variant, fold=Fold.EXACT),
                                            replace(problem, compensation="none")))
     g = Geometry(fmt=problem.fmt, mext=problem.compensation == "full",
-                    packing=variant.packing.value, n=problem.n, kq=kp_of(problem) // 64,
-                    warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
-                    n_tiles=variant.n_tiles, groups=variant.groups,
-                    pipeline=variant.pipeline.value, stages=variant.stages,
-                    l2_prefetch=variant.l2_prefetch,
-                    split_k=variant.split_k, reduce=variant.reduce.value,
-                    act=variant.act.value, pdl=bool(variant.pdl),
-                    k=problem.k if fused else 0, ksel=_ksel(problem) if fused else 0,
-                    tok_rows=tok_rows_of(variant, problem), cluster=variant.cluster)
+                 packing=variant.packing.value, n=problem.n, kq=kp_of(problem) // 64,
+                 warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
+                 n_tiles=variant.n_tiles, groups=variant.groups,
+                 pipeline=variant.pipeline.value, stages=variant.stages,
+                 l2_prefetch=variant.l2_prefetch,
+                 split_k=variant.split_k, reduce=variant.reduce.value,
+                 act=variant.act.value, pdl=bool(variant.pdl),
+                 k=problem.k if fused else 0, ksel=_ksel(problem) if fused else 0,
+                 tok_rows=tok_rows_of(variant, problem), cluster=variant.cluster)
     if fused and problem.w4a16:
         from ..kernels.linear_sm90_a16 import a16_geometry
 
