@@ -152,7 +152,7 @@ FUSED_VARIANTS = [
     LS.LinearSm90Variant(warps_m=2, warps_k=4, pipeline=LS.Pipeline.DIRECT, stages=1,
                          l2_prefetch=2, split_k=2, reduce=LS.Reduction.WORKSPACE, cluster=2,
                          pdl=True, **_FU),
-    LS.LinearSm90Variant(warps_m=1, warps_k=8, stages=3, split_k=2,
+    LS.LinearSm90Variant(warps_m=1, warps_k=8, stages=2, split_k=2,
                          reduce=LS.Reduction.ATOMIC, **_FU),
 ]
 
