@@ -35,8 +35,8 @@ if [ "${RESGEN_W4A16_TESTS:-1}" = "1" ]; then
     [ "$T" -ne 0 ] && RC=$T
 fi
 
-# 2. Tune the W4A16 workloads (the fused variants are invalid for them; the plain twins'
-#    timed xop variants are tried first).
+# 2. Tune the W4A16 workloads (the plain twins' timed variants are tried first: xop ones,
+#    and fused ones with the W4A16 copy prologue).
 timeout -k 10 $((BUDGET + 90)) python3 -m resgen tune --model qwen3-8b --ops linear \
     --compensations w4a16 --formats "$FORMATS" --m-buckets "$MS" --db "$OUT/w4a16.sqlite" \
     --time-budget "$BUDGET" --hard-stop 30 --warm-start tuned/h200.sqlite.xz \

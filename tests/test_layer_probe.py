@@ -96,3 +96,62 @@ def test_deep_ring_probe_cases_are_valid_and_reach_past_the_space():
             assert all(FAMILY.why_invalid(v, p, layer_probe.ARCH) is None for v in vs)
             space = set(FAMILY.space(p, layer_probe.ARCH))
             assert any(v.stages >= 6 and v not in space for v in vs)
+
+
+def test_w4a16_fused_probe_plans_checks_and_reports(tmp_path, monkeypatch):
+    """bench/probes/w4a16_fused_probe.py on the CPU: per (M, shape) the plain table winner,
+    the W4A16 xop path and up to three fused W4A16 candidates (each valid for W4A16, the
+    plain winner's own variant first where it is fused), M = 1 first, the budget stops new
+    cases, and the summary / table come from checked, timed rows only (a failed check is never
+    the best)."""
+    import w4a16_fused_probe as W
+
+    from resgen.runtime import Device, Dispatcher
+
+    disp = Dispatcher(device=Device("NVIDIA H200", "sm_90a"))      # the shipped table
+
+    def lookup(p):
+        return disp.lookup("linear", p), disp.source("linear", p)
+
+    cases = list(W.plan(lookup, W.xop_winners()))
+    assert [c[3]["m"] for c in cases][:3] == [1, 1, 1]
+    for m in W.MS:
+        for n, k in W.SHAPES:
+            sel = [c for c in cases if c[3]["m"] == m and c[0].n == n and c[0].k == k]
+            roles = [c[3]["role"] for c in sel]
+            assert roles[:2] == ["plain", "w4a16_xop"] and 1 <= roles.count("w4a16_fused") <= 3
+            plain, xop, fused = sel[0], sel[1], sel[2:]
+            assert plain[0].compensation == "none" and xop[0].compensation == "w4a16"
+            assert not getattr(xop[2], "fused", False)
+            assert all(c[2].fused and c[1].why_invalid(c[2], c[0], "sm_90a") is None
+                       and c[0].w4a16 for c in fused)
+            assert len({c[2] for c in fused}) == len(fused)
+            if getattr(plain[2], "fused", False) and m == 1:
+                assert fused[0][3]["config"] == "twin" and fused[0][2] == plain[2]
+    ticks = iter(range(100))
+    # t0 = 0; the cases asked for at 1 and 2 start, the one at 3 does not
+    assert len(list(W.budgeted(iter(cases), 2.5, clock=lambda: next(ticks)))) == 2
+
+    def fake_time_layer(fam, v, p, arch, cache, policy):
+        fz = getattr(v, "fused", False)              # (wgmma variants have no act axis)
+        us = {"none": 6.0, "w4a16": 8.0}[p.compensation] - (3.0 if fz and p.w4a16 else 0)
+        ok = not (fz and p.w4a16 and v.cluster == 2)           # a failing check: not timed
+        return {"check": {"ok": ok, "rel_err": 1e-3 if ok else 0.5},
+                **({"resgen_us": us + 0.01 * getattr(v, "warps_k", 1)} if ok else {})}
+
+    monkeypatch.setattr(layer_probe, "time_layer", fake_time_layer)
+    monkeypatch.setattr(layer_probe.torch.cuda, "get_device_name", lambda i: "Fake GPU")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(W, "plan", lambda lookup, winners: iter(cases))
+    monkeypatch.setattr(W, "xop_winners", lambda: {})
+    assert W.main(["--budget-s", "1000"]) == 0
+    doc = json.loads((tmp_path / "w4a16_fused_probe.json").read_text())
+    assert len(doc["rows"]) == len(cases)
+    s = doc["summary"]
+    assert len(s["layers"]) == len(W.MS) * len(W.SHAPES) and len(s["sums"]) == len(W.MS)
+    for r in s["layers"]:
+        assert r["w4a16_fused_us"] < r["plain_us"] < r["w4a16_xop_us"]
+        assert "_cl2" not in r["fused_variant"]
+    assert all(abs(t["plain_us"] - sum(r["plain_us"] for r in s["layers"] if r["m"] == t["m"]))
+               < 1e-9 for t in s["sums"])
+    assert W.table(s)[-1].startswith("M=8: sums plain")

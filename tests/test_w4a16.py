@@ -1,12 +1,18 @@
 """W4A16 (compensation "w4a16": FP4 weights, BF16 activations never quantized) through the
-pipeline on the CPU: the problem and its keys, validity (fused variants refused with a
-reason), the compile key and fingerprint (the plain kernel: nothing goes stale), the operand
-stage (in place or one padding copy), the runner's checks, resgen.ops.Linear / FP4Linear
-served through the kernels' CPU simulations against resgen.reference.linear_w4a16, and the
-CLI. The H200 half is tests/gpu/test_w4a16_gpu.py."""
+pipeline on the CPU: the problem and its keys, validity, the compile key and fingerprint (xop
+variants: the plain kernel, nothing goes stale; fused variants: the operand "copy" render of
+their own, every other render byte-identical), the operand stage (in place or one padding
+copy), the fused copy prologue's thread-level simulation and sm_90a compile, the runner's
+checks, resgen.ops.Linear / FP4Linear served through the kernels' CPU simulations against
+resgen.reference.linear_w4a16, and the CLI. The H200 half is tests/gpu/test_w4a16_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import lzma
+import random
 import sys
 from pathlib import Path
 
@@ -20,6 +26,10 @@ from test_linear_sm90 import _record_launcher_pointers, _SimulatedKernel  # noqa
 from test_linear_sm90_wgmma import _qweight  # noqa: E402
 
 from resgen import reference as R  # noqa: E402
+from resgen.kernels import codegen  # noqa: E402
+from resgen.kernels import layouts as L  # noqa: E402
+from resgen.kernels import linear_sm90_a16 as A16  # noqa: E402
+from resgen.kernels.linear_sm90_sim import simulate_kernel  # noqa: E402
 from resgen.kernels.linear_sm90_wgmma_sim import SimulatedKernel  # noqa: E402
 from resgen.ops import Linear  # noqa: E402
 from resgen.runtime import Device, Dispatcher  # noqa: E402
@@ -70,20 +80,46 @@ def test_problem_key_and_fields():
         LinearProblem("nvfp4", "w4a8", 3, 128, 512)
 
 
-def test_fused_variants_are_invalid_with_a_reason_and_outside_the_space():
-    p = LinearProblem("nvfp4", "w4a16", 1, 4096, 4096)
-    fused = LS.LinearSm90Variant(warps_m=1, warps_k=8, stages=3, act=LS.Act.FUSED)
-    assert LS.FAMILY.why_invalid(fused, LinearProblem("nvfp4", "none", 1, 4096, 4096),
-                                 ARCH) is None
-    why = LS.FAMILY.why_invalid(fused, p, ARCH)
-    assert why is not None and "W4A16" in why and "prologue" in why
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_the_w4a16_space_has_the_fused_variants_of_plain(fmt, m):
+    """Fused variants are valid for W4A16 under plain's (static scale) rules: the W4A16 space
+    is the static plain space, variant for variant, and the prior ranks them as plain's (fused
+    first up to 8 rows), except that W4A16's copy prefers no cluster."""
+    p = LinearProblem(fmt, "w4a16", m, 4096, 4096)
+    plain_p = LinearProblem(fmt, "none", m, 4096, 4096)
     space = LS.FAMILY.space(p, ARCH)
-    assert space and not any(v.fused for v in space)
+    assert any(v.fused for v in space) and any(not v.fused for v in space)
     assert all(LS.FAMILY.why_invalid(v, p, ARCH) is None for v in space)
-    # the xop part of the plain space, exactly
-    plain = [v for v in LS.FAMILY.space(LinearProblem("nvfp4", "none", 1, 4096, 4096), ARCH)
-             if not v.fused]
-    assert space == plain
+    assert space == LS.FAMILY.space(plain_p, ARCH)
+    best = min(space, key=lambda v: LS.FAMILY.prior(v, p))
+    assert best.fused == (m <= 8)
+    for v in space:
+        d = LS.FAMILY.prior(v, p) - LS.FAMILY.prior(v, plain_p)
+        if not v.fused or m == 1:       # (at one row plain's fused tiles want no cluster)
+            assert d == 0.0, v.name()
+        else:                           # only the cluster preference differs
+            assert abs(abs(d) - 0.3) < 1e-9 or d == 0.0, v.name()
+    if m >= 4:      # plain's fused tiles of 4+ rows prefer a cluster of 2, W4A16's none
+        fz = [v for v in space if v.fused]
+        assert min(fz, key=lambda v: LS.FAMILY.prior(v, p)).cluster == 1
+        assert min(fz, key=lambda v: LS.FAMILY.prior(v, plain_p)).cluster == 2
+
+
+def test_w4a16_fused_validity_follows_plain_rules():
+    fused = LS.LinearSm90Variant(warps_m=1, warps_k=8, stages=3, act=LS.Act.FUSED)
+    p = LinearProblem("nvfp4", "w4a16", 1, 4096, 4096)
+    assert LS.FAMILY.why_invalid(fused, p, ARCH) is None
+    # no activation scale: keyed static, and valid even if a caller keys it dynamic
+    assert LS.FAMILY.why_invalid(fused, LinearProblem("nvfp4", "w4a16", 1, 4096, 4096,
+                                                      False), ARCH) is None
+    why = LS.FAMILY.why_invalid(dataclasses.replace(fused, n_tiles=2), p, ARCH)
+    assert why is not None and "n8 tiles past" in why
+    why = LS.FAMILY.why_invalid(fused, LinearProblem("nvfp4", "w4a16", 1, 4096, 4104), ARCH)
+    assert why is not None and "multiple of 16" in why
+
+
+def test_wgmma_space_is_plain():
     wspace = LW.FAMILY.space(LinearProblem("mxfp4", "w4a16", 64, 4096, 4096), ARCH)
     assert wspace == LW.FAMILY.space(LinearProblem("mxfp4", "none", 64, 4096, 4096), ARCH)
 
@@ -107,6 +143,232 @@ def test_w4a16_renders_the_plain_kernel(fam, v, fmt):
         assert fam.template_params(v, fam.compile_key(v, w16)) == \
             fam.template_params(v, fam.compile_key(v, plain))
     assert variant_fingerprint(fam, v, w16, ARCH) == variant_fingerprint(fam, v, plain, ARCH)
+
+
+# ----------------------------------------------------------------------------- fused: the copy
+
+FIXTURE = Path(__file__).parent / "fixtures" / "linear_sm90_mma_renders.json.xz"
+_F = dict(act=LS.Act.FUSED)
+
+
+def _render(v, p) -> str:
+    fam = LS.FAMILY
+    return codegen.render(fam.TEMPLATE, fam.template_params(v, fam.compile_key(v, p)))
+
+
+def test_plain_full_and_kext_fused_renders_are_unchanged():
+    """The operand "copy" changed the template under `{% if %}` only: every fused (and xop)
+    winner of the shipped table (plain, M-Ext, K-Ext, both formats; rendered on main by
+    scripts/exact_render_fixture.py) renders the same bytes and imports the same kernel
+    modules, none of them linear_sm90_a16 (so the table's rows are re-fingerprinted, not
+    re-tuned)."""
+    doc = json.loads(lzma.decompress(FIXTURE.read_bytes()))
+    comps = set()
+    bad = []
+    for vk, pk, want in doc["renders"]:
+        v, p = LS.FAMILY.VARIANT.from_key(vk), LS.FAMILY.PROBLEM.from_key(pk)
+        assert not p.w4a16
+        if not v.fused:
+            continue
+        comps.add("kext" if p.ratio is not None else p.compensation)
+        ck = LS.FAMILY.compile_key(v, p)
+        assert LS.FAMILY.template_params(v, ck)["operand"] == "quantize"
+        src = _render(v, p)
+        if hashlib.sha256(src.encode()).hexdigest()[:12] != want:
+            bad.append(v.name())
+        assert "linear_sm90_a16" not in src and "A16." not in src
+        assert codegen.kernel_modules_digest(src) == doc["kernel_modules_digest"]
+    assert comps == {"none", "full", "kext"}
+    assert not bad, f"{len(bad)} fused renders changed, e.g. {bad[:3]}"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_w4a16_fused_is_its_own_kernel_and_key(fmt):
+    """A W4A16 fused variant: compile key with compensation "w4a16" and the TOK rows of fused
+    keys, its own template parameters, render, kernel modules and fingerprint; the M buckets
+    sharing a tile share the compile."""
+    v = LS.LinearSm90Variant(warps_m=1, warps_k=8, stages=3, pdl=True, **_F)
+    for m, tok in ((1, 1), (3, 4), (8, 8)):
+        w16, plain = (LinearProblem(fmt, c, m, 4096, 4096) for c in ("w4a16", "none"))
+        ck, pk = LS.FAMILY.compile_key(v, w16), LS.FAMILY.compile_key(v, plain)
+        assert ck.compensation == "w4a16" and ck.m == tok == pk.m
+        assert ck.key() != pk.key() and ck.digest() != pk.digest()
+        tw, tp = LS.FAMILY.template_params(v, ck), LS.FAMILY.template_params(v, pk)
+        assert tw == {**tp, "operand": "copy"} and tp["operand"] == "quantize"
+        src, psrc = _render(v, w16), _render(v, plain)
+        assert src != psrc
+        assert "from resgen.kernels import linear_sm90_a16 as A16" in src
+        assert codegen.kernel_modules_digest(src) != codegen.kernel_modules_digest(psrc)
+        assert variant_fingerprint(LS.FAMILY, v, w16, ARCH) != \
+            variant_fingerprint(LS.FAMILY, v, plain, ARCH)
+        assert isinstance(LS.geometry_of(v, w16), A16.A16Geometry)
+        assert not isinstance(LS.geometry_of(v, plain), A16.A16Geometry)
+    assert LS.FAMILY.compile_key(v, LinearProblem(fmt, "w4a16", 3, 4096, 4096)) == \
+        LS.FAMILY.compile_key(v, LinearProblem(fmt, "w4a16", 4, 4096, 4096))
+    # xop variants of W4A16 still render the plain kernel
+    x = dataclasses.replace(v, act=LS.Act.XOP)
+    assert _render(x, LinearProblem(fmt, "w4a16", 3, 4096, 4096)) == \
+        _render(x, LinearProblem(fmt, "none", 3, 4096, 4096))
+
+
+def test_a16_geometry_refuses_what_it_cannot_copy():
+    v = LS.LinearSm90Variant(warps_m=1, warps_k=8, stages=3, **_F)
+    g = LS.geometry_of(v, LinearProblem("nvfp4", "none", 1, 4096, 4096))
+    A16.a16_geometry(g).check()
+    for comp in ("full", "0.125"):          # valid fused geometries W4A16 cannot copy into
+        gc = LS.geometry_of(v, LinearProblem("nvfp4", comp, 1, 4096, 4096))
+        gc.check()
+        with pytest.raises(ValueError, match="residue"):
+            A16.a16_geometry(gc).check()
+    xop = LS.geometry_of(dataclasses.replace(v, act=LS.Act.XOP),
+                         LinearProblem("nvfp4", "none", 1, 4096, 4096))
+    with pytest.raises(ValueError, match="fused"):
+        A16.a16_geometry(xop).check()
+
+
+_DI = dict(pipeline=LS.Pipeline.DIRECT, stages=1)
+_WS = LS.Reduction.WORKSPACE
+# (fmt, K, M, variant fields): M = 1, 3, 5, 8 (TOK 1, 4, 8, 8), clusters of 2 / 4, split-K
+# (workspace, atomic), Kp padding (K = 1088: zero columns to Kp = 1280), ragged K slices,
+# the four pipelines, PDL
+A16_SIM_CASES = [
+    ("nvfp4", 4096, 1, dict(warps_m=1, warps_k=8, stages=3, pdl=True)),
+    ("mxfp4", 1024, 1, dict(warps_m=2, warps_k=2, **_DI, l2_prefetch=1)),
+    ("nvfp4", 1088, 3, dict(warps_m=2, warps_k=4, **_DI, cluster=2)),
+    ("mxfp4", 2048, 3, dict(warps_m=2, warps_k=1, split_k=2, reduce=_WS, stages=2,
+                            cluster=2)),
+    ("nvfp4", 1024, 8, dict(warps_m=1, warps_k=2, stages=3, cluster=4)),
+    ("mxfp4", 2048, 8, dict(warps_m=2, warps_k=1, split_k=2, reduce=LS.Reduction.ATOMIC,
+                            pipeline=LS.Pipeline.BULK, stages=2, pdl=True)),
+    ("nvfp4", 2560, 5, dict(warps_m=1, warps_k=4, stages=3, n_tiles=1)),
+    ("mxfp4", 1024, 8, dict(warps_m=4, warps_k=1, pipeline=LS.Pipeline.REGS, stages=1)),
+]
+
+
+def _sim(v, p, qw, x, order_seed=None):
+    """The thread-level simulation of v on p (x: bf16 [M, K]; fused: x itself; xop: the
+    W4A16 operand) into a NaN-poisoned output, CTAs in a shuffled order."""
+    geom = LS.geometry_of(v, p)
+    wt = L.prepare_sm90_weight(qw, v.packing.value)
+    m = x.shape[0]
+    one = torch.ones(1) if p.fmt == "nvfp4" else None
+    src = x if v.fused else SL.bf16_operand(x.float(), geom.kp, geom.tok)
+    out = torch.full((m, p.n), float("nan"), dtype=torch.bfloat16)
+    gx, gy, gz = geom.grid(m)
+    order = [(a, b, z) for a in range(gx) for b in range(gy) for z in range(gz)]
+    random.Random(order_seed).shuffle(order)
+    ws = torch.zeros(max(geom.ws_floats(m, m), 1))
+    simulate_kernel(geom, wt, src, m, m, one, out, ws=ws, cta_order=order)
+    return out
+
+
+@pytest.mark.parametrize("fmt, k, m, fields", A16_SIM_CASES)
+def test_w4a16_fused_simulation_matches_the_reference(fmt, k, m, fields):
+    """The copy prologue's work items and tile addresses (NaN-poisoned shared memory, rows
+    past M never written) give reference.linear_w4a16 up to FP32 summation order, and the
+    SAME bits as the W4A16 xop twin (same tiles, same summation order) on the zero-padded
+    operand; plain W4A4's fused kernel on the same inputs is far off."""
+    n = 64
+    p = LinearProblem(fmt, "w4a16", m, n, k)
+    v = LS.LinearSm90Variant(**fields, **_F)
+    assert LS.FAMILY.why_invalid(v, p, ARCH) is None, LS.FAMILY.why_invalid(v, p, ARCH)
+    qw = _qweight(fmt, n=n, k=k, seed=m)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)) * 3
+         ).to(torch.bfloat16)
+    ref = R.linear_w4a16(x.float(), qw)
+    y = _sim(v, p, qw, x, order_seed=m)
+    assert not bool(y.isnan().any())
+    res = SL.compare(y, ref)
+    assert res.ok, res.detail
+    yx = _sim(dataclasses.replace(v, act=LS.Act.XOP, cluster=1), p, qw, x, order_seed=1)
+    if v.reduce != LS.Reduction.ATOMIC:
+        assert torch.equal(y.view(torch.int16), yx.view(torch.int16))
+    plain = _sim(v, dataclasses.replace(p, compensation="none"), qw, x, order_seed=m) \
+        if fmt == "mxfp4" else None
+    if plain is not None:       # (NVFP4 plain fused needs a static scale this weight lacks)
+        assert _rel(plain, ref) > 20 * TOL
+
+
+def test_the_fused_w4a16_check_catches_a_quantizing_prologue(monkeypatch):
+    """The runner's check of a fused W4A16 variant compares with linear_w4a16: the same
+    variant's plain (quantizing) prologue behind the W4A16 launch path fails it."""
+    from resgen.kernels import linear_sm90_sim as LSS
+
+    registry = _record_launcher_pointers(monkeypatch)
+    p = LinearProblem("mxfp4", "w4a16", 3, 64, 1024)
+    v = LS.LinearSm90Variant(warps_m=2, warps_k=2, stages=2, **_F)
+    good = LS.FAMILY.runner(_SimulatedKernel(LS.geometry_of(v, p), registry), v, p, "cpu")
+    assert good.check().ok
+    plain_geom = LS.geometry_of(v, dataclasses.replace(p, compensation="none"))
+    assert not hasattr(plain_geom, "operand") and hasattr(LS.geometry_of(v, p), "operand")
+    orig = LSS.simulate_kernel
+
+    def quantizing(geom, *a, **kw):
+        return orig(plain_geom, *a, **kw)
+
+    monkeypatch.setattr(sys.modules["test_linear_sm90"], "simulate_kernel", quantizing)
+    bad = LS.FAMILY.runner(_SimulatedKernel(LS.geometry_of(v, p), registry), v, p, "cpu")
+    res = bad.check()
+    assert not res.ok and res.rel_err > 10 * TOL
+
+
+def test_runner_checks_and_times_the_fused_w4a16_layer(monkeypatch):
+    """Fused W4A16: bound at once (one launch, no quantizer, no stage), checked against
+    linear_w4a16, every input set's timed call equal to the reference, gemm_only the same
+    launch on the same activations."""
+    registry = _record_launcher_pointers(monkeypatch)
+    p = LinearProblem("nvfp4", "w4a16", 3, 64, 1024)
+    v = LS.LinearSm90Variant(warps_m=2, warps_k=2, split_k=2, reduce=LS.Reduction.WORKSPACE,
+                             stages=2, cluster=2, **_F)
+    fake = _SimulatedKernel(LS.geometry_of(v, p), registry)
+    LS.FAMILY.warm(v, p)
+    r = LS.FAMILY.runner(fake, v, p, "cpu", n_sets=2, seed=0)
+    assert r.fused and r.bindings is not None
+    assert all(b.stage is None and b.quantizer is None for b in r.bindings)
+    assert float(r.bindings[0].alpha) == 1.0
+    res = r.check()
+    assert res.ok, res.detail
+    for i in (1, 0):
+        r.rotate(i)
+        y = r().clone()
+        assert _rel(y, R.linear_w4a16(r.xbs[i].float(), r.sets[i][0])) <= TOL
+    yg = r.gemm_only()().clone()
+    assert torch.equal(yg, y)
+    with pytest.raises(ValueError, match="no quantizer"):
+        r.attach_quantizer(object())
+    with pytest.raises(ValueError, match="masks"):
+        LS.FAMILY.bind(fake, v, p, r.sets[0][1], "cpu", masks=torch.zeros(128, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("p, fields", [
+    (LinearProblem("nvfp4", "w4a16", 1, 4096, 4096),
+     dict(warps_m=1, warps_k=8, stages=3, pdl=True)),
+    (LinearProblem("mxfp4", "w4a16", 8, 6144, 4096),
+     dict(warps_m=2, warps_k=2, m_tiles=2, pipeline=LS.Pipeline.BULK, stages=3, cluster=2)),
+])
+def test_w4a16_fused_compiles_for_sm90a_without_quantizing(p, fields, tmp_path):
+    """sm_90a PTX of the copy prologue: the MMA main loop, shared-memory (cluster:
+    distributed) stores of the operand tile, no spills, and none of the quantizer's
+    arithmetic (the block amax) that the plain twin's PTX has."""
+    v = LS.LinearSm90Variant(**fields, **_F)
+    assert LS.FAMILY.why_invalid(v, p, ARCH) is None
+    ptxs = []
+    for q in (p, dataclasses.replace(p, compensation="none")):
+        ck = LS.FAMILY.compile_key(v, q)
+        path, _ = codegen.render_to_file(LS.FAMILY.TEMPLATE, LS.FAMILY.template_params(v, ck),
+                                         LS.FAMILY.NAME, root=tmp_path)
+        mod = codegen.load_module(path)
+        res = codegen.compile_entry(getattr(mod, LS.FAMILY.ENTRY),
+                                    LS.FAMILY.compile_args(v, ck), ARCH)
+        assert res.ptx and ".target sm_90a" in res.ptx
+        assert not res.spill_bytes
+        ptxs.append(res.ptx)
+    a16, plain = ptxs
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in a16
+    store = "st.shared::cluster.v4" if v.cluster > 1 else "st.shared.v4"
+    assert store in a16
+    for op in ("abs.f32", "max.f32"):
+        assert op in plain and op not in a16, op
 
 
 def test_no_layer_quantizer_for_w4a16():
@@ -190,13 +452,26 @@ def test_mma_layer_serves_w4a16_from_the_default(fmt, m, monkeypatch):
     assert plan.run.stage.in_place == (m % LS.geometry_of(plan.variant, plan.problem).tok == 0)
 
 
-def test_pinned_fused_variant_refuses_w4a16():
-    qw = _qweight("nvfp4", n=64, k=1024)
+@pytest.mark.parametrize("fmt, m", [("nvfp4", 1), ("mxfp4", 3)])
+def test_pinned_fused_variant_serves_w4a16_in_one_launch(fmt, m, monkeypatch):
+    """resgen.ops.Linear with a fused variant: the layer is the kernel alone on the caller's
+    activations (no operand stage, no quantizer), compiled for the W4A16 copy."""
+    registry = _record_launcher_pointers(monkeypatch)
+    qw = _qweight(fmt, n=64, k=1024)
     v = LS.LinearSm90Variant(warps_m=4, warps_k=1, stages=3, act=LS.Act.FUSED)
-    layer = Linear(qw, "w4a16", device="cpu", variant=v, compile_fn=_Compiles(),
+    compiles = _Compiles(registry)
+    layer = Linear(qw, "w4a16", device="cpu", variant=v, compile_fn=compiles,
                    quantizer_fn=_no_quantizer)
-    with pytest.raises(ValueError, match="W4A16"):
-        layer(torch.randn(1, 1024).to(torch.bfloat16))
+    x = (torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)) * 2
+         ).to(torch.bfloat16)
+    y = layer(x)
+    ref = R.linear_w4a16(x.float(), qw)
+    assert not bool(y.isnan().any()) and _rel(y, ref) <= TOL
+    assert _rel(R.linear(x.float(), qw, "none"), ref) > 20 * TOL
+    plan = layer.plan(m)
+    assert plan.run.fused and plan.run.stage is None and plan.run.quantizer is None
+    ck = compiles.keys[0]
+    assert ck.compensation == "w4a16" and ck.m == LS.tok_rows_of(v, plan.problem)
 
 
 def test_a_kext_weight_serves_w4a16_with_its_base():
@@ -244,9 +519,6 @@ def test_runner_checks_and_times_the_w4a16_layer(monkeypatch):
     assert torch.equal(yg, y1)
     with pytest.raises(ValueError, match="no activation quantizer"):
         r.attach_quantizer(object())
-    fused = LS.LinearSm90Variant(warps_m=4, warps_k=1, stages=3, act=LS.Act.FUSED)
-    with pytest.raises(ValueError, match="W4A16"):
-        LS.FAMILY.runner(fake, fused, p, "cpu")
 
 
 def test_a_wrong_kernel_fails_the_w4a16_check(monkeypatch):
@@ -296,8 +568,9 @@ def test_bench_sums_compare_w4a16_with_plain():
 
 
 def test_warm_start_uses_the_plain_twin_of_a_w4a16_workload():
-    """No rows for the W4A16 workload: its plain twin's xop winners are the hint (the fused
-    ones are skipped: invalid for W4A16); a workload with rows of its own keeps them."""
+    """No rows for the W4A16 workload: its plain twin's winners are the hint (xop and fused:
+    a fused one serves W4A16 with the copy prologue); a workload with rows of its own keeps
+    them."""
     from resgen.search.warmstart import WarmStart
 
     plain = LinearProblem("nvfp4", "none", 1, 4096, 4096)
@@ -308,7 +581,7 @@ def test_warm_start_uses_the_plain_twin_of_a_w4a16_workload():
     rows = [{"family": LS.FAMILY.NAME, "workload_digest": plain.digest(), "median_us": t,
              "variant_key": v.key()} for t, v in ((5.0, fused), (6.0, xop))]
     ws = WarmStart("table", "NVIDIA H200", lambda path, gpu: rows)
-    assert ws.candidates(LS.FAMILY, w16, ARCH, 4) == [xop]
+    assert ws.candidates(LS.FAMILY, w16, ARCH, 4) == [fused, xop]
     assert ws.candidates(LS.FAMILY, plain, ARCH, 4) == [fused, xop]
     rows.append({"family": LS.FAMILY.NAME, "workload_digest": w16.digest(), "median_us": 7.0,
                  "variant_key": other.key()})

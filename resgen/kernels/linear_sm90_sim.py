@@ -22,7 +22,9 @@ Fused variants (act "fused"): each CTA's operand tile is built in a NaN-poisoned
 its shared memory by walking the kernel's work items with the same Geometry functions; the
 per-block quantization itself is resgen.formats (the device code calls resgen.kernels.fp4_device,
 its bit-exact GPU twin, which the quant_sm90 GPU tests check), so what this proves is the item
-decomposition, the K-Ext source/mask mapping and every tile address.
+decomposition, the K-Ext source/mask mapping and every tile address. W4A16 fused variants
+(resgen.kernels.linear_sm90_a16.A16Geometry, operand "copy") store each item's BF16 activations
+as they are (no quantization; alpha_x is the one the launch path passes).
 """
 
 from __future__ import annotations
@@ -169,6 +171,8 @@ def _fused_tile(G: Geometry, x: torch.Tensor, alpha_x, masks, m: int, by: int,
     tok0 = bz * (G.tok // G.rpt)
     ntok = min(G.tok // G.rpt, m - tok0)
     xf = x.float()
+    copy = getattr(G, "operand", "quantize") == "copy"
+    xbits = x.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF if copy else None
     # the items as the kernel deals them: thread tid of cluster rank r takes item_start(r, tid),
     # then every item_step-th; each item is stored into every CTA of the cluster (same tile)
     walk = [it for r in range(G.cluster) for tid in range(G.threads)
@@ -179,7 +183,9 @@ def _fused_tile(G: Geometry, x: torch.Tensor, alpha_x, masks, m: int, by: int,
         tk, b = G.item(item)
         col = G.item_col(by, b)
         tok = tok0 + tk
-        if col < G.k:
+        if copy and col < G.k:
+            _put_bits(tile, G.xs_row(tk) + b * G.bs * 2, xbits[tok, col:col + G.bs])
+        elif col < G.k:
             (c, sc), (rc, rsc) = formats.residue_pair(xf[tok:tok + 1, col:col + G.bs], G.fmt,
                                                       alpha)
             off = G.xs_row(G.rpt * tk) + b * G.bs * 2

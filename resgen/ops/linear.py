@@ -20,12 +20,14 @@ For each row count M the layer builds a plan once:
      extension for a ratio) with its outputs for M rows.
 A call then runs the whole layer: BF16 activations in, quantizer + GEMM (two launches; fused
 linear_sm90_mma variants quantize in their own prologue: one launch; W4A16: the GEMM reads
-the activations themselves, in place or after one padding copy), BF16 out, a new tensor.
+the activations themselves, in place or after one padding copy, or a fused variant copies them
+in its prologue: one launch), BF16 out, a new tensor.
 
 Compensation: "none" (plain W4A4), "full" (M-Ext: base and residue products added in FP32 in
 registers), a K-Ext ratio (0.125 / 0.25 / 0.5 / 1.0, the weight prepared with a selection of
 that ratio) or "w4a16" (FP4 weights, BF16 activations never quantized: the Hopper-native mode,
-resgen.reference.linear_w4a16; the same compiled kernels as plain, alpha_x = 1); a weight
+resgen.reference.linear_w4a16; the same compiled kernels as plain, alpha_x = 1, except the
+fused ones' copy prologue); a weight
 prepared with a selection also serves "none" / "full" / "w4a16" (its base part).
 
 Build the plans of the row counts a CUDA graph will use (`warmup(ms)`) before capturing: a

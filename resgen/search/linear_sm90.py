@@ -28,11 +28,14 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
     act                activation source: "xop" (the exact-BF16 operand a quantizer wrote to
                        global memory) or "fused" (each CTA quantizes its K range of the BF16
                        activations into shared memory with resgen.kernels.fp4_device: the
-                       variant IS the whole layer; static NVFP4 alpha or MXFP4)
+                       variant IS the whole layer; static NVFP4 alpha or MXFP4; for W4A16 the
+                       prologue copies the BF16 activations instead, resgen.kernels.
+                       linear_sm90_a16)
     cluster            fused only: CTAs of neighbouring channel blocks launched as one cluster
                        that quantize the operand tile once between them (each 1 / cluster of
                        the blocks, stored into every peer's shared memory); 1 = each CTA
-                       quantizes its whole tile
+                       quantizes its whole tile (W4A16: copies; each CTA then reads 1 / cluster
+                       of the activations from L2)
     pdl                programmatic dependent launch: the kernel lets the next one launch at
                        once, issues its weight prologue (cp.async ring / register buffer / L2
                        bulk prefetch of the first l2_prefetch iterations), then waits for the
@@ -51,6 +54,8 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
                        and a key without one parses as "exact".
 Fused variants also depend on the problem's row count: a CTA's operand tile holds
 TOK = min(8 n_tiles, next power of two >= rows) xop rows (compile_key keeps that much of M).
+W4A16 fused variants render the template's operand "copy" (their own kernel and compile key;
+the compile key keeps the compensation "w4a16"); W4A16 xop variants render the plain kernel.
 Not implemented yet (no field, so no key pretends otherwise): activations staged through shared
 memory by ldmatrix, output through shared memory, wgmma.
 """
@@ -65,7 +70,7 @@ import torch
 from ..calibrate import QLinearWeight
 from ..kernels.linear_sm90_geom import pow2_ceil
 from .family import register
-from .sm90_linear import (TOLERANCE, W4A16_FUSED, Packing, Sm90LinearFamily,
+from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily,
                           cached_weight_sets, compare, kp_of, layer_quantizer, random_layer)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
@@ -188,7 +193,8 @@ def _ksel(problem: LinearProblem) -> int:
 
 def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
     """The kernel's Geometry (presum: resgen.kernels.linear_sm90_presum.PresumGeometry, whose
-    GEMM rows are tokens: mext False)."""
+    GEMM rows are tokens: mext False; W4A16 fused: resgen.kernels.linear_sm90_a16.A16Geometry,
+    whose prologue copies the activations)."""
     from ..kernels.linear_sm90_geom import Geometry
 
     fused = variant.fused
@@ -197,24 +203,28 @@ def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
 
         return presum_geometry(geometry_of(replace(variant, fold=Fold.EXACT),
                                            replace(problem, compensation="none")))
-    return Geometry(fmt=problem.fmt, mext=problem.compensation == "full",
-                    packing=variant.packing.value, n=problem.n, kq=kp_of(problem) // 64,
-                    warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
-                    n_tiles=variant.n_tiles, groups=variant.groups,
-                    pipeline=variant.pipeline.value, stages=variant.stages,
-                    l2_prefetch=variant.l2_prefetch,
-                    split_k=variant.split_k, reduce=variant.reduce.value,
-                    act=variant.act.value, pdl=bool(variant.pdl),
-                    k=problem.k if fused else 0, ksel=_ksel(problem) if fused else 0,
-                    tok_rows=tok_rows_of(variant, problem), cluster=variant.cluster)
+    g = Geometry(fmt=problem.fmt, mext=problem.compensation == "full",
+                 packing=variant.packing.value, n=problem.n, kq=kp_of(problem) // 64,
+                 warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
+                 n_tiles=variant.n_tiles, groups=variant.groups,
+                 pipeline=variant.pipeline.value, stages=variant.stages,
+                 l2_prefetch=variant.l2_prefetch,
+                 split_k=variant.split_k, reduce=variant.reduce.value,
+                 act=variant.act.value, pdl=bool(variant.pdl),
+                 k=problem.k if fused else 0, ksel=_ksel(problem) if fused else 0,
+                 tok_rows=tok_rows_of(variant, problem), cluster=variant.cluster)
+    if fused and problem.w4a16:
+        from ..kernels.linear_sm90_a16 import a16_geometry
+
+        return a16_geometry(g)
+    return g
 
 
 def _why_not_fused(v: LinearSm90Variant, p: LinearProblem) -> str | None:
-    """Why the fused activation source cannot run p (None: it can)."""
-    if p.w4a16:
-        return W4A16_FUSED
+    """Why the fused activation source cannot run p (None: it can). W4A16 (no activation
+    scale, no extension) copies the activations in the prologue under the same rules."""
     bs = 16 if p.fmt == "nvfp4" else 32
-    if p.fmt == "nvfp4" and not p.static_scale:
+    if p.fmt == "nvfp4" and not p.static_scale and not p.w4a16:
         return ("fused quantization needs a static NVFP4 activation scale (a dynamic one is "
                 "an amax over all of x: a separate pass)")
     if p.k % bs or p.k % 8:
@@ -437,7 +447,9 @@ class LinearSm90Family(Sm90LinearFamily):
         one-row tiles per CTA (linear_cluster_check.log: 0.81-0.95 of the cluster-1 time
         summed over the four Qwen3-8B shapes at M = 4 and 16, 0.98 for M-Ext at M = 1, 1.06
         for plain M = 1), on the bulk ring from four rows (its M-Ext at M = 1, two rows, ran
-        17.47 us without a cluster in bulk_probe.json, 20.18 with one in tune13a); PDL
+        17.47 us without a cluster in bulk_probe.json, 20.18 with one in tune13a); W4A16
+        ranks its fused variants (the prologue copies) the same way, except that its tiles
+        prefer no cluster (nothing to compute once for the cluster; unmeasured); PDL
         variants after their non-PDL twins."""
         v, p = variant, problem
         rows = p.rows
@@ -469,6 +481,10 @@ class LinearSm90Family(Sm90LinearFamily):
             # the bulk ring at M-Ext M = 1 (2 rows): cluster 1 (bulk_probe.json: 17.47 us on
             # gate_up; tune13 timed the cluster-2 twin at 20.18 against plain 17.35)
             want = 2 if rows >= (4 if v.pipeline == Pipeline.BULK else 2) else 1
+            if p.w4a16:
+                # NOT measured yet: a copy has no arithmetic for a cluster to share, only L2
+                # reads, against the cluster's two barriers: cluster 1 first
+                want = 1
             s += 0.0 if v.cluster == want else 0.3
         s += 1.2 if v.pdl else 0.0
         if v.presum:
@@ -524,13 +540,14 @@ class LinearSm90Family(Sm90LinearFamily):
                 "split_k": int(g.split_k), "reduce": g.reduce, "act": g.act,
                 "pdl": bool(g.pdl), "k": int(g.k), "ksel": int(g.ksel),
                 "tok_rows": int(g.tok_rows), "cluster": int(g.cluster),
-                "fold": variant.fold.value}
+                "fold": variant.fold.value, "operand": getattr(g, "operand", "quantize")}
 
     def compile_key(self, variant: LinearSm90Variant, problem: LinearProblem) -> LinearProblem:
         """M is a run-time argument (the grid's token tiles): one compile per (fmt, mode, N,
         K(+ext)); fused variants keep the rows of their operand tile (tok_rows_of), so M
-        buckets that share it share a compile. W4A16 runs the plain kernel (an xop variant
-        on the BF16 activations, alpha_x = 1): its compile key is the plain one, so both
+        buckets that share it share a compile (a W4A16 fused key keeps compensation "w4a16":
+        its prologue copies, a kernel of its own). A W4A16 xop variant runs the plain kernel
+        (on the BF16 activations, alpha_x = 1): its compile key is the plain one, so both
         share one compile and one fingerprint."""
         if variant.fused:
             rpt = 2 if problem.compensation == "full" else 1

@@ -26,7 +26,10 @@ resgen.reference.linear_w4a16 up to FP32 summation order, with the SAME compiled
 templates and fingerprints as plain W4A4: a W4A16 workload renders the plain kernel). The
 stage in front is `W4A16Operand`: the caller's buffer read in place where it already is the
 operand (K = Kp, rows the GEMM reads = M, 16-byte aligned), else one copy into a zero-padded
-buffer; no quantizer. Fused variants quantize in their prologue and cannot serve W4A16.
+buffer; no quantizer. A fused linear_sm90_mma variant serves W4A16 in one launch: its
+prologue copies the CTA's BF16 activation rows into the shared-memory operand tile its main loop
+reads (operand "copy", resgen.kernels.linear_sm90_a16: a render of its own) instead of
+quantizing them, alpha_x = 1 again.
 
 Shared math that still lives in linear_sm90_mma's kernel modules (moving a kernel module
 changes every fingerprint): the torch operand `make_xop` (resgen.kernels.linear_sm90) and
@@ -51,7 +54,7 @@ from .variant import Choice, LinearProblem, VariantBase
 __all__ = ["Packing", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensation_of",
            "quantizer_k", "QUANT_K_ALIGN", "reference_output", "fold_of", "check_folds",
            "bf16_operand",
-           "W4A16Operand", "W4A16_FUSED", "layer_quantizer", "random_layer",
+           "W4A16Operand", "layer_quantizer", "random_layer",
            "cached_weight_sets", "clone_tensors",
            "LinearBinding", "Sm90LinearFamily", "Sm90LinearRunner"]
 
@@ -137,9 +140,10 @@ def check_folds(out: torch.Tensor, x: torch.Tensor, qweight: QLinearWeight,
     return res if res.rel_err >= ex.rel_err else ex
 
 
-# Why fused variants cannot serve W4A16 (their prologue quantizes the activations to FP4).
-W4A16_FUSED = ("W4A16 reads the BF16 activations unquantized; a fused variant quantizes them "
-               "to FP4 in its prologue (serving W4A16 fused needs a template change)")
+def _w4a16_alpha(problem: LinearProblem, device: Any) -> torch.Tensor | None:
+    """W4A16's alpha_x: one (float32 [1]) for NVFP4 kernels, None for MXFP4 (they take none)."""
+    return (torch.ones(1, dtype=torch.float32, device=device) if problem.fmt == "nvfp4"
+            else None)
 
 
 def bf16_operand(x: torch.Tensor, kp: int, t_multiple: int = 8) -> torch.Tensor:
@@ -299,9 +303,11 @@ class LinearBinding:
     whole layer (xb: bf16 [M, K] contiguous, M = problem.m; out: bf16 [M, N], written).
 
     fused:     the variant quantizes in its own prologue: one launch of the GEMM on xb with
-               the static NVFP4 scale (MXFP4: none) and the K-Ext masks;
-    W4A16:     the GEMM reads xb itself as its exact-BF16 operand (W4A16Operand: in place,
-               or copied into a zero-padded buffer), alpha_x = 1; no quantizer;
+               the static NVFP4 scale (MXFP4: none) and the K-Ext masks; for W4A16 its
+               prologue copies xb (operand "copy"), alpha_x = 1;
+    W4A16:     (xop variants) the GEMM reads xb itself as its exact-BF16 operand
+               (W4A16Operand: in place, or copied into a zero-padded buffer), alpha_x = 1; no
+               quantizer;
     otherwise: the quantizer writes the operand into its outputs (allocated here, for M
                rows, padded to the GEMM's row multiple), then the GEMM reads it.
     Nothing is allocated per call, so a bound layer can be captured in a CUDA graph (after
@@ -318,18 +324,18 @@ class LinearBinding:
         self.stage: W4A16Operand | None = None
         self._qkw: dict[str, Any] = {}
         if problem.w4a16:
-            if fused:
-                raise ValueError(W4A16_FUSED)
             if quantizer is not None:
                 raise ValueError("W4A16 has no activation quantizer in front")
             if masks is not None:
                 raise ValueError("W4A16 reads no K-Ext masks")
-            self.stage = W4A16Operand(problem.m, problem.k, kp_of(problem), row_multiple,
-                                      reads_past_rows, device)
             # alpha_x = 1: the operand is the activations themselves (MXFP4 kernels take none)
             self.quantizer, self.outs = None, None
-            self.alpha = (torch.ones(1, dtype=torch.float32, device=device)
-                          if problem.fmt == "nvfp4" else None)
+            self.alpha = _w4a16_alpha(problem, device)
+            if fused:
+                # one launch: the prologue copies xb into the operand tile (no stage)
+                return
+            self.stage = W4A16Operand(problem.m, problem.k, kp_of(problem), row_multiple,
+                                      reads_past_rows, device)
             return
         if fused:
             if quantizer is not None:
@@ -435,7 +441,8 @@ class Sm90LinearFamily(KernelFamilyBase):
                    compiled quant_sm90 QuantKernel, or a stand-in with its outputs(),
                    __call__ and config.alpha); None: default_quantizer(problem). Must be None
                    for a fused variant and for W4A16 (whose operand is the BF16
-                   activations: W4A16Operand; fused variants cannot serve it).
+                   activations: W4A16Operand in front of an xop variant, the fused
+                   prologue's copy in a fused one).
         alpha:     the static NVFP4 activation scale (resgen.calibrate.static_alpha: float32
                    [1] on device), or None (MXFP4, dynamic NVFP4).
         masks:     the K-Ext channel masks (uint8 [K / 8] on device) for a K-Ext problem, else
@@ -444,8 +451,6 @@ class Sm90LinearFamily(KernelFamilyBase):
                    shares one across its input sets; a runtime plan has its own."""
         device = torch.device(device)
         fused = not self.needs_quantizer(variant)
-        if problem.w4a16 and fused:
-            raise ValueError(f"{variant.name()}: {W4A16_FUSED}")
         if not fused and quantizer is None and not problem.w4a16:
             quantizer = self.default_quantizer(problem)
         if launcher is None:
@@ -460,15 +465,16 @@ class Sm90LinearFamily(KernelFamilyBase):
                    seed: int, fused: bool = False) -> list:
         """[(qweight, weight, x, operand, alpha_x)] * n_sets: cached weights, fresh
         activations x (float32 [M, K]). operand: for fused variants x itself as bf16 [M, K]
-        (alpha_x its static scale); otherwise None until the runner's operand(i) builds the
-        torch-quantized xop on first use."""
+        (alpha_x its static scale; W4A16: one, float32 [1], MXFP4 None); otherwise None
+        until the runner's operand(i) builds the torch-quantized xop on first use."""
         gen = torch.Generator(device=device).manual_seed(seed * self.INPUT_SEED + problem.m)
         sets = []
         for qw, wt in self.weight_sets(problem, packing, device, n_sets, seed):
             x = torch.randn(problem.m, problem.k, generator=gen, device=device)
             if fused:
                 sets.append((qw, wt, x, x.to(torch.bfloat16).contiguous(),
-                             static_alpha(qw, device)))
+                             _w4a16_alpha(problem, device) if problem.w4a16
+                             else static_alpha(qw, device)))
             else:
                 sets.append((qw, wt, x, None, None))
         return sets
@@ -491,7 +497,8 @@ class Sm90LinearRunner:
 
     Variants that read a prepared operand are bound when a quantizer is attached
     (attach_quantizer, or as_layer / the first call or check: the default layer quantizer);
-    fused ones and W4A16 layers (no quantizer: W4A16Operand in front) at once. check(): for
+    fused ones (W4A16 too: the prologue copies) and W4A16 layers (no quantizer: W4A16Operand
+    in front) at once. check(): for
     those, first the GEMM alone on a torch-quantized operand (check_gemm), then the whole
     layer (check_quantized); the worse counts.
 
@@ -512,8 +519,6 @@ class Sm90LinearRunner:
         self.m, self.rows = problem.m, problem.rows
         self.fused = not family.needs_quantizer(variant)
         self.w4a16 = problem.w4a16
-        if self.w4a16 and self.fused:
-            raise ValueError(f"{variant.name()}: {W4A16_FUSED}")
         self.launcher = family.launcher(compiled, variant, problem, self.device)
         self.geom = self.launcher.geom
         self.xop_multiple = family.xop_row_multiple(variant, problem)
@@ -634,8 +639,9 @@ class Sm90LinearRunner:
         rows = 2 * m if self.comp == "full" else m
         if self.fused:
             xb = x.to(torch.bfloat16).contiguous()
-            self.launcher(wt, xb, m, rows, static_alpha(qw, self.device), out,
-                          self._masks_of(qw))
+            ax = (_w4a16_alpha(self.problem, self.device) if self.w4a16
+                  else static_alpha(qw, self.device))
+            self.launcher(wt, xb, m, rows, ax, out, self._masks_of(qw))
             return out
         xop, ax = self._torch_operand(x, qw)
         self.launcher(wt, xop, m, rows, ax, out)
@@ -646,9 +652,8 @@ class Sm90LinearRunner:
         """(xop, alpha_x) built in torch: make_xop, or for W4A16 bf16_operand with alpha_x 1
         (NVFP4; MXFP4 kernels take none)."""
         if self.w4a16:
-            one = (torch.ones(1, dtype=torch.float32, device=x.device)
-                   if self.problem.fmt == "nvfp4" else None)
-            return bf16_operand(x, kp_of(self.problem), self.xop_multiple), one
+            return (bf16_operand(x, kp_of(self.problem), self.xop_multiple),
+                    _w4a16_alpha(self.problem, x.device))
         from ..kernels.linear_sm90 import make_xop
 
         return make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)

@@ -15,10 +15,10 @@ which by this project's convention reproduce the kernel as it was; a key with fi
 variant no longer has is skipped. Nothing read from the table is rendered or imported
 unvalidated.
 
-A W4A16 linear workload (compensation "w4a16") runs the plain kernels on the BF16 activations,
-so where the table has no rows for it, the rows of its plain W4A4 twin (same shape, M and
-format) are the hint: their fused variants fail `why_invalid` for W4A16 and are skipped, their
-xop variants are tried first.
+A W4A16 linear workload (compensation "w4a16") runs the plain kernels on the BF16 activations
+(fused variants: the same tiles with a copy prologue), so where the table has no rows for it,
+the rows of its plain W4A4 twin (same shape, M and format) are the hint: xop and fused variants
+alike, each still checked by `why_invalid` for W4A16.
 
 This layer does not open databases (resgen.db sits above it): the table's rows come from a
 `reader(path, gpu_name) -> rows` the caller passes (resgen.db.warm_start_rows; the CLI sets
