@@ -273,8 +273,11 @@ def tuning_workloads(family: Any, models: Sequence[ModelSpec], *, tp: int = 1,
     if family.PROBLEM is LinearProblem:
         return lin
     if family.PROBLEM is AttentionProblem:
-        return attention_problems(models, tp, attn_batches, kv_lens, pv=attn_pv,
-                                  modes=attn_modes)
+        # only the workloads the family serves at all (attention_sm100 refuses pv=fp8 and the
+        # Q16 query as a whole: no tuning job, instead of a "no valid variant" error)
+        return [p for p in attention_problems(models, tp, attn_batches, kv_lens, pv=attn_pv,
+                                              modes=attn_modes)
+                if family.problem_invalid(p) is None]
     names = {f.name for f in dataclasses.fields(family.PROBLEM)}
     for_linear = getattr(family.PROBLEM, "for_linear", None)
     out, seen = [], set()

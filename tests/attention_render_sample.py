@@ -1,14 +1,14 @@
 """The render sample of tests/test_attention_q16.py's identity check (importable by a plain
 python on any resgen checkout: it uses only APIs that main at e045ab3 has).
 
-    PYTHONPATH=<a checkout of e045ab3> python tests/attention_render_sample.py > \
-        tests/fixtures/attention_sm90_render_e045ab3.json
+    python tests/attention_render_sample.py > tests/fixtures/attention_sm90_render.json
 
 writes {sha256-16 of (compile workload key, variant key with splits 1): sha256-16 of the rendered
 kernel source} (splits is a run-time argument, never rendered) for every variant of the
 attention_sm90 space of a sample of plain / ResAttn workloads (every packing, warp count,
 chunk, reduction, prefetch, head dim, PV mode), and under "kernel_modules" the digest of the
-resgen.kernels modules they import: what Q16 must leave byte-identical.
+resgen.kernels modules they import: what a change must leave byte-identical unless a
+refingerprint proves the new renders' kernels equal (tests/test_attention_q16.py).
 """
 
 from __future__ import annotations

@@ -192,3 +192,19 @@ def test_model_prefers_fewer_splits_when_heads_fill_the_gpu():
     q = dataclasses.replace(P0, batch=1, kv_len=32768)
     assert A.FAMILY.prior(V(splits=16, reduction=A.Reduction.LASTCTA), q) < A.FAMILY.prior(
         V(), q)
+
+
+def test_tuning_plans_only_the_workloads_the_family_serves():
+    """`resgen tune` gives attention_sm100 no pv=fp8 / Q16 workload (refused as a whole: not
+    built), where attention_sm90 takes both P.V forms of the same grid."""
+    from resgen.models import get_model, tuning_workloads
+    from resgen.search.family import get_family
+
+    spec = [get_model("qwen3-8b")]
+    kw = dict(attn_batches=(1, 8), kv_lens=(8192,), attn_pv=("f16", "fp8"),
+              attn_modes=("resattn", "plain", "q16"))
+    mine = tuning_workloads(A.FAMILY, spec, **kw)
+    hopper = tuning_workloads(get_family("attention_sm90"), spec, **kw)
+    assert mine and all(p.pv == "f16" and p.query == "nvfp4" for p in mine)
+    assert all(A.FAMILY.problem_invalid(p) is None for p in mine)
+    assert {p.pv for p in hopper} == {"f16", "fp8"} and len(hopper) > len(mine)

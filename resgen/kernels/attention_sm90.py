@@ -100,12 +100,50 @@ class AttnShape:
         return AttnCfg(**{k: v for k, v in self.__dict__.items() if k != "query"})
 
 
-def attention_template_params(shape: AttnShape, variant_name: str = "") -> dict[str, Any]:
-    params = {**shape.__dict__, "variant_name": variant_name or repr(shape),
-              "helpers_digest": helpers_digest()}
+_REDUCTION_DOC = {
+    "none": "the BF16 output (one split).",
+    "workspace": "a partial (O, m, l) per split; a second kernel reduces the splits.",
+    "lastcta": "a partial (O, m, l) per split; the last CTA of each (batch, head) to finish "
+               "reduces them."}
+
+
+def _attention_header(shape: AttnShape, name: str) -> str:
+    """The rendered kernel's leading comment: what it computes, its variant and the digests
+    of the device-helper modules it imports (so the fingerprint follows them)."""
     if shape.query == "q16":
-        params["q16_digest"] = q16_digest()
-    return params
+        lines = ["Q16 decode attention (FP16 query, never quantized) over a paged NVFP4 KV "
+                 "cache, sm_90a (CuTe DSL).", f"variant: {name}",
+                 f"device helpers digest: {helpers_digest()}",
+                 f"q16 helpers digest: {q16_digest()}", "",
+                 "One CTA per (KV head, split, batch) handles the whole GQA group: it converts "
+                 "the group's BF16 queries to FP16 operand columns in shared memory (one "
+                 "power-of-two scale per head, exact),"]
+    else:
+        lines = ["ResAttn decode attention over a paged NVFP4 KV cache, sm_90a (CuTe DSL).",
+                 f"variant: {name}", f"device helpers digest: {helpers_digest()}", "",
+                 "One CTA per (KV head, split, batch) handles the whole GQA group: it splits "
+                 "the group's BF16 queries into FP4 base (+ residue) operands in shared memory,"]
+    lines += [f"then each warp runs an online softmax over its chunks of {shape.kc} keys (QK and "
+              "PV on mma.sync with K/V decoded from NVFP4 in registers), the warps are "
+              "combined through shared memory, and the epilogue writes "
+              + _REDUCTION_DOC[shape.reduction]]
+    return "\n".join(("# " + ln).rstrip() for ln in lines)
+
+
+def attention_template_params(shape: AttnShape, variant_name: str = "") -> dict[str, Any]:
+    """The attention template's substitutions (it has no branches): the shape's fields, the
+    header comment, and the query stage's function (Q16: the FP16 conversion of
+    attention_sm90_q16_device; else the FP4 base / residue split of attention_sm90_device;
+    the template imports both modules, so every render's fingerprint follows both).
+    The prefetch and reduction choices are CFG fields the kernel reads with const_expr."""
+    name = variant_name or repr(shape)
+    q16 = shape.query == "q16"
+    return {**shape.__dict__, "variant_name": name,
+            "header": _attention_header(shape, name),
+            "query_stage": "Q16.query_stage_q16" if q16 else "D.query_split",
+            "query_stage_doc": ("Q16: the BF16 rows to FP16, one power-of-two scale per head, "
+                                "exact, no residue") if q16 else
+                               "the FP4 base / residue split, in-kernel"}
 
 
 def append_template_params(head_dim: int, kv_heads: int, page_size: int,
