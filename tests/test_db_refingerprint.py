@@ -44,9 +44,12 @@ LINEAR_KEY = ('{"act":"xop","cluster":1,"family":"linear_sm90_mma","groups":1,"l
               '"m_tiles":1,"n_tiles":1,"packing":"split","pdl":false,"pipeline":"cp_async",'
               '"reduce":"none","split_k":1,"stages":3,"warps_k":2,"warps_m":1}')
 ATTN_TEMPLATE = "resgen/templates/attention_sm90.py.j2"
-# In the workspace reduction's kernel only: a render with reduction "none" does not contain it.
-ATTN_LINE = "    bh = b * hkv + h\n    group_row = (Int64(b) * Int64(hkv) + Int64(h)) * " \
-            "(CFG.group * ROW_BYTES)\n    state = D.reduce_init(CFG, tid)\n"
+# The old code's template had a comment that only reduction "workspace" rendered (the
+# substitute-only template has no such choice any more): the new code dropped it, so renders
+# with reduction "none" are the same in both and the workspace ones differ.
+ATTN_ANCHOR = "THREADS = CFG.threads\n"
+ATTN_OLD = ("THREADS = CFG.threads{{ '  # + reduce_kernel' if reduction == 'workspace' "
+            "else '' }}\n")     # an expression: trim_blocks would eat a block tag's newline
 
 
 @pytest.fixture(autouse=True)
@@ -129,9 +132,10 @@ def hostile(path: Path, family: str, vkey: str) -> int:
 
 
 def attention_rows(tmp_path: Path, db: Path) -> tuple[Path, object, dict[str, int]]:
-    """The attention template gained a line that reduction "none" renders do not use: one
-    row per reduction, fingerprinted by the old code; returns (repo, problem, ids)."""
-    repo = old_repo(tmp_path, {ATTN_TEMPLATE: [(ATTN_LINE, ATTN_LINE.split("\n", 1)[1])]})
+    """The attention template lost a comment that reduction "none" renders did not use (the
+    old code's block above): one row per reduction, fingerprinted by the old code; returns
+    (repo, problem, ids)."""
+    repo = old_repo(tmp_path, {ATTN_TEMPLATE: [(ATTN_ANCHOR, ATTN_OLD)]})
     p = ATTN.PROBLEM.from_key('{"batch":1,"compensation":true,"head_dim":128,"kv_heads":8,'
                               '"kv_len":8192,"op":"decode_attention","page_size":32,'
                               '"pv":"f16","q_heads":32}')
