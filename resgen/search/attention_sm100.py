@@ -37,6 +37,7 @@ import torch
 
 from ..kernels.attention_sm100_geom import KEYS, AttnSm100Geometry, FoldPlanError
 from ..kernels.sm100_layout import SMEM_BYTES, TMEM_COLS, tmem_span
+from .cover import covering_subset
 from .family import CheckResult, KernelFamilyBase, compare, register
 from .variant import AttentionProblem, Choice, IntRange, VariantBase
 
@@ -372,13 +373,7 @@ def covering_cases() -> list[tuple[AttentionProblem, AttentionSm100Variant]]:
         out = {(f, getattr(v, f)) for f in v.__dataclass_fields__ if f != "splits"}
         return out | {("split", v.splits > 1), ("d", p.head_dim), ("comp", p.compensation)}
 
-    need = set().union(*(pairs(i) for i in items))
-    chosen: list[Any] = []
-    while need:
-        best = max(items, key=lambda i: len(need & pairs(i)))
-        chosen.append(best)
-        need -= pairs(best)
-    return chosen
+    return covering_subset(items, pairs)
 
 
 def ptx_problems(variant: AttentionSm100Variant, problem: AttentionProblem, ptx: str

@@ -41,6 +41,7 @@ import torch
 
 from ..kernels.linear_sm100_tc_geom import FoldPlanError, Sm100Geometry
 from ..kernels.sm100_layout import act_rows, pow2_ceil, round_up, tmem_span
+from .cover import covering_subset
 from .family import CheckResult, KernelFamilyBase, register
 from .family import compare as family_compare
 from .variant import Choice, IntRange, LinearProblem, VariantBase
@@ -686,13 +687,7 @@ def covering_cases() -> list[tuple[LinearProblem, LinearSm100Variant]]:
         return ({(f, getattr(v, f)) for f in v.__dataclass_fields__}
                 | {("fmt", p.fmt), ("mode", mode_of(p))})
 
-    need = set().union(*(pairs(i) for i in items))
-    out = []
-    while need:
-        best = max(items, key=lambda i: len(need & pairs(i)))
-        out.append(best)
-        need -= pairs(best)
-    return out
+    return covering_subset(items, pairs)
 
 
 def ptx_problems(variant: LinearSm100Variant, problem: LinearProblem, ptx: str) -> list[str]:

@@ -21,6 +21,7 @@ import torch
 
 from ..kernels import quant_sm100 as Q
 from ..kernels.sm100_layout import act_rows, sf_cols, sf_rows
+from .cover import covering_subset
 from .family import CheckResult, KernelFamilyBase, register
 from .variant import Choice, IntRange, LinearProblem, ProblemBase, VariantBase
 
@@ -292,13 +293,7 @@ def covering_cases() -> list[tuple[QuantSm100Problem, QuantSm100Variant]]:
         return ({(f, getattr(v, f)) for f in v.__dataclass_fields__}
                 | {("fmt", p.fmt), ("comp", Q._mode(p.compensation)), ("sf_tile", p.sf_tile)})
 
-    need = set().union(*(pairs(i) for i in items))
-    out = []
-    while need:
-        best = max(items, key=lambda i: len(need & pairs(i)))
-        out.append(best)
-        need -= pairs(best)
-    return out
+    return covering_subset(items, pairs)
 
 
 def ptx_problems(variant: QuantSm100Variant, problem: QuantSm100Problem, ptx: str) -> list[str]:
