@@ -27,6 +27,26 @@ ARCH = "sm_90a"
 Case = tuple[LinearProblem, Any, Any, dict]
 
 
+def table_xop_winners(family: Any) -> dict[str, Any]:
+    """workload key -> the shipped table's fastest timed variant of `family` that reads a
+    prepared operand (not fused): the tuned xop tiles a probe starts from."""
+    from resgen.db import TuningDB
+    from resgen.runtime import shipped_table
+    from resgen.search.record import Status
+
+    root = Path(__file__).resolve().parents[2]
+    best: dict[str, tuple[float, Any]] = {}
+    with TuningDB(shipped_table(root / "tuned", "h200"), readonly=True) as db:
+        for r in db.rows(status=Status.OK, compile_only=False):
+            if r["family"] != family.NAME:
+                continue
+            v = family.VARIANT.from_key(r["variant_key"])
+            w = r["workload_key"]
+            if not v.fused and (w not in best or r["median_us"] < best[w][0]):
+                best[w] = (r["median_us"], v)
+    return {w: v for w, (_, v) in best.items()}
+
+
 def check_and_time(fam: Any, v: Any, p: Any, cache: dict) -> dict:
     """One variant: {"invalid": why} or {ok, rel_err, us, detail} (checked first, then timed
     as the whole layer) or {error, trace}; `cache` memoizes compiles across calls."""

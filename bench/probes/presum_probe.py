@@ -35,25 +35,11 @@ from resgen.search.variant import LinearProblem  # noqa: E402
 ARCH = "sm_90a"
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]   # Qwen3-8B, TP1
 MS = (64, 128, 16, 1)      # the M where presum should matter first (a cut-short run keeps them)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def table_winners() -> dict[str, LinearSm90Variant]:
     """workload key -> the shipped table's fastest linear_sm90_mma xop variant."""
-    from resgen.db import TuningDB
-    from resgen.runtime import shipped_table
-    from resgen.search.record import Status
-
-    best: dict[str, tuple[float, LinearSm90Variant]] = {}
-    with TuningDB(shipped_table(ROOT / "tuned", "h200"), readonly=True) as db:
-        for r in db.rows(status=Status.OK, compile_only=False):
-            if r["family"] != FAMILY.NAME:
-                continue
-            v = FAMILY.VARIANT.from_key(r["variant_key"])
-            w = r["workload_key"]
-            if not v.fused and (w not in best or r["median_us"] < best[w][0]):
-                best[w] = (r["median_us"], v)
-    return {w: v for w, (_, v) in best.items()}
+    return layer_probe.table_xop_winners(FAMILY)
 
 
 def configs(p: LinearProblem, winners: dict[str, LinearSm90Variant]

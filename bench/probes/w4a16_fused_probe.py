@@ -45,25 +45,11 @@ SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]   # Qwen3-8B
 NAMES = {(6144, 4096): "qkv", (4096, 4096): "o", (24576, 4096): "gate_up",
          (4096, 12288): "down"}
 MS = (1, 4, 8)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def xop_winners() -> dict[str, LinearSm90Variant]:
     """workload key -> the shipped table's fastest linear_sm90_mma xop variant."""
-    from resgen.db import TuningDB
-    from resgen.runtime import shipped_table
-    from resgen.search.record import Status
-
-    best: dict[str, tuple[float, LinearSm90Variant]] = {}
-    with TuningDB(shipped_table(ROOT / "tuned", "h200"), readonly=True) as db:
-        for r in db.rows(status=Status.OK, compile_only=False):
-            if r["family"] != FAMILY.NAME:
-                continue
-            v = FAMILY.VARIANT.from_key(r["variant_key"])
-            w = r["workload_key"]
-            if not v.fused and (w not in best or r["median_us"] < best[w][0]):
-                best[w] = (r["median_us"], v)
-    return {w: v for w, (_, v) in best.items()}
+    return layer_probe.table_xop_winners(FAMILY)
 
 
 def plan(lookup: Callable[[LinearProblem], tuple[Any, str]],
