@@ -106,10 +106,9 @@ def test_dispatched_w4a16_layer(fmt):
         assert _rel(y, R.linear_w4a16(x.float(), qw)) <= TOLERANCE, plan.variant.name()
 
 
-def test_w4a16_graph_replays_like_eager():
-    qw = _qweight("nvfp4", 4096, 4096)
-    layers = [Linear(qw, "w4a16", variant=VARIANTS[0]), Linear(qw, "w4a16", variant=VARIANTS[4])]
-    ms = (1, 8, 64)
+def _assert_graph_replays_like_eager(layers: list, ms) -> None:
+    """Every layer at every M (K = 4096), warmed up, then captured in one CUDA graph: the
+    replay, into NaN-poisoned outputs, equals the eager calls bit for bit."""
     for layer in layers:
         layer.warmup(ms)
     xs = [torch.randn(m, 4096, device="cuda").to(torch.bfloat16) for m in ms]
@@ -124,6 +123,12 @@ def test_w4a16_graph_replays_like_eager():
     torch.cuda.synchronize()
     for o, e in zip(outs, eager):
         assert torch.equal(o.view(torch.int16), e.view(torch.int16))
+
+
+def test_w4a16_graph_replays_like_eager():
+    qw = _qweight("nvfp4", 4096, 4096)
+    layers = [Linear(qw, "w4a16", variant=VARIANTS[0]), Linear(qw, "w4a16", variant=VARIANTS[4])]
+    _assert_graph_replays_like_eager(layers, (1, 8, 64))
 
 
 def test_fp4linear_w4a16_on_the_gpu():
@@ -257,17 +262,4 @@ def test_fused_w4a16_graph_replays_like_eager():
     qw = _qweight("nvfp4", 4096, 4096)
     layers = [Linear(qw, "w4a16", variant=FUSED_VARIANTS[0]),
               Linear(qw, "w4a16", variant=FUSED_VARIANTS[3])]
-    for layer in layers:
-        layer.warmup(FUSED_MS)
-    xs = [torch.randn(m, 4096, device="cuda").to(torch.bfloat16) for m in FUSED_MS]
-    eager = [layer(x).clone() for layer in layers for x in xs]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [layer(x) for layer in layers for x in xs]
-    for o in outs:
-        o.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for o, e in zip(outs, eager):
-        assert torch.equal(o.view(torch.int16), e.view(torch.int16))
+    _assert_graph_replays_like_eager(layers, FUSED_MS)
