@@ -299,25 +299,26 @@ def get_family(name: str) -> KernelFamilyBase:
 _WARNED_EXPERIMENTAL: set[frozenset[str]] = set()
 
 
+def _experimental_families() -> list[str]:
+    _load_builtin()
+    return sorted(n for n, f in _REGISTRY.items() if f.EXPERIMENTAL)
+
+
 def unknown_experimental() -> list[str]:
     """Names in RESGEN_EXPERIMENTAL (resgen.settings) that are no registered experimental
     family: a typo there opts nothing in, which families() warns about once."""
     from ..settings import settings
 
-    _load_builtin()
-    known = {n for n, f in _REGISTRY.items() if getattr(f, "EXPERIMENTAL", False)}
-    return sorted(settings().experimental - known)
+    return sorted(settings().experimental - set(_experimental_families()))
 
 
 def families() -> dict[str, KernelFamilyBase]:
-    _load_builtin()
     bad = unknown_experimental()
     if bad and frozenset(bad) not in _WARNED_EXPERIMENTAL:
         _WARNED_EXPERIMENTAL.add(frozenset(bad))
-        known = sorted(n for n, f in _REGISTRY.items() if getattr(f, "EXPERIMENTAL", False))
         warnings.warn(f"RESGEN_EXPERIMENTAL names {bad}, which are no experimental kernel "
-                      f"family (those are {known}): nothing is opted in for them",
-                      stacklevel=2)
+                      f"family (those are {_experimental_families()}): nothing is opted in "
+                      "for them", stacklevel=2)
     return dict(_REGISTRY)
 
 
