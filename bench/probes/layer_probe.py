@@ -83,3 +83,19 @@ def probe(name: str, cases: Iterable[Case],
             {"gpu": torch.cuda.get_device_name(0), "policy": DEFAULT_POLICY.as_dict(),
              "rows": rows}, indent=1))
     return 0
+
+
+def summarized_probe(name: str, cases: Iterable[Case], tag: Callable[[dict], str],
+                     summary: Callable[[list[dict]], Any]) -> tuple[int, dict]:
+    """probe(), then its JSON gains "summary": summary(rows), also when a `timeout -s INT`
+    cut the run short (rc 124: the rows measured so far). Returns (rc, the written doc)."""
+    try:
+        rc = probe(name, cases, tag=tag)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted, summarizing the rows so far", flush=True)
+        rc = 124
+    path = Path(os.environ.get("OUT", "bench/results/h200")) / f"{name}.json"
+    doc = json.loads(path.read_text())
+    doc["summary"] = summary(doc["rows"])
+    path.write_text(json.dumps(doc, indent=1))
+    return rc, doc

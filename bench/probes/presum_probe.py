@@ -20,8 +20,6 @@ ratio (only where all eight were checked and timed)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -92,16 +90,9 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def main() -> int:
-    try:
-        rc = layer_probe.probe("presum_probe", cases(),
-                               tag=lambda rec: f"m{rec['m']:<3d} {rec['config']:5s} ")
-    except KeyboardInterrupt:          # timeout -s INT: summarize what was measured
-        print("presum_probe: interrupted, summarizing the rows so far", flush=True)
-        rc = 124
-    path = Path(os.environ.get("OUT", "bench/results/h200")) / "presum_probe.json"
-    doc = json.loads(path.read_text())
-    doc["summary"] = summary(doc["rows"])
-    path.write_text(json.dumps(doc, indent=1))
+    rc, doc = layer_probe.summarized_probe(
+        "presum_probe", cases(), tag=lambda rec: f"m{rec['m']:<3d} {rec['config']:5s} ",
+        summary=summary)
     for s in doc["summary"]:
         print(f"{s['config']:5s} {s['pair']:7s} M={s['m']:<4d} ({s['shapes']} shapes) exact "
               f"{s['exact_us']:8.2f} us  presum {s['presum_us']:8.2f} us  presum/exact "

@@ -26,8 +26,6 @@ xop and best fused W4A16 times, and per M the four shapes' sums where all three 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -163,17 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         return disp.lookup("linear", p), disp.source("linear", p)
 
     budget = args.budget_s
-    try:
-        rc = layer_probe.probe(
-            "w4a16_fused_probe", budgeted(plan(lookup, xop_winners()), budget),
-            tag=lambda rec: f"m{rec['m']} {rec['role']:11s} {rec['config']:6s} ")
-    except KeyboardInterrupt:          # timeout -s INT: summarize what was measured
-        print("w4a16_fused_probe: interrupted, summarizing the rows so far", flush=True)
-        rc = 124
-    path = Path(os.environ.get("OUT", "bench/results/h200")) / "w4a16_fused_probe.json"
-    doc = json.loads(path.read_text())
-    doc["summary"] = summary(doc["rows"])
-    path.write_text(json.dumps(doc, indent=1))
+    rc, doc = layer_probe.summarized_probe(
+        "w4a16_fused_probe", budgeted(plan(lookup, xop_winners()), budget),
+        tag=lambda rec: f"m{rec['m']} {rec['role']:11s} {rec['config']:6s} ", summary=summary)
     print("\n".join(table(doc["summary"])))
     return rc
 
