@@ -34,17 +34,23 @@ ABSENT = "tuned/h200.sqlite not yet produced"
 # The Hopper-native modes (issue 20) the shipped table covers too: W4A16 linear layers at the
 # decode buckets and the prefill buckets, and the Q16 decode-attention query.
 W4A16_M_BUCKETS = DEFAULT_M_BUCKETS + (256, 512, 2048)
+# W4A4 prefill: plain, full M-Ext and the smallest K-Ext ratio at the prefill buckets, for all
+# three models (the other K-Ext ratios at prefill: Qwen3-8B only, not required).
+PREFILL_M_BUCKETS = (256, 512, 2048)
+PREFILL_COMPENSATIONS = ("none", "full", "0.125")
 
 
 def required_workloads() -> list:
     """Qwen3-4B/8B/32B at TP1: both formats, all W4A4 compensation modes at the default M
-    buckets and W4A16 at those and the prefill buckets (W4A16_M_BUCKETS); the default
+    buckets, plain / full / K-Ext 0.125 at the prefill buckets, and W4A16 at both
+    (W4A16_M_BUCKETS); the default
     attention grid in the default modes (ResAttn, plain) and Q16, when the families exist."""
     specs = [get_model(m) for m in MODELS]
     fams = [f for f in families().values() if ARCH in f.ARCHS and not f.NAME.startswith("fake")]
     need = []
     if any(f.PROBLEM is LinearProblem for f in fams):
         need += linear_problems(specs, 1, FORMATS, COMPENSATIONS, DEFAULT_M_BUCKETS)
+        need += linear_problems(specs, 1, FORMATS, PREFILL_COMPENSATIONS, PREFILL_M_BUCKETS)
         need += linear_problems(specs, 1, FORMATS, ("w4a16",), W4A16_M_BUCKETS)
     if any(f.PROBLEM is AttentionProblem for f in fams):
         need += attention_problems(specs, 1, DEFAULT_ATTN_BATCHES, DEFAULT_KV_LENS)

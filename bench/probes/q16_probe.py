@@ -8,7 +8,9 @@ keeps a 16-bit query, on the same cache bytes: bench/flashinfer_peer.py says how
 
 Points: Qwen3-8B (32/8/128) and Qwen3-32B (64/8/128) x batch {1, 8, 32} x KV {32K, 8K} (32K
 first). Per point and mode (q16, plain, resattn) the fallback rule's variant and the same with
-twice / half its split count (one compile per rendered kernel serves every split count); each
+twice / half its split count (one compile per rendered kernel serves every split count), and
+the variant the runtime dispatches from the shipped table for that mode (tuned/h200.sqlite.xz
+holds Q16, plain and ResAttn rows; marked "table": true in the JSON); each
 is checked against resgen.reference.decode_attention (the family runner's check: fresh inputs,
 NaN-poisoned output, the mode's own reference) and timed under the tuner's policy
 (DEFAULT_POLICY: CUDA graph, input sets rotated past 2 x L2, median); the fastest correct one
@@ -53,12 +55,13 @@ def problem(geom: str, batch: int, kv_len: int, mode: str):
                             **MODES[mode])
 
 
-def candidates(p) -> list:
-    """The fallback rule's variant and the same with 2x / 0.5x its split count (valid ones):
-    bench/gpu_attention_check.py's candidate rule, without a table variant."""
-    from gpu_attention_check import resattn_candidates
+def candidates(p, with_table: bool = True) -> list:
+    """The fallback rule's variant and the same with 2x / 0.5x its split count (valid ones),
+    then the variant the runtime dispatches from the shipped table for p's mode (where the
+    table has the workload): bench/gpu_attention_check.py's candidate rule."""
+    from gpu_attention_check import resattn_candidates, table_variant
 
-    return resattn_candidates(p)
+    return resattn_candidates(p, table_variant(p) if with_table else None)
 
 
 def compile_identity(v, p) -> str:
@@ -114,8 +117,11 @@ def main() -> int:
         for mode in MODES:
             p = problem(geom, batch, kv, mode)
             ent: dict[str, Any] = {"problem": json.loads(p.key()), "variants": []}
+            from gpu_attention_check import table_variant
+
+            tv = table_variant(p)
             for v in candidates(p):
-                rec: dict[str, Any] = {"variant": v.name()}
+                rec: dict[str, Any] = {"variant": v.name(), "table": v == tv}
                 try:
                     ident = compile_identity(v, p)
                     if ident not in compiled:
