@@ -8,7 +8,10 @@ database (copied before any shard starts), then the shard merged into the work d
 before the export.
 
 bench/probe_and_test.sh: the probe on GPU 0 and the GPU tests on GPU 1 of a two-GPU machine
-(both on GPU 0 otherwise), then memcheck."""
+(both on GPU 0 otherwise), then memcheck.
+
+bench/gpu_tests_all.sh: every test file at once, each under its time limit, its JUnit XML and
+log named after the tag and the file, and the exit status of a failing file reported."""
 
 from __future__ import annotations
 
@@ -125,3 +128,29 @@ def test_probe_and_test_uses_both_gpus_when_there_are_two(tmp_path, gpus):
                         "tests/gpu/test_x.py", "run8"], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 1 and "pytest rc=3" in (out / "gpu_tests_run8.log").read_text()
+
+
+def test_gpu_tests_all_runs_every_file_with_its_own_xml(tmp_path):
+    repo, env = _fake_repo(tmp_path, "bench/gpu_tests_all.sh")
+    env["FAKE_FAIL"] = "test_b_gpu"
+    r = subprocess.run(["bash", str(repo / "bench" / "gpu_tests_all.sh"), "s9",
+                        "tests/gpu/test_a_gpu.py", "tests/gpu/test_b_gpu.py"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert len(calls) == 2 and all(" -m pytest " in c for c in calls)
+    for name in ("test_a_gpu", "test_b_gpu"):
+        call = next(c for c in calls if f"tests/gpu/{name}.py" in c)
+        assert f"--junitxml={tmp_path / 'out'}/gpu_tests_s9_{name}.xml" in call
+        assert (tmp_path / "out" / f"gpu_tests_s9_{name}.log").exists()
+    lines = r.stdout.strip().splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["test_a_gpu", "test_b_gpu"]
+    assert "rc=0" in lines[0] and "rc=3" in lines[1]
+    assert not list((tmp_path / "out").glob(".rc_*"))
+
+
+def test_gpu_tests_all_wants_a_tag_and_a_file(tmp_path):
+    repo, env = _fake_repo(tmp_path, "bench/gpu_tests_all.sh")
+    r = subprocess.run(["bash", str(repo / "bench" / "gpu_tests_all.sh"), "s9"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "usage" in r.stderr
