@@ -203,6 +203,19 @@ def test_render_snapshot_and_header():
     compile(src, "fake_kernel.py", "exec")
 
 
+@pytest.mark.parametrize("template", sorted(p.name for p in codegen.TEMPLATE_DIR.glob("*.j2")))
+def test_kernel_templates_only_substitute(template):
+    """Templates substitute (STYLE.md 6, issue 18): Jinja's lexer finds no statement
+    (`{% if %}`, `{% for %}`, ...), line statement or Jinja comment in any kernel template,
+    only `{{ }}` substitutions; a kernel's choices are substituted names and constants, or
+    trace-time Python on them (`cutlass.const_expr`) in the rendered module."""
+    tokens = {kind for _, kind, _ in jinja2.Environment().lex(
+        (codegen.TEMPLATE_DIR / template).read_text())}
+    assert "variable_begin" in tokens
+    assert not tokens & {"block_begin", "comment_begin", "linestatement_begin",
+                         "linecomment_begin", "raw_begin"}
+
+
 def test_strict_undefined_rejects_missing_parameters():
     with pytest.raises(jinja2.UndefinedError, match="tile"):
         codegen.render("fake_kernel.py.j2", {k: v for k, v in PARAMS.items() if k != "tile"},

@@ -608,6 +608,55 @@ def test_fused_tile_rows_follow_the_compiled_rows():
         FAMILY.compile_key(v, LinearProblem("nvfp4", "full", 8, 4096, 4096))
 
 
+@pytest.mark.parametrize("comp, m_compiled, m, fields", [
+    ("none", 1, 37, dict(m_tiles=2, n_tiles=2)),
+    ("full", 1, 19, dict(m_tiles=2, n_tiles=4)),
+    ("none", 3, 7, dict(act=Act.FUSED, warps_m=2, warps_k=2, stages=2)),
+    ("full", 1, 3, dict(act=Act.FUSED, warps_m=2, warps_k=2, stages=2)),
+    ("full", 1, 40, dict(n_tiles=2, fold=Fold.PRESUM)),
+])
+def test_epilogue_plan_stores_each_output_once_from_its_accumulators(comp, m_compiled, m,
+                                                                     fields):
+    """Geometry.epilogue_plan (the fold / store plan the kernel's store_tile / atomic_tile
+    and the simulation read) against the PTX ISA's accumulator fragment: lane 4 g + t holds
+    c[e] of (channel 16 mt + g + 8 (e // 2), column 8 nt + 2 t + e % 2). Every accumulator
+    element of the CTA feeds exactly one output, the one of its own channel and token
+    (column // 2 for M-Ext's row pairs: base + residue folded), and the outputs the row
+    predicate keeps are the CTA's real (token, channel) pairs, each once (a fused kernel
+    compiled for fewer rows than it runs: partial n8 tiles, rows past TOK not stored)."""
+    p = LinearProblem("nvfp4", comp, m_compiled, 256, 4096)
+    v = LinearSm90Variant(**fields)
+    assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
+    g_ = geometry_of(v, p)
+    rpt = 2 if g_.mext else 1
+    for bz in range(g_.grid(m * rpt)[2]):
+        bx = 1
+        used, stored = set(), []
+        for wm in range(g_.warps_m):
+            for lane in range(32):
+                _, _, _, g, t, mt0, _, row0, _ = g_.warp_coords(wm * 32 + lane, bx, 0, bz)
+                for mt in range(g_.m_tiles):
+                    for nt in range(g_.n_tiles):
+                        ep = g_.epilogue_plan(mt, nt, mt0, row0, g, t)
+                        for r in ep.rows:
+                            tok = ep.token(r)
+                            for idx, dch in ((r.lo, 0), (r.hi, 8)):
+                                for e in idx:
+                                    assert (wm, lane, mt, nt, e) not in used
+                                    used.add((wm, lane, mt, nt, e))
+                                    ch = 16 * (mt0 + mt) + g + 8 * (e // 2)
+                                    col = 8 * nt + 2 * t + e % 2
+                                    assert ep.ch + dch == ch
+                                    assert tok == (bz * g_.tok + col) // rpt
+                                if g_.out_ok(ep.local_row(r), tok, m):
+                                    stored.append((tok, ep.ch + dch))
+        assert len(used) == g_.warps_m * 32 * g_.acc
+        tok0 = bz * g_.tok // rpt
+        toks = range(tok0, min(m, tok0 + g_.tok // rpt))
+        chans = range(bx * g_.warps_m * g_.m_tiles * 16, (bx + 1) * g_.warps_m * g_.m_tiles * 16)
+        assert sorted(stored) == [(tk, c) for tk in toks for c in chans]
+
+
 @pytest.mark.parametrize("v, p, reason", [
     (LinearSm90Variant(act=Act.FUSED), LinearProblem(static_scale=False), "static NVFP4"),
     (LinearSm90Variant(act=Act.FUSED, n_tiles=2), LinearProblem(m=4), "n8 tiles past"),

@@ -12,8 +12,8 @@ token is never stored), Kp padding columns (zeros), PDL, and the cluster (the it
 the cluster's CTAs and each stored into every peer's tile through distributed shared memory:
 each CTA then reads 1 / cluster of the activation bytes from L2).
 
-Only W4A16 fused renders import this module (the template's `operand == "copy"` blocks), so
-the fingerprints of every other render are unchanged.
+Every linear_sm90_mma render imports this module (the template substitutes only); its COPY
+constant (template parameter operand) picks the copy at trace time.
 """
 
 from __future__ import annotations

@@ -302,6 +302,41 @@ class Geometry:
         row = row0 + 8 * nt + 2 * t + e % 2
         return ch, row
 
+    # ------------------------------------------------------------------ epilogue
+    @property
+    def partial_tile(self) -> bool:
+        """Rows of an n8 tile past TOK belong to no tile of this CTA (fused, TOK < 8 NT)."""
+        return self.tok < 8 * self.n_tiles
+
+    def epilogue_plan(self, mt: int, nt: int, mt0: Any, row0: Any, g: Any,
+                      t: Any) -> EpiloguePlan:
+        """The fold / store plan of accumulator tile (mt, nt) of lane (g, t) of the warp whose
+        first m16 tile is mt0 and first xop row row0 (warp_coords): M-Ext folds the base and
+        residue columns into one token, plain (and presum) stores each column's token."""
+        ch, row = self.acc_coords(mt, nt, 0, mt0, row0, g, t)
+        rloc = 8 * nt + 2 * t
+        if self.mext:
+            return EpiloguePlan(ch, row // 2, rloc, _MEXT_ROWS)
+        return EpiloguePlan(ch, row, rloc, _PLAIN_ROWS)
+
+    def out_ok(self, rloc: Any, tok: Any, m: Any) -> Any:
+        """Row predicate of an output row: its token is a real one (< m) and, when tiles are
+        partial, its xop row rloc (EpiloguePlan.local_row) is one of the CTA's TOK rows."""
+        ok = tok < m
+        if self.partial_tile:
+            ok = ok & (rloc < self.tok)
+        return ok
+
+    def out_factor(self, alphas: Any, two7: Any) -> Any:
+        """The epilogue factor fac: alpha_x alpha_w 2^7 (NVFP4) or 2^7 (MXFP4); the operand
+        and the decoded weights carry 2^-7 (docs/linear_sm90.md, "Numerics"). two7: 2^7 in
+        the caller's FP32 type; alphas(): (alpha_x, alpha_w), called for NVFP4 only (the
+        kernel's loads)."""
+        if not self.nv:
+            return two7
+        ax, aw = alphas()
+        return ax * aw * two7
+
     def sw_off(self, warp: Any, slot: Any, u: int, mt: int, i: int, lane: Any) -> Any:
         """cp.async ring: the lane's 16-byte weight vector (chunk i of group u, tile mt)."""
         return (((((warp * self.stages + slot) * self.groups + u) * self.m_tiles + mt) * 4 + i)
@@ -389,3 +424,67 @@ class Geometry:
     def x_elem(self, tok: Any, ch: Any) -> Any:
         """Byte offset of x[tok, ch] (bf16 [m, K]); tok may be Int64."""
         return (tok * self.k + ch) * 2
+
+
+# ----------------------------------------------------------------------------- epilogue plan
+# (Geometry.epilogue_plan: the fold / store plan the kernel and the simulation share)
+
+
+def _plus(v: Any, d: int) -> Any:
+    """v + d, and v itself for d = 0 (no add of zero is emitted into the kernel)."""
+    return v + d if d else v
+
+
+def _fold(acc: Any, o: int, idx: tuple[int, ...]) -> Any:
+    """acc[o + q] summed over q in idx, in that order (one term: the value itself)."""
+    v = acc[o + idx[0]]
+    for q in idx[1:]:
+        v = v + acc[o + q]
+    return v
+
+
+@dataclass(frozen=True)
+class EpilogueRow:
+    """One output row of a lane's m16 x n8 accumulator tile. The tile's c0 c1 / c2 c3 hold
+    channels ch / ch + 8 at accumulator columns 2t, 2t + 1 (Geometry.acc_coords); this row is
+    token `tok + col` of the EpiloguePlan and takes
+        Y[tok + col, ch]     = fac x (sum of c[q], q in lo)
+        Y[tok + col, ch + 8] = fac x (sum of c[q], q in hi)."""
+
+    col: int                  # token offset from the plan's first token
+    lo: tuple[int, ...]       # accumulator elements (0..3) folded into channel ch
+    hi: tuple[int, ...]       # ... into channel ch + 8
+
+
+# M-Ext: columns 2t, 2t + 1 are one token's base and residue rows, folded (c0 + c1, c2 + c3)
+_MEXT_ROWS = (EpilogueRow(0, (0, 1), (2, 3)),)
+# plain (and presum, whose accumulator columns are tokens: one product, no fold): one token
+# per column
+_PLAIN_ROWS = (EpilogueRow(0, (0,), (2,)), EpilogueRow(1, (1,), (3,)))
+
+
+@dataclass(frozen=True)
+class EpiloguePlan:
+    """Where a lane's m16 x n8 accumulator tile (mt, nt) goes: Geometry.epilogue_plan. Pure
+    index math on Python ints (simulation: int / torch [lanes]) or DSL integers (kernel);
+    the kernel's store / atomic epilogues and the simulation's both read it, so the fold,
+    the output coordinates and the row predicate are written once."""
+
+    ch: Any                             # channel of c0 / c1 (c2 / c3: ch + 8)
+    tok: Any                            # token of the first row (M-Ext: xop row // 2)
+    rloc: Any                           # xop row of column 2t relative to the CTA's first
+    rows: tuple[EpilogueRow, ...]
+
+    def token(self, r: EpilogueRow) -> Any:
+        """Output token of row r."""
+        return _plus(self.tok, r.col)
+
+    def local_row(self, r: EpilogueRow) -> Any:
+        """Row r's position among the CTA's xop rows (M-Ext: its base row's), for the row
+        predicate (Geometry.out_ok)."""
+        return _plus(self.rloc, r.col)
+
+    def values(self, acc: Any, o: int, r: EpilogueRow, fac: Any) -> tuple[Any, Any]:
+        """Row r's (channel ch, channel ch + 8) FP32 values: the folded accumulators times the
+        epilogue factor fac (Geometry.out_factor). acc[o + 0..3]: the tile's c0..c3."""
+        return _fold(acc, o, r.lo) * fac, _fold(acc, o, r.hi) * fac

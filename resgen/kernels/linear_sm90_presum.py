@@ -8,7 +8,8 @@ MMAs. Presum reads the same operand but sums each token's two rows in FP32 and r
 FP16 in the B-fragment load, then runs ONE FP16 mma.sync against the weight decoded exactly
 in FP16; the accumulator columns are tokens, so the epilogue is the plain one (no fold).
 
-Only presum renders import this module and sm90_ptx_f16 (exact renders' fingerprints stay).
+Every linear_sm90_mma render imports this module (the template substitutes only); its PRESUM
+constant (template parameter fold) picks these functions at trace time.
 
 Per 64-column chunk and n8 tile (lane g, t; token r = row0 + 8 nt + g):
     base row 2r, residue row 2r + 1: 2 x two 16-byte loads   = 16 + 16 BF16 values

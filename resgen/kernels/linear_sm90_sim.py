@@ -233,9 +233,8 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
     gx, gy, gz = G.grid(rows)
     ws = torch.zeros(max(G.ws_floats(rows, m), 1)) if ws is None else ws
     sem = torch.zeros(max(G.sem_count(rows), 1), dtype=torch.int32) if sem is None else sem
-    fac = torch.tensor(128.0, dtype=torch.float32)
-    if G.nv:
-        fac = (alpha_x.float().reshape(()) * wt.alpha.float().reshape(())) * fac
+    fac = G.out_factor(lambda: (alpha_x.float().reshape(()), wt.alpha.float().reshape(())),
+                       torch.tensor(128.0, dtype=torch.float32))
     y = out.view(torch.int16)
     order = cta_order or [(x, yy, z) for z in range(gz) for yy in range(gy) for x in range(gx)]
     lane = torch.arange(32)
@@ -453,40 +452,30 @@ def _put(y16: torch.Tensor, off: torch.Tensor, v: torch.Tensor, ok: torch.Tensor
 
 
 def _store(G: Geometry, acc, y16, fac, mt0, row0, g, t, m) -> None:
+    """The kernel's store_tile: fold, scale and store as G.epilogue_plan says."""
     for mt in range(G.m_tiles):
         for nt in range(G.n_tiles):
-            c = acc[mt][nt]
-            ch, row = G.acc_coords(mt, nt, 0, mt0, row0, g, t)
-            rloc = 8 * nt + 2 * t
-            if G.mext:
-                tok = row // 2
-                ok = (tok < m) & (rloc < G.tok)
-                a = G.y_off(tok, ch)
-                _put(y16, a, (c[0] + c[1]) * fac, ok)
-                _put(y16, a + 16, (c[2] + c[3]) * fac, ok)
-            else:
-                for e in range(2):
-                    a = G.y_off(row + e, ch)
-                    ok = (row + e < m) & (rloc + e < G.tok)
-                    _put(y16, a, c[e] * fac, ok)
-                    _put(y16, a + 16, c[2 + e] * fac, ok)
+            ep = G.epilogue_plan(mt, nt, mt0, row0, g, t)
+            for r in ep.rows:
+                v0, v1 = ep.values(acc[mt][nt], 0, r, fac)
+                tok = ep.token(r)
+                ok = G.out_ok(ep.local_row(r), tok, m)
+                a = G.y_off(tok, ep.ch)
+                _put(y16, a, v0, ok)
+                _put(y16, a + 16, v1, ok)
 
 
 def _atomic(G: Geometry, acc, ws, fac, mt0, row0, g, t, m) -> None:
+    """The kernel's atomic_tile: fold and scale as G.epilogue_plan says, add into ws."""
     flat = ws.view(-1)
     for mt in range(G.m_tiles):
         for nt in range(G.n_tiles):
-            c = acc[mt][nt]
-            ch, row = G.acc_coords(mt, nt, 0, mt0, row0, g, t)
-            rloc = 8 * nt + 2 * t
-            if G.mext:
-                items = [(row // 2, rloc, (c[0] + c[1]) * fac, (c[2] + c[3]) * fac)]
-            else:
-                items = [(row, rloc, c[0] * fac, c[2] * fac),
-                         (row + 1, rloc + 1, c[1] * fac, c[3] * fac)]
-            for tok, rl, v0, v1 in items:
-                ok = (tok < m) & (rl < G.tok)
-                a = G.y_off(tok, ch) * 2
+            ep = G.epilogue_plan(mt, nt, mt0, row0, g, t)
+            for r in ep.rows:
+                v0, v1 = ep.values(acc[mt][nt], 0, r, fac)
+                tok = ep.token(r)
+                ok = G.out_ok(ep.local_row(r), tok, m)
+                a = G.y_off(tok, ep.ch) * 2
                 idx = (a // 4)[ok]
                 flat.index_add_(0, idx, v0[ok])
                 flat.index_add_(0, idx + 8, v1[ok])
