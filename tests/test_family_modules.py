@@ -67,13 +67,13 @@ ALLOWED = {
     ("templates/linear_sm90_mma.py.j2", "kernels/linear_sm90_wgmma_dev"):
         "the decode template uses the prefill family's TMA / mbarrier helpers (they belong "
         "in kernels/sm90_ptx.py)",
-    ("kernels/linear_sm90_wgmma_dev", "kernels/linear_sm90_dev"):
+    ("kernels/linear_sm90_wgmma_dev", "kernels/linear_sm90_mma_dev"):
         "the prefill decode reuses linear_sm90_mma's weight decoders (DECODERS, scale_pair)",
     # shared modules importing a family's modules
-    ("search/sm90_linear", "kernels/linear_sm90"):
+    ("search/sm90_linear", "kernels/linear_sm90_mma"):
         "make_xop, the torch-quantized operand both linear families read, lives in "
         "linear_sm90_mma's host module",
-    ("search/sm90_linear", "kernels/linear_sm90_geom"):
+    ("search/sm90_linear", "kernels/linear_sm90_mma_geom"):
         "pow2_ceil lives in linear_sm90_mma's geometry",
     ("search/sm90_linear", "kernels/quant_sm90"):
         "by design: a linear layer is the layer quantizer (quant_sm90) in front of the GEMM",
@@ -93,7 +93,7 @@ def _family_stems() -> list[str]:
 
 def _owner(stem: str) -> str | None:
     """The family module a module belongs to: the longest family-module name it is, or
-    starts with followed by "_" (linear_sm90_wgmma_dev: linear_sm90_wgmma, not linear_sm90)."""
+    starts with followed by "_" (should one family's name begin another's, the longer wins)."""
     cands = [f for f in _family_stems() if stem == f or stem.startswith(f + "_")]
     return max(cands, key=len) if cands else None
 
@@ -168,7 +168,7 @@ def test_family_modules_are_found_by_name_and_each_registers_its_family():
     registering = sorted(f"resgen.search.{p.stem}" for p in (ROOT / "search").glob("*.py")
                          if p.stem != "family" and _registers(p))
     assert found == registering
-    assert {"resgen.search.linear_sm90", "resgen.search.linear_sm90_wgmma",
+    assert {"resgen.search.linear_sm90_mma", "resgen.search.linear_sm90_wgmma",
             "resgen.search.attention_sm90", "resgen.search.quant_sm90"} <= set(found)
     by_module = {type(f).__module__ for f in F.families().values()}
     assert set(found) <= by_module

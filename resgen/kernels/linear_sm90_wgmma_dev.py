@@ -28,7 +28,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from . import sm90_ptx as P
-from .linear_sm90_dev import DECODERS, scale_pair
+from .linear_sm90_mma_dev import DECODERS, scale_pair
 from .linear_sm90_wgmma_geom import MEXT_SEL, PLAIN_SEL, WgGeometry
 
 __all__ = ["WATCHDOG_NS", "bulk_g2s", "wait_parity", "ld_shared_u32", "shfl_xor4", "prmt_r",

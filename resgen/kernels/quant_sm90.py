@@ -1,7 +1,7 @@
 """Host side of the fused residue quantizer (family quant_sm90): operand layouts, a torch
 reference of every output, kernel configuration, compilation and launch on torch CUDA tensors.
 
-The operand (what the Hopper GEMMs consume; contract with resgen.kernels.linear_sm90)
+The operand (what the Hopper GEMMs consume; contract with resgen.kernels.linear_sm90_mma)
 -----------------------------------------------------------------------------------
 For activations x: [m, K] bf16 the quantizer writes one operand of T_pad rows:
 

@@ -144,7 +144,7 @@ class LinearSm90Launcher:
         g = self.geom
         if wt.kp != g.kp or wt.out_features != g.n or wt.packing != g.packing:
             raise ValueError("weight does not match the compiled variant (N, Kp, packing)")
-        # presum (resgen.kernels.linear_sm90_presum): the operand is M-Ext's row pairs, the
+        # presum (resgen.kernels.linear_sm90_mma_presum): the operand is M-Ext's row pairs, the
         # kernel's rows are the tokens
         presum = getattr(g, "fold", "exact") == "presum"
         if presum and rows != 2 * m:

@@ -32,7 +32,7 @@ alpha_x alpha_w 2^7 is the same):
     rounding (fp16 RNE of the FP32 sum, no scale factoring: t = 0).
 MXFP4 presum needs each token row's power-of-two shift t = floor(log2 max |X_hat + R_hat|) - 11
 over ALL of K (formats.presum_fp16) before its first MMA; a CTA sees only its K range, so the
-family refuses it (resgen.search.linear_sm90), as it does fused presum (the fused prologue
+family refuses it (resgen.search.linear_sm90_mma), as it does fused presum (the fused prologue
 writes the row pair).
 """
 
@@ -47,8 +47,8 @@ from cutlass import Uint32
 from . import fp4_device as fd
 from . import sm90_ptx as P
 from . import sm90_ptx_f16 as H
-from .linear_sm90_dev import _byte_sel
-from .linear_sm90_geom import Geometry
+from .linear_sm90_mma_dev import _byte_sel
+from .linear_sm90_mma_geom import Geometry
 
 __all__ = ["PRESUM_SCALE_CONSTS", "F16_MAG", "decode_nib_f16", "decode_split_f16",
            "F16_DECODERS", "PresumGeometry", "presum_geometry", "scale_pair_f16",
@@ -134,7 +134,7 @@ def presum_geometry(g: Geometry) -> PresumGeometry:
 
 def scale_pair_f16(sw: Any, i: int, fmt: str) -> tuple:
     """f16x2 scales S16(r0), S16(r1) of chunk i (0..3) of a group from the lane's scale word
-    (resgen.kernels.linear_sm90_dev.scale_pair with the FP16 constants)."""
+    (resgen.kernels.linear_sm90_mma_dev.scale_pair with the FP16 constants)."""
     mul, add = PRESUM_SCALE_CONSTS[fmt]
     zero = Uint32(0)
     b0 = 2 * (i % 2)
@@ -159,7 +159,7 @@ def presum_b_words(load: Callable[[Any], tuple], a: Any, res_off: int) -> list:
 
 def chunk_mma_f16(words: Sequence[Sequence[Any]], scales: Sequence[tuple],
                   xw: Sequence[Sequence[Any]], acc: list, packing: str) -> None:
-    """One 64-column chunk in FP16 (linear_sm90_dev.chunk_mma's shape): words[mt][j] (4 per
+    """One 64-column chunk in FP16 (linear_sm90_mma_dev.chunk_mma's shape): words[mt][j] (4 per
     m16 tile), scales[mt] = (S16(r0), S16(r1)), xw[nt] = the lane's 8 presum B words of n8
     tile nt; acc[mt][nt] = 4 FP32, updated."""
     decode = F16_DECODERS[packing]
