@@ -48,9 +48,8 @@ SHARED = {
     "kernels/sm90_ptx_f16": "Hopper inline-PTX wrappers for FP16 operands (apart from sm90_ptx "
                             "so that the BF16 kernels' fingerprints stay)",
     "kernels/cluster_ptx": "Hopper thread-block-cluster PTX (DSMEM, cluster barriers)",
-    "kernels/layouts": "the Hopper FP4 weight layout and its CPU emulator, used by both "
-                       "linear families (the issue counts it as linear_sm90_mma's; a rename "
-                       "would change fingerprints)",
+    "kernels/sm90_fp4_layout": "the Hopper FP4 weight layout (frag16) and its CPU emulator, "
+                               "used by both Hopper linear families",
     "search/sm100_linear": "what the Blackwell linear family and its quantizer share: the "
                            "layer quantizer in front of the GEMM",
     "kernels/sm100_ptx": "Blackwell (sm_100a) inline-PTX wrappers (TMEM loads, bulk stores)",

@@ -11,7 +11,7 @@ import torch
 from resgen import calibrate as C
 from resgen import formats as F
 from resgen import reference as R
-from resgen.kernels import layouts as L
+from resgen.kernels import sm90_fp4_layout as L
 from resgen.kernels.linear_sm90_mma import make_xop, operand_values, xop_layout_for
 
 

@@ -20,7 +20,7 @@ from resgen import calibrate as C
 from resgen import formats as F
 from resgen import reference as R
 from resgen.kernels import codegen
-from resgen.kernels import layouts as L
+from resgen.kernels import sm90_fp4_layout as L
 from resgen.kernels import linear_sm90_mma_presum as PS
 from resgen.kernels.linear_sm90_mma import make_xop
 from resgen.kernels.linear_sm90_mma_sim import _f16_halves, _f16_mul, _scale, simulate_kernel
@@ -153,7 +153,7 @@ def test_f16_pair_decode_of_every_code_is_e2m1_times_2_pow_minus_14(packing):
 
 def test_f16_weight_is_exact_for_every_code_and_scale_byte():
     """decode (E2M1 x 2^-14) x S16(b) in mul.rn.f16x2 = E2M1 x s_w x 2^-7 exactly, for every
-    code and every scale byte layouts.scale_bytes can emit (NVFP4: 0 and 9 << 3 .. 143)."""
+    code and every scale byte sm90_fp4_layout.scale_bytes can emit (NVFP4: 0 and 9 << 3 .. 143)."""
     codes = torch.arange(16, dtype=torch.int64)
     r0 = PS.decode_split_f16(_place(codes, 0, "split"))[0] & 0xFFFF      # low half of pair 0
     for b in range(144):

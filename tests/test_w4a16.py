@@ -27,7 +27,7 @@ from test_linear_sm90_wgmma import _qweight  # noqa: E402
 
 from resgen import reference as R  # noqa: E402
 from resgen.kernels import codegen  # noqa: E402
-from resgen.kernels import layouts as L  # noqa: E402
+from resgen.kernels import sm90_fp4_layout as L  # noqa: E402
 from resgen.kernels import linear_sm90_mma_a16 as A16  # noqa: E402
 from resgen.kernels.linear_sm90_mma_sim import simulate_kernel  # noqa: E402
 from resgen.kernels.linear_sm90_wgmma_sim import SimulatedKernel  # noqa: E402

@@ -6,7 +6,7 @@
   prepared operand; a "fused" variant takes the BF16 activations x [m, K] themselves (plus the
   static NVFP4 alpha and, for K-Ext, the selection masks) and quantizes them in its prologue.
 
-Layouts are documented in resgen.kernels.layouts.
+Layouts are documented in resgen.kernels.sm90_fp4_layout.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from .. import formats
 from ..calibrate import QLinearWeight
-from .layouts import K_ALIGN, Sm90Weight, pad_to
+from .sm90_fp4_layout import K_ALIGN, Sm90Weight, pad_to
 
 __all__ = ["make_xop", "xop_layout_for", "operand_values", "LinearSm90Launcher"]
 

@@ -4,7 +4,7 @@ The kernel template (resgen/templates/linear_sm90_mma.py.j2) owns the control fl
 K groups, split-K reduction, epilogue branches); these helpers emit the per-chunk data path.
 Register arrays are Python lists of DSL scalars, indexed only at trace time.
 
-Data path per 64-column chunk kq and m16 tile (layouts: resgen.kernels.layouts):
+Data path per 64-column chunk kq and m16 tile (layouts: resgen.kernels.sm90_fp4_layout):
     scale word  -> 2 x PRMT (b | b << 16) -> 2 x IMAD          = S(r0), S(r1) bf16x2
     4 words     -> pair decode (bit ops)  -> 16 x mul.rn.bf16x2 = A fragments of 4 k16 steps
     activation  -> two 16-byte loads per n8 tile                = B fragments of 4 k16 steps
@@ -30,7 +30,7 @@ from . import sm90_ptx as P
 __all__ = ["scale_pair", "decode_nib", "decode_split", "DECODERS", "chunk_mma", "SCALE_CONSTS",
            "x_values", "operand_words", "base_operand", "selected_residues"]
 
-# (multiplier applied to b | b << 16, bf16x2 offset): see layouts.expand_scale_bits
+# (multiplier applied to b | b << 16, bf16x2 offset): see sm90_fp4_layout.expand_scale_bits
 SCALE_CONSTS = {"nvfp4": (16, 0x76807680), "mxfp4": (128, 0x3B803B80)}
 
 

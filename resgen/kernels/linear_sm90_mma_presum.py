@@ -24,7 +24,7 @@ alpha_x alpha_w 2^7 is the same):
   - weight: E2M1 (2 significant bits) x E4M3 (4) has 6; the smallest nonzero value
     0.5 x 2^-9 x 2^-7 = 2^-17 is a multiple of FP16's subnormal step 2^-24, the largest
     6 x 448 x 2^-7 = 21 is far below 65504;
-  - scale: byte b = ((E' + 9) << 3) | f for s_w = 2^E' (1 + f/8) (resgen.kernels.layouts), and
+  - scale: byte b = ((E' + 9) << 3) | f for s_w = 2^E' (1 + f/8) (resgen.kernels.sm90_fp4_layout), and
     s_w x 2^7 in FP16 has exponent field E' + 22 and mantissa f << 7, i.e. the bits
     b * 128 + 0x3400 (at most 143 * 128 + 0x3400 = 0x7B80 < 0x7C00: never Inf);
   - activation: the operand values are unit values (no alpha) exact in BF16; their FP32 sum
@@ -66,7 +66,7 @@ _SIGN = 0x80008000
 
 def decode_nib_f16(w: Any, u: Callable[[int], Any] = int) -> list:
     """Packing "nib": the 4 f16x2 pairs (E2M1 x 2^-14) of a word, a0a1, a2a3, a4a5, a6a7
-    (the nibble of slot s sits where resgen.kernels.layouts puts it; magnitude bits 12..14
+    (the nibble of slot s sits where resgen.kernels.sm90_fp4_layout puts it; magnitude bits 12..14
     of a half shifted to 9..11). w: a DSL Uint32 (u = Uint32) or a torch int64 tensor of
     non-negative 32-bit words (u = int); bits above 32 are masked off."""
     out = []
@@ -77,7 +77,7 @@ def decode_nib_f16(w: Any, u: Callable[[int], Any] = int) -> list:
 
 
 def decode_split_f16(w: Any, u: Callable[[int], Any] = int) -> list:
-    """Packing "split" (sign apart from magnitude; layouts: |code| of pair p at bits 6, 3, 0, 9
+    """Packing "split" (sign apart from magnitude; sm90_fp4_layout: |code| of pair p at bits 6, 3, 0, 9
     of each half, sign at 15, 12, 14, 13): each pair's magnitude moved to bits 9..11 and its
     sign to 15. Arguments as decode_nib_f16."""
     mag, sgn = u(F16_MAG), u(_SIGN)

@@ -14,7 +14,7 @@ For activations x: [m, K] bf16 the quantizer writes one operand of T_pad rows:
                                       dynamic), shared by base and residue
 
 KP's granularity kp_align (64, 128 or 256) is the consuming GEMM's choice (64 in the issue;
-linear_sm90_mma uses 256, resgen.kernels.layouts.K_ALIGN).
+linear_sm90_mma uses 256, resgen.kernels.sm90_fp4_layout.K_ALIGN).
 Columns: KQ = K for plain and M-Ext; K-Ext: KQ = K + ext, the base channels then the selected
 residue channels (block-local masks, group order, ascending inside a group) zero-padded to the
 block size (formats.extension_length): codes/scales[:, :KQ] is formats.cat([base, res]).

@@ -580,8 +580,8 @@ class LinearSm90Family(Sm90LinearFamily):
 
     # ------------------------------------------------------------------ launch (bind)
     def layout(self, qweight: QLinearWeight, packing: str) -> Any:
-        """The weight in this family's layout (resgen.kernels.layouts.Sm90Weight)."""
-        from ..kernels.layouts import prepare_sm90_weight
+        """The weight in this family's layout (resgen.kernels.sm90_fp4_layout.Sm90Weight)."""
+        from ..kernels.sm90_fp4_layout import prepare_sm90_weight
 
         return prepare_sm90_weight(qweight, packing)
 
@@ -630,7 +630,7 @@ _WEIGHTS_KEEP = 3       # weight-set lists kept for reuse by the next variants /
 def _weight_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
     """[(qweight, Sm90Weight)] * n_sets for the problem's layer (M plays no part), cached for
     the few most recent layers: preparing big weights costs more than timing a variant."""
-    from ..kernels.layouts import prepare_sm90_weight
+    from ..kernels.sm90_fp4_layout import prepare_sm90_weight
 
     return cached_weight_sets(_WEIGHTS, _WEIGHTS_KEEP, prepare_sm90_weight, problem, packing,
                               device, n_sets, seed)

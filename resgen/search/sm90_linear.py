@@ -45,7 +45,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..calibrate import QLinearWeight, static_alpha
-from ..kernels.layouts import K_ALIGN, pad_to
+from ..kernels.sm90_fp4_layout import K_ALIGN, pad_to
 from ..kernels.linear_sm90_mma_geom import pow2_ceil
 from .family import CheckResult, KernelFamilyBase
 from .family import compare as family_compare
@@ -62,7 +62,7 @@ TOLERANCE = 3e-3          # BF16 output rounding
 
 
 class Packing(Choice):
-    """Weight nibble layout and its decode (resgen.kernels.layouts): "nib" as in the design
+    """Weight nibble layout and its decode (resgen.kernels.sm90_fp4_layout): "nib" as in the design
     brief, "split": sign apart from magnitude (fewer integer ops)."""
 
     NIB = "nib"

@@ -211,7 +211,7 @@ def test_pdl_layers_chained_through_activations(graph):
                            Packing.SPLIT, Act.FUSED, True)
     v2 = LinearSm90Variant(2, 4, 1, 1, 1, Pipeline.DIRECT, 1, 4, 1, Reduction.NONE,
                            Packing.SPLIT, Act.FUSED, True)
-    from resgen.kernels.layouts import prepare_sm90_weight
+    from resgen.kernels.sm90_fp4_layout import prepare_sm90_weight
 
     q1, q2 = random_layer(p1, "cuda", gen), random_layer(p2, "cuda", gen)
     w1, w2 = prepare_sm90_weight(q1, "split"), prepare_sm90_weight(q2, "split")
@@ -263,7 +263,7 @@ def test_subnormal_half_codes_survive_the_bf16_decode(packing):
     from resgen import calibrate as C
     from resgen import formats as F
     from resgen import reference
-    from resgen.kernels.layouts import prepare_sm90_weight
+    from resgen.kernels.sm90_fp4_layout import prepare_sm90_weight
     from resgen.kernels.linear_sm90_mma import LinearSm90Launcher, make_xop
     from resgen.search.linear_sm90_mma import compare, geometry_of
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from resgen import calibrate as C
-from resgen.kernels import layouts as L
+from resgen.kernels import sm90_fp4_layout as L
 from resgen.search.linear_sm90_mma import (FAMILY, PRESUM_NVFP4_ONLY, PRESUM_XOP_ONLY, Act, Fold,
                                            LinearSm90Variant, Pipeline, geometry_of)
 from resgen.search.variant import LinearProblem

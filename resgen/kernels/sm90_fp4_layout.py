@@ -1,5 +1,6 @@
-"""Offline weight layouts for the Hopper decode FP4 linear kernels (family linear_sm90_mma), and
-a pure-torch CPU emulation of those kernels' data path.
+"""The Hopper FP4 weight layout "frag16", written offline and read by both Hopper linear
+families (linear_sm90_mma, the decode kernels it was designed for, and linear_sm90_wgmma, whose
+layout is built from it), and a pure-torch CPU emulation of linear_sm90_mma's data path.
 
 Hopper has no FP4 tensor cores. The kernels run `mma.sync.m16n8k16` in BF16 with FP32
 accumulation on EXACT values: a weight code is decoded by bit placement to the BF16 value
