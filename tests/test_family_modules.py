@@ -44,10 +44,10 @@ SHARED = {
     "kernels/codegen": "Jinja2 rendering, fingerprints, cute.compile",
     "kernels/cubin": "reading a cubin's resource usage",
     "kernels/fp4_device": "the FP4 math on the device (decode, block quantization)",
-    "kernels/sm90_ptx": "Hopper inline-PTX wrappers",
-    "kernels/sm90_ptx_f16": "Hopper inline-PTX wrappers for FP16 operands (apart from sm90_ptx "
-                            "so that the BF16 kernels' fingerprints stay)",
-    "kernels/cluster_ptx": "Hopper thread-block-cluster PTX (DSMEM, cluster barriers)",
+    "kernels/sm90_ptx": "the inline-PTX wrappers of sm_90a and later (the one module of them; "
+                        "sm100_ptx adds Blackwell's)",
+    "kernels/sm90_fp4_decode": "the device side of the Hopper FP4 weight layout (scale "
+                               "expansion, pair decoders), used by both Hopper linear families",
     "kernels/sm90_fp4_layout": "the Hopper FP4 weight layout (frag16) and its CPU emulator, "
                                "used by both Hopper linear families",
     "search/sm100_linear": "what the Blackwell linear family and its quantizer share: the "
@@ -63,11 +63,6 @@ SHARED = {
 # the debt of issue 18 ("one primitives module per arch"); removing one means moving kernel
 # code (which changes fingerprints and needs a re-tune or a proven re-fingerprint).
 ALLOWED = {
-    ("templates/linear_sm90_mma.py.j2", "kernels/linear_sm90_wgmma_dev"):
-        "the decode template uses the prefill family's TMA / mbarrier helpers (they belong "
-        "in kernels/sm90_ptx.py)",
-    ("kernels/linear_sm90_wgmma_dev", "kernels/linear_sm90_mma_dev"):
-        "the prefill decode reuses linear_sm90_mma's weight decoders (DECODERS, scale_pair)",
     # shared modules importing a family's modules
     ("search/sm90_linear", "kernels/linear_sm90_mma"):
         "make_xop, the torch-quantized operand both linear families read, lives in "
@@ -213,6 +208,42 @@ def test_no_family_imports_another_familys_modules():
                 bad.append(f"{mod} ({mine or 'shared'}) imports {dep} ({theirs})")
     assert not bad, "\n".join(bad)
     assert seen == set(ALLOWED), f"no longer needed: {sorted(set(ALLOWED) - seen)}"
+
+
+# Modules that may emit inline PTX: one primitives module per arch. Any other module calling
+# llvm.inline_asm would be listed here with its reason (none is).
+PTX_MODULES = {"kernels/sm90_ptx", "kernels/sm100_ptx"}
+INLINE_ASM_EXCEPTIONS: dict[str, str] = {}
+
+
+# sm90_ptx's emission helpers: a module importing one emits inline PTX through it
+_EMITTERS = {"inline_asm", "_asm", "_pure", "_effect", "_volatile"}
+
+
+def _calls_inline_asm(source: str) -> bool:
+    """Whether the source names llvm's inline_asm (`llvm.inline_asm(...)`, or the function
+    imported under any name) or imports one of sm90_ptx's emission helpers, anywhere."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ("inline_asm", "_asm"):
+            return True
+        if isinstance(node, ast.ImportFrom) and any(a.name in _EMITTERS for a in node.names):
+            return True
+    return False
+
+
+def test_inline_ptx_is_emitted_only_by_the_arch_primitives_modules():
+    """llvm.inline_asm is called in kernels/sm90_ptx.py and kernels/sm100_ptx.py only: every
+    other kernel module and every template builds on their wrappers (issue 18)."""
+    emitting = {f"kernels/{p.stem}" for p in (ROOT / "kernels").glob("*.py")
+                if _calls_inline_asm(p.read_text())}
+    emitting |= {f"templates/{p.name}" for p in (ROOT / "templates").glob("*.j2")
+                 if "inline_asm" in p.read_text()}
+    assert "kernels/sm90_ptx" in emitting                   # the scan sees the real one
+    assert emitting - PTX_MODULES == set(INLINE_ASM_EXCEPTIONS), \
+        f"inline PTX outside the primitives modules: {sorted(emitting - PTX_MODULES)}"
+    assert _calls_inline_asm("from cutlass._mlir.dialects.llvm import inline_asm as f")
+    assert _calls_inline_asm("from .sm90_ptx import _asm, _u32")
+    assert not _calls_inline_asm("from cutlass._mlir.dialects import llvm\nllvm.bitcast(a, b)")
 
 
 def test_kernels_import_no_higher_layer():

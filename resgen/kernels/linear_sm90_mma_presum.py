@@ -8,7 +8,7 @@ MMAs. Presum reads the same operand but sums each token's two rows in FP32 and r
 FP16 in the B-fragment load, then runs ONE FP16 mma.sync against the weight decoded exactly
 in FP16; the accumulator columns are tokens, so the epilogue is the plain one (no fold).
 
-Only presum renders import this module and sm90_ptx_f16 (exact renders' fingerprints stay).
+Only presum renders import this module (its FP16 PTX is resgen.kernels.sm90_ptx's).
 
 Per 64-column chunk and n8 tile (lane g, t; token r = row0 + 8 nt + g):
     base row 2r, residue row 2r + 1: 2 x two 16-byte loads   = 16 + 16 BF16 values
@@ -46,8 +46,7 @@ from cutlass import Uint32
 
 from . import fp4_device as fd
 from . import sm90_ptx as P
-from . import sm90_ptx_f16 as H
-from .linear_sm90_mma_dev import _byte_sel
+from .sm90_fp4_decode import byte_sel
 from .linear_sm90_mma_geom import Geometry
 
 __all__ = ["PRESUM_SCALE_CONSTS", "F16_MAG", "decode_nib_f16", "decode_split_f16",
@@ -134,12 +133,12 @@ def presum_geometry(g: Geometry) -> PresumGeometry:
 
 def scale_pair_f16(sw: Any, i: int, fmt: str) -> tuple:
     """f16x2 scales S16(r0), S16(r1) of chunk i (0..3) of a group from the lane's scale word
-    (resgen.kernels.linear_sm90_mma_dev.scale_pair with the FP16 constants)."""
+    (resgen.kernels.sm90_fp4_decode.scale_pair with the FP16 constants)."""
     mul, add = PRESUM_SCALE_CONSTS[fmt]
     zero = Uint32(0)
     b0 = 2 * (i % 2)
-    x0 = P.prmt(sw, zero, _byte_sel(b0))
-    x1 = P.prmt(sw, zero, _byte_sel(b0 + 1))
+    x0 = P.prmt(sw, zero, byte_sel(b0))
+    x1 = P.prmt(sw, zero, byte_sel(b0 + 1))
     return x0 * Uint32(mul) + Uint32(add), x1 * Uint32(mul) + Uint32(add)
 
 
@@ -153,7 +152,7 @@ def presum_b_words(load: Callable[[Any], tuple], a: Any, res_off: int) -> list:
     for bw, rw in zip(base, res):
         b_lo, b_hi = fd.bf16x2_to_f32(bw)
         r_lo, r_hi = fd.bf16x2_to_f32(rw)
-        out.append(H.cvt_f16x2(b_lo + r_lo, b_hi + r_hi))
+        out.append(P.cvt_f16x2(b_lo + r_lo, b_hi + r_hi))
     return out
 
 
@@ -167,7 +166,7 @@ def chunk_mma_f16(words: Sequence[Sequence[Any]], scales: Sequence[tuple],
         s0, s1 = scales[mt]
         for j in range(4):
             r = decode(wv[j], Uint32)
-            a = (H.mul_f16x2(r[0], s0), H.mul_f16x2(r[1], s1),
-                 H.mul_f16x2(r[2], s0), H.mul_f16x2(r[3], s1))
+            a = (P.mul_f16x2(r[0], s0), P.mul_f16x2(r[1], s1),
+                 P.mul_f16x2(r[2], s0), P.mul_f16x2(r[3], s1))
             for nt, x in enumerate(xw):
-                acc[mt][nt] = list(H.mma_f16_16816(a, (x[2 * j], x[2 * j + 1]), acc[mt][nt]))
+                acc[mt][nt] = list(P.mma_f16_16816(a, (x[2 * j], x[2 * j + 1]), acc[mt][nt]))

@@ -33,7 +33,7 @@ import torch
 
 from .. import formats
 from .sm90_fp4_layout import Sm90Weight, _bf16_halves, decode_pairs
-from .linear_sm90_mma_dev import SCALE_CONSTS
+from .sm90_fp4_decode import SCALE_CONSTS
 from .linear_sm90_mma_geom import Geometry
 from .linear_sm90_mma_presum import F16_DECODERS, PRESUM_SCALE_CONSTS
 

@@ -32,7 +32,7 @@ quantizer's kp_align=256; the kernel itself needs Kp % 128 == 0). For every m64 
         NVFP4 (SB = 8, REC = 2304): byte 2 j + rr = block (row r_rr, 4 c + j)
         MXFP4 (SB = 4, REC = 2176): byte 2 h + rr = block (row r_rr, 2 c + h), h = j // 2
     so k16 step j reads scale word j // 2 (NVFP4) / 0 (MXFP4) and expands its bytes with
-    resgen.kernels.linear_sm90_mma_dev.scale_pair (PRMT + IMAD per scale).
+    resgen.kernels.sm90_fp4_decode.scale_pair (PRMT + IMAD per scale).
 Tensor: int32 [N / 64, Kp / 64, REC / 4], record (mb, c) at byte (mb * Kp / 64 + c) * REC.
 """
 
