@@ -46,6 +46,8 @@ SHARED = {
     "kernels/fp4_device": "the FP4 math on the device (decode, block quantization)",
     "kernels/sm90_ptx": "the inline-PTX wrappers of sm_90a and later (the one module of them; "
                         "sm100_ptx adds Blackwell's)",
+    "kernels/sm90_operand": "the Hopper activation operand xop in torch (make_xop): what "
+                            "quant_sm90 writes and both Hopper linear families read",
     "kernels/sm90_fp4_decode": "the device side of the Hopper FP4 weight layout (scale "
                                "expansion, pair decoders), used by both Hopper linear families",
     "kernels/sm90_fp4_layout": "the Hopper FP4 weight layout (frag16) and its CPU emulator, "
@@ -64,11 +66,6 @@ SHARED = {
 # code (which changes fingerprints and needs a re-tune or a proven re-fingerprint).
 ALLOWED = {
     # shared modules importing a family's modules
-    ("search/sm90_linear", "kernels/linear_sm90_mma"):
-        "make_xop, the torch-quantized operand both linear families read, lives in "
-        "linear_sm90_mma's host module",
-    ("search/sm90_linear", "kernels/linear_sm90_mma_geom"):
-        "pow2_ceil lives in linear_sm90_mma's geometry",
     ("search/sm90_linear", "kernels/quant_sm90"):
         "by design: a linear layer is the layer quantizer (quant_sm90) in front of the GEMM",
     ("search/sm100_linear", "search/quant_sm100"):

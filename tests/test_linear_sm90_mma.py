@@ -12,7 +12,7 @@ from resgen import calibrate as C
 from resgen import formats as F
 from resgen import reference as R
 from resgen.kernels import sm90_fp4_layout as L
-from resgen.kernels.linear_sm90_mma import make_xop, operand_values, xop_layout_for
+from resgen.kernels.sm90_operand import make_xop, operand_values, xop_layout_for
 
 
 def _qweight(fmt, n=48, k=512, seed=0, ratio=None, input_scale=None):

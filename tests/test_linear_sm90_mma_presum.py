@@ -22,7 +22,7 @@ from resgen import reference as R
 from resgen.kernels import codegen
 from resgen.kernels import sm90_fp4_layout as L
 from resgen.kernels import linear_sm90_mma_presum as PS
-from resgen.kernels.linear_sm90_mma import make_xop
+from resgen.kernels.sm90_operand import make_xop
 from resgen.kernels.linear_sm90_mma_sim import _f16_halves, _f16_mul, _scale, simulate_kernel
 from resgen.search.linear_sm90_mma import (FAMILY, PRESUM_MEXT_ONLY, PRESUM_NVFP4_ONLY,
                                            PRESUM_XOP_ONLY, Act, Fold, LinearSm90Variant, Packing,

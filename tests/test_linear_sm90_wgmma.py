@@ -16,7 +16,7 @@ from resgen import formats as F
 from resgen import reference as R
 from resgen.kernels import sm90_fp4_layout as L
 from resgen.kernels import linear_sm90_wgmma_layout as W
-from resgen.kernels.linear_sm90_mma import make_xop
+from resgen.kernels.sm90_operand import make_xop
 from resgen.kernels.linear_sm90_wgmma import WgmmaLauncher
 from resgen.kernels.linear_sm90_wgmma_geom import WgGeometry, record_bytes
 from resgen.kernels.linear_sm90_wgmma_sim import (SimulatedKernel, cvt_bf16x2, prmt,

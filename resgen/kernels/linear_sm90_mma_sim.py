@@ -149,7 +149,7 @@ def _cvt_bf16(v: torch.Tensor) -> torch.Tensor:
 
 def _operand_bits(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
     """int64 bf16 bit patterns of code value x block scale (exact in bf16)."""
-    from .linear_sm90_mma import operand_values
+    from .sm90_operand import operand_values
 
     v = operand_values(codes, scales, fmt).to(torch.bfloat16)
     return v.view(torch.int16).to(torch.int64) & 0xFFFF

@@ -1,8 +1,8 @@
 """Host side of the fused residue quantizer (family quant_sm90): operand layouts, a torch
 reference of every output, kernel configuration, compilation and launch on torch CUDA tensors.
 
-The operand (what the Hopper GEMMs consume; contract with resgen.kernels.linear_sm90_mma)
------------------------------------------------------------------------------------
+The operand (what the Hopper GEMMs consume, as resgen.kernels.sm90_operand defines it)
+--------------------------------------------------------------------------------------
 For activations x: [m, K] bf16 the quantizer writes one operand of T_pad rows:
 
     codes  uint8 [T_pad, KQ / 2]      E2M1 codes, two per byte, even element in the low nibble

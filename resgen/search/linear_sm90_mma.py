@@ -68,10 +68,9 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from ..calibrate import QLinearWeight
-from ..kernels.linear_sm90_mma_geom import pow2_ceil
 from .family import register
-from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily,
-                          cached_weight_sets, compare, kp_of, layer_quantizer, random_layer)
+from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily, cached_weight_sets, compare,
+                          kp_of, layer_quantizer, pow2_ceil, random_layer)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Packing", "Pipeline", "Reduction", "Act", "Fold", "PRESUM_MEXT_ONLY",
@@ -182,8 +181,6 @@ def tok_rows_of(variant: LinearSm90Variant, problem: LinearProblem) -> int:
     """Fused: xop rows of a CTA's operand tile (a power of two, at most 8 n_tiles); 0 for xop."""
     if not variant.fused:
         return 0
-    from ..kernels.linear_sm90_mma_geom import pow2_ceil
-
     return min(8 * variant.n_tiles, pow2_ceil(problem.rows))
 
 

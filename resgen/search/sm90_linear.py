@@ -31,9 +31,7 @@ prologue copies the CTA's BF16 activation rows into the shared-memory operand ti
 reads (operand "copy", resgen.kernels.linear_sm90_mma_a16: a render of its own) instead of
 quantizing them, alpha_x = 1 again.
 
-Shared math that still lives in linear_sm90_mma's kernel modules (moving a kernel module
-changes every fingerprint): the torch operand `make_xop` (resgen.kernels.linear_sm90_mma) and
-`pow2_ceil` (resgen.kernels.linear_sm90_mma_geom).
+The torch operand both families read is resgen.kernels.sm90_operand.make_xop.
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ import torch
 
 from ..calibrate import QLinearWeight, static_alpha
 from ..kernels.sm90_fp4_layout import K_ALIGN, pad_to
-from ..kernels.linear_sm90_mma_geom import pow2_ceil
 from .family import CheckResult, KernelFamilyBase
 from .family import compare as family_compare
 from .variant import Choice, LinearProblem, VariantBase
@@ -59,6 +56,11 @@ __all__ = ["Packing", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensatio
            "LinearBinding", "Sm90LinearFamily", "Sm90LinearRunner"]
 
 TOLERANCE = 3e-3          # BF16 output rounding
+
+
+def pow2_ceil(v: int) -> int:
+    """The smallest power of two >= v (v >= 1)."""
+    return 1 << max(0, int(v) - 1).bit_length()
 
 
 class Packing(Choice):
@@ -654,7 +656,7 @@ class Sm90LinearRunner:
         if self.w4a16:
             return (bf16_operand(x, kp_of(self.problem), self.xop_multiple),
                     _w4a16_alpha(self.problem, x.device))
-        from ..kernels.linear_sm90_mma import make_xop
+        from ..kernels.sm90_operand import make_xop
 
         return make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
 

@@ -264,7 +264,8 @@ def test_subnormal_half_codes_survive_the_bf16_decode(packing):
     from resgen import formats as F
     from resgen import reference
     from resgen.kernels.sm90_fp4_layout import prepare_sm90_weight
-    from resgen.kernels.linear_sm90_mma import LinearSm90Launcher, make_xop
+    from resgen.kernels.linear_sm90_mma import LinearSm90Launcher
+    from resgen.kernels.sm90_operand import make_xop
     from resgen.search.linear_sm90_mma import compare, geometry_of
 
     n, k, m = 128, 512, 4

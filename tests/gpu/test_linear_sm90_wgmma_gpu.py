@@ -197,7 +197,7 @@ def test_subnormal_half_codes_survive_the_bf16_decode(packing):
     from resgen import calibrate as C
     from resgen import formats as F
     from resgen import reference
-    from resgen.kernels.linear_sm90_mma import make_xop
+    from resgen.kernels.sm90_operand import make_xop
     from resgen.kernels.linear_sm90_wgmma import WgmmaLauncher
     from resgen.kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
     from resgen.search.linear_sm90_mma import compare
