@@ -52,6 +52,8 @@ SHARED = {
                                "expansion, pair decoders), used by both Hopper linear families",
     "kernels/sm90_fp4_layout": "the Hopper FP4 weight layout (frag16) and its CPU emulator, "
                                "used by both Hopper linear families",
+    "kernels/quant_inputs": "the layer quantizers' check inputs (activation kinds, random "
+                            "K-Ext masks), shared by quant_sm90 and quant_sm100",
     "search/sm100_linear": "what the Blackwell linear family and its quantizer share: the "
                            "layer quantizer in front of the GEMM",
     "kernels/sm100_ptx": "Blackwell (sm_100a) inline-PTX wrappers (TMEM loads, bulk stores)",
@@ -72,9 +74,6 @@ ALLOWED = {
         "by design: a Blackwell linear layer is quant_sm100 in front of the GEMM",
     ("search/sm100_linear", "kernels/quant_sm100"):
         "the same: compiling the layer quantizer",
-    ("search/quant_sm100", "kernels/quant_sm90"):
-        "the quantizer check's input kinds and K-Ext masks (make_inputs, random_masks) live "
-        "in quant_sm90's host module",
 }
 
 
