@@ -1,9 +1,9 @@
 """How kernel families are laid out and found (resgen.search.family): every family module of
 resgen/search is found by its name and registers its family; each module of resgen/search and
 resgen/kernels belongs to one family or is a module the families share; no family imports
-another family's modules (the exceptions of today are listed below, with why). Also the hook
-defaults of KernelFamilyBase and the one place the compile target comes from
-(resgen.settings)."""
+another family's modules (the exceptions, by design, are listed below with why); inline PTX is
+emitted only by the primitives module of each arch. Also the hook defaults of
+KernelFamilyBase and the one place the compile target comes from (resgen.settings)."""
 
 from __future__ import annotations
 
@@ -63,9 +63,10 @@ SHARED = {
                              "scale-factor packing",
 }
 
-# (importer, imported): known imports across families, each with why it is there. They are
-# the debt of issue 18 ("one primitives module per arch"); removing one means moving kernel
-# code (which changes fingerprints and needs a re-tune or a proven re-fingerprint).
+# (importer, imported): the imports across families, each with why it is there. All are by
+# design (a linear layer is its quantizer family in front of its GEMM family); the debt of
+# issue 18 (a family reaching into another's modules) is paid, and a new entry needs a
+# reason of that kind.
 ALLOWED = {
     # shared modules importing a family's modules
     ("search/sm90_linear", "kernels/quant_sm90"):
@@ -73,7 +74,7 @@ ALLOWED = {
     ("search/sm100_linear", "search/quant_sm100"):
         "by design: a Blackwell linear layer is quant_sm100 in front of the GEMM",
     ("search/sm100_linear", "kernels/quant_sm100"):
-        "the same: compiling the layer quantizer",
+        "by design, the same: compiling the layer quantizer",
 }
 
 
