@@ -55,12 +55,12 @@ from resgen import formats  # noqa: E402
 from resgen import reference as R  # noqa: E402
 from resgen.calibrate import QLinearWeight, prepare_weight  # noqa: E402
 from resgen.models import ModelSpec, get_model  # noqa: E402
-from resgen.search import attention_sm90, linear_sm90  # noqa: E402
+from resgen.search import attention_sm90, linear_sm90_mma  # noqa: E402
 from resgen.search.family import compare  # noqa: E402
 
 PROJ = ("qkv", "o", "gate_up", "down")
 STACKS = ("bf16", "plain", "compensated")
-LINEAR_TOL = linear_sm90.TOLERANCE              # the linear kernels' check: BF16 output rounding
+LINEAR_TOL = linear_sm90_mma.TOLERANCE          # the linear kernels' check: BF16 output rounding
 ATTN_TOL = attention_sm90.TOLERANCE["f16"]      # attention with FP16 P V, FP32-exact reference
 
 

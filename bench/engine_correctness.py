@@ -251,12 +251,12 @@ class _CheckedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from resgen import reference as R
-        from resgen.search import linear_sm90
+        from resgen.search import linear_sm90_mma
         from resgen.search.family import compare
 
         y = self.op(x)
         ref = R.linear(x.float(), self.qweight, self.comp)
-        r = dataclasses.asdict(compare(y, ref, linear_sm90.TOLERANCE))
+        r = dataclasses.asdict(compare(y, ref, linear_sm90_mma.TOLERANCE))
         r["where"] = f"{self.name} M={x.shape[0]}"
         self.checks.record("linear", r)
         return y
@@ -539,7 +539,7 @@ def check_layer(path: Path, device: torch.device, linear_kw: dict | None = None,
     from resgen.engine.calib import LINEAR_SITE
     from resgen.kvcache import PagedKVCache
     from resgen.ops import DecodeAttention, Linear
-    from resgen.search import attention_sm90, linear_sm90
+    from resgen.search import attention_sm90, linear_sm90_mma
     from resgen.search.family import compare
 
     t, ws = read_capture(path)
@@ -551,7 +551,7 @@ def check_layer(path: Path, device: torch.device, linear_kw: dict | None = None,
             lin = Linear(qw, comp, device=device, **(linear_kw or {}))
             y = lin(x)
             ref = R.linear(x.float(), qw, comp if comp in ("none", "full") else KEXT)
-            r = dataclasses.asdict(compare(y, ref, linear_sm90.TOLERANCE))
+            r = dataclasses.asdict(compare(y, ref, linear_sm90_mma.TOLERANCE))
             r["where"] = f"{key} {comp}"
             checks.record("linear", r)
     q, k, v = (t[n].to(device) for n in ("q", "k", "v"))

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 import baselines as B  # noqa: E402
 from resgen.models import get_model  # noqa: E402
-from resgen.search.linear_sm90 import Packing  # noqa: E402
+from resgen.search.linear_sm90_mma import Packing  # noqa: E402
 from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant,  # noqa: E402
                                              Raster, compile_once)
 from resgen.search.timing import DEFAULT_POLICY, CallableRunner, measure  # noqa: E402

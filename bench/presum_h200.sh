@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The presum fold of linear_sm90_mma (issue 20 section 1) on one H200 in one device call,
-# about 8-9 minutes: (1) its GPU tests (tests/gpu/test_linear_sm90_presum_gpu.py: Qwen3-8B
+# about 8-9 minutes: (1) its GPU tests (tests/gpu/test_linear_sm90_mma_presum_gpu.py: Qwen3-8B
 # shapes, M = 1, 16, 64, 128, against reference.linear(fold="presum") and the exact fold; the
 # FP16 rounding case; graph replay), (2, opt-in) the covering GPU test of NVFP4 M-Ext, whose
 # covering subset now holds presum variants too, (3) bench/probes/presum_probe.py: exact vs
@@ -25,10 +25,10 @@ RC=0
 
 # 1. Correctness first.
 timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider \
-    tests/gpu/test_linear_sm90_presum_gpu.py --junitxml "$OUT/gpu_tests_presum.xml" \
+    tests/gpu/test_linear_sm90_mma_presum_gpu.py --junitxml "$OUT/gpu_tests_presum.xml" \
     > "$OUT/gpu_tests_presum.log" 2>&1
 T=$?
-echo "gpu tests (tests/gpu/test_linear_sm90_presum_gpu.py): rc=$T"
+echo "gpu tests (tests/gpu/test_linear_sm90_mma_presum_gpu.py): rc=$T"
 tail -n 8 "$OUT/gpu_tests_presum.log"
 [ "$T" -ne 0 ] && RC=$T
 
@@ -36,7 +36,7 @@ tail -n 8 "$OUT/gpu_tests_presum.log"
 PROBE_S=340
 if [ "${RESGEN_PRESUM_COVER:-0}" = "1" ]; then
     PROBE_S=190
-    timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_linear_sm90_gpu.py \
+    timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_linear_sm90_mma_gpu.py \
         -k "test_covering_variants and nvfp4-full" --junitxml "$OUT/gpu_tests_cover_full.xml" \
         > "$OUT/gpu_tests_cover_full.log" 2>&1
     T=$?

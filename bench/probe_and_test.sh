@@ -5,7 +5,7 @@
 # other otherwise; then compute-sanitizer memcheck of tests/gpu/sanitize_families.py. Logs,
 # JUnit XML and the probe's JSON land in $OUT; the tails are printed last.
 #
-#     bash bench/probe_and_test.sh bench/probes/prologue_probe.py tests/gpu/test_linear_sm90_gpu.py run10
+#     bash bench/probe_and_test.sh bench/probes/prologue_probe.py tests/gpu/test_linear_sm90_mma_gpu.py run10
 #
 # (device: carry [".devcache"]). Time limits: PROBE_S (default 170), TESTS_S (300),
 # MEMCHECK_S (100) seconds: 570 s one after the other, inside one call's 600.

@@ -10,7 +10,7 @@ Run on the commit whose renders must be preserved (it was run on main 48c1103, b
 first 12 hex digits of the sha256 of the rendered kernel source, for the winner of every
 linear_sm90_mma workload of the shipped table (tuned/h200.sqlite.xz; 719 distinct renders over
 both formats, every compensation, fused and xop), stored as canonical keys. The test
-(tests/test_linear_sm90_presum.py) renders each with the checkout under test: one changed
+(tests/test_linear_sm90_mma_presum.py) renders each with the checkout under test: one changed
 byte fails, as does a change to a resgen.kernels module the renders import (digest stored).
 """
 from __future__ import annotations

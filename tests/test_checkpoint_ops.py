@@ -19,7 +19,7 @@ from resgen.ops import Linear
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fakefam import isolated_cache  # noqa: E402,F401
-from test_linear_sm90 import _record_launcher_pointers  # noqa: E402
+from test_linear_sm90_mma import _record_launcher_pointers  # noqa: E402
 from test_ops import _Compiles, _empty_dispatcher, _quantizers, _rel  # noqa: E402
 
 MO = Path(__file__).parent / "fixtures" / "modelopt"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from resgen.search.cover import covering_subset
-from resgen.search.linear_sm90 import FAMILY as MMA
+from resgen.search.linear_sm90_mma import FAMILY as MMA
 from resgen.search.linear_sm90_wgmma import FAMILY as WGMMA
 from resgen.search.variant import LinearProblem
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import decode_step as S  # noqa: E402
 from fakefam import isolated_cache  # noqa: E402,F401  (the fixture below)
 from resgen.models import ModelSpec  # noqa: E402
-from resgen.search import linear_sm90 as LS  # noqa: E402
+from resgen.search import linear_sm90_mma as LS  # noqa: E402
 from resgen.search import linear_sm90_wgmma as LW  # noqa: E402
 from test_ops import _Compiles, _empty_dispatcher, _quantizers, _RefAttention  # noqa: E402
 

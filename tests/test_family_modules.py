@@ -1,9 +1,9 @@
 """How kernel families are laid out and found (resgen.search.family): every family module of
 resgen/search is found by its name and registers its family; each module of resgen/search and
 resgen/kernels belongs to one family or is a module the families share; no family imports
-another family's modules (the exceptions of today are listed below, with why). Also the hook
-defaults of KernelFamilyBase and the one place the compile target comes from
-(resgen.settings)."""
+another family's modules (the exceptions, by design, are listed below with why); inline PTX is
+emitted only by the primitives module of each arch. Also the hook defaults of
+KernelFamilyBase and the one place the compile target comes from (resgen.settings)."""
 
 from __future__ import annotations
 
@@ -44,13 +44,16 @@ SHARED = {
     "kernels/codegen": "Jinja2 rendering, fingerprints, cute.compile",
     "kernels/cubin": "reading a cubin's resource usage",
     "kernels/fp4_device": "the FP4 math on the device (decode, block quantization)",
-    "kernels/sm90_ptx": "Hopper inline-PTX wrappers",
-    "kernels/sm90_ptx_f16": "Hopper inline-PTX wrappers for FP16 operands (apart from sm90_ptx "
-                            "so that the BF16 kernels' fingerprints stay)",
-    "kernels/cluster_ptx": "Hopper thread-block-cluster PTX (DSMEM, cluster barriers)",
-    "kernels/layouts": "the Hopper FP4 weight layout and its CPU emulator, used by both "
-                       "linear families (the issue counts it as linear_sm90_mma's; a rename "
-                       "would change fingerprints)",
+    "kernels/sm90_ptx": "the inline-PTX wrappers of sm_90a and later (the one module of them; "
+                        "sm100_ptx adds Blackwell's)",
+    "kernels/sm90_operand": "the Hopper activation operand xop in torch (make_xop): what "
+                            "quant_sm90 writes and both Hopper linear families read",
+    "kernels/sm90_fp4_decode": "the device side of the Hopper FP4 weight layout (scale "
+                               "expansion, pair decoders), used by both Hopper linear families",
+    "kernels/sm90_fp4_layout": "the Hopper FP4 weight layout (frag16) and its CPU emulator, "
+                               "used by both Hopper linear families",
+    "kernels/quant_inputs": "the layer quantizers' check inputs (activation kinds, random "
+                            "K-Ext masks), shared by quant_sm90 and quant_sm100",
     "search/sm100_linear": "what the Blackwell linear family and its quantizer share: the "
                            "layer quantizer in front of the GEMM",
     "kernels/sm100_ptx": "Blackwell (sm_100a) inline-PTX wrappers (TMEM loads, bulk stores)",
@@ -60,30 +63,18 @@ SHARED = {
                              "scale-factor packing",
 }
 
-# (importer, imported): known imports across families, each with why it is there. They are
-# the debt of issue 18 ("one primitives module per arch"); removing one means moving kernel
-# code (which changes fingerprints and needs a re-tune or a proven re-fingerprint).
+# (importer, imported): the imports across families, each with why it is there. All are by
+# design (a linear layer is its quantizer family in front of its GEMM family); the debt of
+# issue 18 (a family reaching into another's modules) is paid, and a new entry needs a
+# reason of that kind.
 ALLOWED = {
-    ("templates/linear_sm90_mma.py.j2", "kernels/linear_sm90_wgmma_dev"):
-        "the decode template uses the prefill family's TMA / mbarrier helpers (they belong "
-        "in kernels/sm90_ptx.py)",
-    ("kernels/linear_sm90_wgmma_dev", "kernels/linear_sm90_dev"):
-        "the prefill decode reuses linear_sm90_mma's weight decoders (DECODERS, scale_pair)",
     # shared modules importing a family's modules
-    ("search/sm90_linear", "kernels/linear_sm90"):
-        "make_xop, the torch-quantized operand both linear families read, lives in "
-        "linear_sm90_mma's host module",
-    ("search/sm90_linear", "kernels/linear_sm90_geom"):
-        "pow2_ceil lives in linear_sm90_mma's geometry",
     ("search/sm90_linear", "kernels/quant_sm90"):
         "by design: a linear layer is the layer quantizer (quant_sm90) in front of the GEMM",
     ("search/sm100_linear", "search/quant_sm100"):
         "by design: a Blackwell linear layer is quant_sm100 in front of the GEMM",
     ("search/sm100_linear", "kernels/quant_sm100"):
-        "the same: compiling the layer quantizer",
-    ("search/quant_sm100", "kernels/quant_sm90"):
-        "the quantizer check's input kinds and K-Ext masks (make_inputs, random_masks) live "
-        "in quant_sm90's host module",
+        "by design, the same: compiling the layer quantizer",
 }
 
 
@@ -93,7 +84,7 @@ def _family_stems() -> list[str]:
 
 def _owner(stem: str) -> str | None:
     """The family module a module belongs to: the longest family-module name it is, or
-    starts with followed by "_" (linear_sm90_wgmma_dev: linear_sm90_wgmma, not linear_sm90)."""
+    starts with followed by "_" (should one family's name begin another's, the longer wins)."""
     cands = [f for f in _family_stems() if stem == f or stem.startswith(f + "_")]
     return max(cands, key=len) if cands else None
 
@@ -168,7 +159,7 @@ def test_family_modules_are_found_by_name_and_each_registers_its_family():
     registering = sorted(f"resgen.search.{p.stem}" for p in (ROOT / "search").glob("*.py")
                          if p.stem != "family" and _registers(p))
     assert found == registering
-    assert {"resgen.search.linear_sm90", "resgen.search.linear_sm90_wgmma",
+    assert {"resgen.search.linear_sm90_mma", "resgen.search.linear_sm90_wgmma",
             "resgen.search.attention_sm90", "resgen.search.quant_sm90"} <= set(found)
     by_module = {type(f).__module__ for f in F.families().values()}
     assert set(found) <= by_module
@@ -214,6 +205,42 @@ def test_no_family_imports_another_familys_modules():
                 bad.append(f"{mod} ({mine or 'shared'}) imports {dep} ({theirs})")
     assert not bad, "\n".join(bad)
     assert seen == set(ALLOWED), f"no longer needed: {sorted(set(ALLOWED) - seen)}"
+
+
+# Modules that may emit inline PTX: one primitives module per arch. Any other module calling
+# llvm.inline_asm would be listed here with its reason (none is).
+PTX_MODULES = {"kernels/sm90_ptx", "kernels/sm100_ptx"}
+INLINE_ASM_EXCEPTIONS: dict[str, str] = {}
+
+
+# sm90_ptx's emission helpers: a module importing one emits inline PTX through it
+_EMITTERS = {"inline_asm", "_asm", "_pure", "_effect", "_volatile"}
+
+
+def _calls_inline_asm(source: str) -> bool:
+    """Whether the source names llvm's inline_asm (`llvm.inline_asm(...)`, or the function
+    imported under any name) or imports one of sm90_ptx's emission helpers, anywhere."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ("inline_asm", "_asm"):
+            return True
+        if isinstance(node, ast.ImportFrom) and any(a.name in _EMITTERS for a in node.names):
+            return True
+    return False
+
+
+def test_inline_ptx_is_emitted_only_by_the_arch_primitives_modules():
+    """llvm.inline_asm is called in kernels/sm90_ptx.py and kernels/sm100_ptx.py only: every
+    other kernel module and every template builds on their wrappers (issue 18)."""
+    emitting = {f"kernels/{p.stem}" for p in (ROOT / "kernels").glob("*.py")
+                if _calls_inline_asm(p.read_text())}
+    emitting |= {f"templates/{p.name}" for p in (ROOT / "templates").glob("*.j2")
+                 if "inline_asm" in p.read_text()}
+    assert "kernels/sm90_ptx" in emitting                   # the scan sees the real one
+    assert emitting - PTX_MODULES == set(INLINE_ASM_EXCEPTIONS), \
+        f"inline PTX outside the primitives modules: {sorted(emitting - PTX_MODULES)}"
+    assert _calls_inline_asm("from cutlass._mlir.dialects.llvm import inline_asm as f")
+    assert _calls_inline_asm("from .sm90_ptx import _asm, _u32")
+    assert not _calls_inline_asm("from cutlass._mlir.dialects import llvm\nllvm.bitcast(a, b)")
 
 
 def test_kernels_import_no_higher_layer():

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import presum_accuracy as PA  # noqa: E402
 import search_oracle as SO  # noqa: E402
 
-from resgen.search import linear_sm90 as LS  # noqa: E402
+from resgen.search import linear_sm90_mma as LS  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 

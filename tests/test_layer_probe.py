@@ -16,7 +16,7 @@ sys.path[:0] = [str(BENCH), str(BENCH / "probes")]
 import layer_probe  # noqa: E402
 import prologue_probe  # noqa: E402
 import ragged_probe  # noqa: E402
-from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant, Pipeline  # noqa: E402
+from resgen.search.linear_sm90_mma import FAMILY, LinearSm90Variant, Pipeline  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 

@@ -14,14 +14,14 @@ import torch
 from resgen import calibrate as C
 from resgen import formats as F
 from resgen import reference as R
-from resgen.kernels import layouts as L
+from resgen.kernels import sm90_fp4_layout as L
 from resgen.kernels import linear_sm90_wgmma_layout as W
-from resgen.kernels.linear_sm90 import make_xop
+from resgen.kernels.sm90_operand import make_xop
 from resgen.kernels.linear_sm90_wgmma import WgmmaLauncher
 from resgen.kernels.linear_sm90_wgmma_geom import WgGeometry, record_bytes
 from resgen.kernels.linear_sm90_wgmma_sim import (SimulatedKernel, cvt_bf16x2, prmt,
                                                   simulate_launch, simulate_pipeline)
-from resgen.search.linear_sm90 import Packing
+from resgen.search.linear_sm90_mma import Packing
 from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Raster,
                                              geometry_of, kp_of)
 from resgen.search.variant import LinearProblem

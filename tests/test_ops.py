@@ -18,14 +18,14 @@ from resgen import reference as R
 from resgen.kernels.linear_sm90_wgmma_sim import SimulatedKernel
 from resgen.ops import Linear
 from resgen.runtime import Device, Dispatcher
-from resgen.search import linear_sm90 as LS
+from resgen.search import linear_sm90_mma as LS
 from resgen.search import linear_sm90_wgmma as LW
 from resgen.search.variant import LinearProblem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fakefam import isolated_cache, make_env  # noqa: E402,F401
-from test_linear_sm90 import _record_launcher_pointers, _SimulatedKernel  # noqa: E402
+from test_linear_sm90_mma import _record_launcher_pointers, _SimulatedKernel  # noqa: E402
 from test_linear_sm90_wgmma import _qweight, _ReferenceQuantizer  # noqa: E402
 
 ARCH = "sm_90a"

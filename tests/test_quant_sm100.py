@@ -14,7 +14,7 @@ from resgen import formats as F
 from resgen.calibrate import Selection
 from resgen.kernels import quant_sm100 as Q
 from resgen.kernels.quant_sm100_sim import simulate_quant
-from resgen.kernels.quant_sm90 import make_inputs, random_masks
+from resgen.kernels.quant_inputs import make_inputs, random_masks
 from resgen.kernels.sm100_layout import act_row
 from resgen.kernels.sm100_operand import Sm100Operand, operand_reference, unpack_sf
 from resgen.search import quant_sm100 as S

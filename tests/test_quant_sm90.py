@@ -347,6 +347,21 @@ def test_select_by_mask_order_matches_selection_indices():
         assert got.tolist() == Selection(masks, ratio).indices.float().tolist()
 
 
+def test_random_masks_take_the_k_ext_compensations_and_select_ksel_per_group():
+    """random_masks (resgen.kernels.quant_inputs, shared with quant_sm100) accepts exactly the
+    K-Ext members of the quantizer's compensations and sets ksel_of(c) bits in every group."""
+    for comp in Q.COMPENSATIONS:
+        if Q.mode_of(comp) != "kext":
+            with pytest.raises(ValueError, match="not a K-Ext ratio"):
+                Q.random_masks(64, comp)
+            continue
+        bits = [bin(b).count("1") for b in Q.random_masks(256, comp, seed=1).tolist()]
+        assert bits == [Q.ksel_of(comp)] * 32
+    for bad in ("1", "0.3", "full "):
+        with pytest.raises(ValueError, match="not a K-Ext ratio"):
+            Q.random_masks(64, bad)
+
+
 # ============================================================================ operand level
 
 _CASES = [

@@ -692,7 +692,7 @@ def test_warm_runs_before_the_gpu_lock_and_its_failure_is_not_fatal(tmp_path, mo
 
 
 def test_linear_families_warm_the_layer_quantizer(monkeypatch):
-    import resgen.search.linear_sm90 as L
+    import resgen.search.linear_sm90_mma as L
     from resgen.search import linear_sm90_wgmma as W
     from resgen.search import sm90_linear
 

@@ -22,18 +22,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fakefam import isolated_cache  # noqa: E402,F401
-from test_linear_sm90 import _record_launcher_pointers, _SimulatedKernel  # noqa: E402
+from test_linear_sm90_mma import _record_launcher_pointers, _SimulatedKernel  # noqa: E402
 from test_linear_sm90_wgmma import _qweight  # noqa: E402
 
 from resgen import reference as R  # noqa: E402
 from resgen.kernels import codegen  # noqa: E402
-from resgen.kernels import layouts as L  # noqa: E402
-from resgen.kernels import linear_sm90_a16 as A16  # noqa: E402
-from resgen.kernels.linear_sm90_sim import simulate_kernel  # noqa: E402
+from resgen.kernels import sm90_fp4_layout as L  # noqa: E402
+from resgen.kernels import linear_sm90_mma_a16 as A16  # noqa: E402
+from resgen.kernels.linear_sm90_mma_sim import simulate_kernel  # noqa: E402
 from resgen.kernels.linear_sm90_wgmma_sim import SimulatedKernel  # noqa: E402
 from resgen.ops import Linear  # noqa: E402
 from resgen.runtime import Device, Dispatcher  # noqa: E402
-from resgen.search import linear_sm90 as LS  # noqa: E402
+from resgen.search import linear_sm90_mma as LS  # noqa: E402
 from resgen.search import linear_sm90_wgmma as LW  # noqa: E402
 from resgen.search import sm90_linear as SL  # noqa: E402
 from resgen.search.build import variant_fingerprint  # noqa: E402
@@ -196,9 +196,9 @@ def test_w4a16_fused_is_its_own_kernel_and_key(fmt):
         src, psrc = _render(v, w16), _render(v, plain)
         assert src != psrc
         assert 'COPY = "copy" == "copy"' in src and 'COPY = "quantize" == "copy"' in psrc
-        # the substitute-only template imports linear_sm90_a16 in every render (issue 18):
+        # the substitute-only template imports linear_sm90_mma_a16 in every render (issue 18):
         # the kernel modules are shared, the renders and fingerprints differ
-        assert "from resgen.kernels import linear_sm90_a16 as A16" in src
+        assert "from resgen.kernels import linear_sm90_mma_a16 as A16" in src
         assert codegen.kernel_modules_digest(src) == codegen.kernel_modules_digest(psrc)
         assert variant_fingerprint(LS.FAMILY, v, w16, ARCH) != \
             variant_fingerprint(LS.FAMILY, v, plain, ARCH)
@@ -293,7 +293,7 @@ def test_w4a16_fused_simulation_matches_the_reference(fmt, k, m, fields):
 def test_the_fused_w4a16_check_catches_a_quantizing_prologue(monkeypatch):
     """The runner's check of a fused W4A16 variant compares with linear_w4a16: the same
     variant's plain (quantizing) prologue behind the W4A16 launch path fails it."""
-    from resgen.kernels import linear_sm90_sim as LSS
+    from resgen.kernels import linear_sm90_mma_sim as LSS
 
     registry = _record_launcher_pointers(monkeypatch)
     p = LinearProblem("mxfp4", "w4a16", 3, 64, 1024)
@@ -307,7 +307,7 @@ def test_the_fused_w4a16_check_catches_a_quantizing_prologue(monkeypatch):
     def quantizing(geom, *a, **kw):
         return orig(plain_geom, *a, **kw)
 
-    monkeypatch.setattr(sys.modules["test_linear_sm90"], "simulate_kernel", quantizing)
+    monkeypatch.setattr(sys.modules["test_linear_sm90_mma"], "simulate_kernel", quantizing)
     bad = LS.FAMILY.runner(_SimulatedKernel(LS.geometry_of(v, p), registry), v, p, "cpu")
     res = bad.check()
     assert not res.ok and res.rel_err > 10 * TOL

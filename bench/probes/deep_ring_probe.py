@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from layer_probe import probe  # noqa: E402
-from resgen.search.linear_sm90 import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402
+from resgen.search.linear_sm90_mma import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 F = dict(act=Act.FUSED)

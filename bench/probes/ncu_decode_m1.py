@@ -52,7 +52,7 @@ def main() -> None:
     import torch
 
     from resgen.search.build import compile_variant
-    from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant
+    from resgen.search.linear_sm90_mma import FAMILY, LinearSm90Variant
     from resgen.search.variant import LinearProblem
 
     for shape, mode, key in best_variants():

@@ -11,7 +11,7 @@ the whole layer (resgen.cli.time_layer, the tuner's policy; bench/probes/layer_p
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
         timeout -k 5 -s INT 200 python3 bench/probes/prologue_probe.py      # JSON to $OUT
 
-Questions it answers (docs/linear_sm90.md, "Where M-Ext costs"): how much of M-Ext / plain
+Questions it answers (docs/linear_sm90_mma.md, "Where M-Ext costs"): how much of M-Ext / plain
 at M = 1 is the residue's share of the per-CTA quantization (fused M-Ext - fused plain
 against xop M-Ext - xop plain), how the fused prologue grows from M = 1 to 4 (the shipped
 table switches down to xop at M = 4), and whether an up-front L2 prefetch hides it.
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from layer_probe import probe  # noqa: E402
-from resgen.search.linear_sm90 import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402
-from resgen.search.linear_sm90 import geometry_of  # noqa: E402
+from resgen.search.linear_sm90_mma import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402
+from resgen.search.linear_sm90_mma import geometry_of  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 # (N, K) -> (warps_m, warps_k)

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from layer_probe import ARCH, probe  # noqa: E402
-from resgen.search.linear_sm90 import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402
-from resgen.search.linear_sm90 import geometry_of  # noqa: E402
+from resgen.search.linear_sm90_mma import FAMILY, Act, LinearSm90Variant as V, Pipeline  # noqa: E402
+from resgen.search.linear_sm90_mma import geometry_of  # noqa: E402
 from resgen.search.linear_sm90_wgmma import FAMILY as WG  # noqa: E402
 from resgen.search.linear_sm90_wgmma import LinearSm90WgmmaVariant as W  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import layer_probe  # noqa: E402
-from resgen.search.linear_sm90 import FAMILY, LinearSm90Variant  # noqa: E402
+from resgen.search.linear_sm90_mma import FAMILY, LinearSm90Variant  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 ARCH = "sm_90a"

@@ -37,7 +37,7 @@ APPEND_TEMPLATE = "kv_append_sm90.py.j2"
 LOG2E = 1.4426950408889634
 _HERE = Path(__file__).resolve().parent
 HELPER_FILES = (_HERE / "attention_sm90_device.py", _HERE / "attention_sm90_maps.py",
-                _HERE / "fp4_device.py")
+                _HERE / "fp4_device.py", _HERE / "sm90_ptx.py")
 # Q16 renders import one more helper module; it is digested on its own (q16_digest) so that
 # the digest every existing render carries stays what it was.
 Q16_HELPER_FILES = (_HERE / "attention_sm90_q16_device.py",)

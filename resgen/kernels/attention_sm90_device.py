@@ -23,13 +23,16 @@ from dataclasses import dataclass
 
 import cutlass
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, select_
+from cutlass.cutlass_dsl import select_
 import cutlass.cute as cute
 
 from . import attention_sm90_maps as M
 from . import fp4_device as F4
-from .fp4_device import _asm, _asm_effect, _f32, _i64, _u32
+from . import sm90_ptx as P
+from .sm90_ptx import _as_f32 as _f32
+from .sm90_ptx import _as_i32 as _i32
+from .sm90_ptx import _as_i64 as _i64
+from .sm90_ptx import _as_u32 as _u32
 
 __all__ = ["AttnCfg", "LOG2E", "F16X2_128", "F16X2_2P14", "FP8_P_SCALE"]
 
@@ -88,101 +91,8 @@ class AttnCfg:
         return 32 * self.num_warps
 
 
-# ----------------------------------------------------------------------------- inline PTX
-
-
-def _i32(v) -> Int32:
-    return v if isinstance(v, Int32) else Int32(v)
-
-
-def _asm_volatile(ret_type, template: str, constraints: str, *operands):
-    """A value-returning instruction that must not be moved or merged (atomics, L2 reads of
-    data other CTAs wrote)."""
-    return llvm.inline_asm(ret_type, [o.ir_value() for o in operands], template, constraints,
-                           has_side_effects=True, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-def _structs(n: int, ty):
-    return llvm.StructType.get_literal([ty] * n)
-
-
-def prmt(a, b, selector: int) -> Uint32:
-    return Uint32(_asm(T.i32(), f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
-                       _u32(a), _u32(b)))
-
-
-def prmt_zero(a, selector: int) -> Uint32:
-    """prmt with a zero second operand (bytes 4..7 read as 0)."""
-    return Uint32(_asm(T.i32(), f"prmt.b32 $0, $1, 0, {selector:#x};", "=r,r", _u32(a)))
-
-
-def hmul2(a, b) -> Uint32:
-    """mul.rn.f16x2 (no .ftz: subnormal inputs and results are kept)."""
-    return Uint32(_asm(T.i32(), "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", _u32(a), _u32(b)))
-
-
-def e4m3x2_to_f16x2(v) -> Uint32:
-    """Low 16 bits of v = two E4M3 bytes -> f16x2 (byte 0 -> low half), exact."""
-    return Uint32(_asm(T.i32(), "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
-                       "cvt.rn.f16x2.e4m3x2 $0, lo; }", "=r,r", _u32(v)))
-
-
-def f16x2_to_e4m3x2(v) -> Uint32:
-    """f16x2 -> two E4M3 bytes (low half -> byte 0), RNE, saturating at +-448."""
-    return Uint32(_asm(T.i32(), "{ .reg .b16 r; cvt.rn.satfinite.e4m3x2.f16x2 r, $1; "
-                       "cvt.u32.u16 $0, r; }", "=r,r", _u32(v)))
-
-
-def f32x2_to_e4m3x2(lo, hi) -> Uint32:
-    """Two FP32 -> two E4M3 bytes (lo -> byte 0), RNE, saturating."""
-    return Uint32(_asm(T.i32(), "{ .reg .b16 r; cvt.rn.satfinite.e4m3x2.f32 r, $2, $1; "
-                       "cvt.u32.u16 $0, r; }", "=r,f,f", _f32(lo), _f32(hi)))
-
-
-def pack_f16x2(lo, hi) -> Uint32:
-    """cvt.rn.f16x2.f32: lo -> low half, hi -> high half (PTX puts the first source high)."""
-    return Uint32(_asm(T.i32(), "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", _f32(lo), _f32(hi)))
-
-
-def pack_bf16x2(lo, hi) -> Uint32:
-    return Uint32(_asm(T.i32(), "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", _f32(lo), _f32(hi)))
-
-
-def f32_of_f16_lo(v) -> Float32:
-    return Float32(_asm(T.f32(), "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
-                        "cvt.f32.f16 $0, lo; }", "=f,r", _u32(v)))
-
-
-def ex2(x) -> Float32:
-    return Float32(_asm(T.f32(), "ex2.approx.ftz.f32 $0, $1;", "=f,f", _f32(x)))
-
-
-fmax = F4.fmax      # max.f32
-
-
-def mma_f16(a, b, c) -> list:
-    """mma.sync m16n8k16 f16 x f16 + f32 -> f32. a: 4 regs, b: 2 regs, c: 4 Float32."""
-    r = llvm.inline_asm(
-        _structs(4, T.f32()), [x.ir_value() for x in (*map(_u32, a), *map(_u32, b),
-                                                      *map(_f32, c))],
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
-        "{$8,$9}, {$10,$11,$12,$13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
-
-
-def mma_e4m3(a, b, c) -> list:
-    """mma.sync m16n8k32 e4m3 x e4m3 + f32 -> f32 (sm_89+)."""
-    r = llvm.inline_asm(
-        _structs(4, T.f32()), [x.ir_value() for x in (*map(_u32, a), *map(_u32, b),
-                                                      *map(_f32, c))],
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
-        "{$8,$9}, {$10,$11,$12,$13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Float32(llvm.extractvalue(T.f32(), r, [i])) for i in range(4)]
+# ----------------------------------------------------------------------------- warp and select
+# (the inline PTX these kernels emit is resgen.kernels.sm90_ptx's)
 
 
 def shfl_idx(v, src):
@@ -191,7 +101,7 @@ def shfl_idx(v, src):
 
 def bfly_max(v, offsets=(4, 8, 16)) -> Float32:
     for off in offsets:
-        v = fmax(v, cute.arch.shuffle_sync_bfly(v, offset=off))
+        v = P.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=off))
     return v
 
 
@@ -199,104 +109,6 @@ def bfly_sum(v, offsets=(4, 8, 16)) -> Float32:
     for off in offsets:
         v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
     return v
-
-
-# global loads: streamed K/V bytes skip L1 (read once); block tables / lengths are tiny.
-
-def ld_nc_bytes(addr, nbytes: int) -> list:
-    """nbytes (1, 2, 4, 8, 16 or 32) from a global address aligned to min(nbytes, 16):
-    returns ceil(nbytes / 4) Uint32 words (sub-word loads zero-extended into one word)."""
-    a = _i64(addr)
-    if nbytes == 1:
-        return [Uint32(_asm(T.i32(), "ld.global.nc.L1::no_allocate.u8 $0, [$1];", "=r,l", a))]
-    if nbytes == 2:
-        return [Uint32(_asm(T.i32(), "ld.global.nc.L1::no_allocate.u16 $0, [$1];", "=r,l", a))]
-    if nbytes == 4:
-        return [Uint32(_asm(T.i32(), "ld.global.nc.L1::no_allocate.b32 $0, [$1];", "=r,l", a))]
-    if nbytes == 8:
-        r = llvm.inline_asm(_structs(2, T.i32()), [a.ir_value()],
-                            "ld.global.nc.L1::no_allocate.v2.b32 {$0, $1}, [$2];", "=r,=r,l",
-                            has_side_effects=False, is_align_stack=False,
-                            asm_dialect=llvm.AsmDialect.AD_ATT)
-        return [Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(2)]
-    if nbytes == 16:
-        return list(F4.ld_global_v4(a))
-    if nbytes == 32:
-        return list(F4.ld_global_v4(a)) + list(F4.ld_global_v4(a + 16))
-    raise ValueError(f"unsupported load size {nbytes}")
-
-
-def ld_s32(addr) -> Int32:
-    return Int32(_asm(T.i32(), "ld.global.nc.b32 $0, [$1];", "=r,l", _i64(addr)))
-
-
-def ld_f32(addr) -> Float32:
-    return Float32(_asm(T.f32(), "ld.global.nc.f32 $0, [$1];", "=f,l", _i64(addr)))
-
-
-def ld_cg_f32(addr) -> Float32:
-    """L2-coherent load (ld.global.cg) of data other CTAs of this launch wrote."""
-    return Float32(_asm_volatile(T.f32(), "ld.global.cg.f32 $0, [$1];", "=f,l", _i64(addr)))
-
-
-def st_f32(addr, v) -> None:
-    _asm_effect("st.global.f32 [$0], $1;", "l,f", _i64(addr), _f32(v))
-
-
-def st_f32_if(pred, addr, v) -> None:
-    _asm_effect("{ .reg .pred p; setp.ne.b32 p, $0, 0; @p st.global.f32 [$1], $2; }",
-                "r,l,f", _u32(select_(pred, Uint32(1), Uint32(0))), _i64(addr), _f32(v))
-
-
-def st_u32_if(pred, addr, v) -> None:
-    _asm_effect("{ .reg .pred p; setp.ne.b32 p, $0, 0; @p st.global.b32 [$1], $2; }",
-                "r,l,r", _u32(select_(pred, Uint32(1), Uint32(0))), _i64(addr), _u32(v))
-
-
-def st_s32(addr, v) -> None:
-    _asm_effect("st.global.b32 [$0], $1;", "l,r", _i64(addr), _i32(v))
-
-
-def atom_add_gpu(addr, v) -> Int32:
-    """Atomic add at GPU scope with acquire-release semantics; returns the old value."""
-    return Int32(_asm_volatile(T.i32(), "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r",
-                               _i64(addr), _i32(v)))
-
-
-def fence_gpu() -> None:
-    _asm_effect("fence.acq_rel.gpu;", "")
-
-
-# shared memory (32-bit shared-window addresses)
-
-def lds_u32(addr) -> Uint32:
-    return Uint32(_asm_volatile(T.i32(), "ld.shared.b32 $0, [$1];", "=r,r", _i32(addr)))
-
-
-def lds_u16(addr) -> Uint32:
-    return Uint32(_asm_volatile(T.i32(), "ld.shared.u16 $0, [$1];", "=r,r", _i32(addr)))
-
-
-def lds_f32(addr) -> Float32:
-    return Float32(_asm_volatile(T.f32(), "ld.shared.f32 $0, [$1];", "=f,r", _i32(addr)))
-
-
-def sts_u32(addr, v) -> None:
-    _asm_effect("st.shared.b32 [$0], $1;", "r,r", _i32(addr), _u32(v))
-
-
-def sts_f32(addr, v) -> None:
-    _asm_effect("st.shared.f32 [$0], $1;", "r,f", _i32(addr), _f32(v))
-
-
-def sts_u32_if(pred, addr, v) -> None:
-    _asm_effect("{ .reg .pred p; setp.ne.b32 p, $0, 0; @p st.shared.b32 [$1], $2; }",
-                "r,r,r", _u32(select_(pred, Uint32(1), Uint32(0))), _i32(addr), _u32(v))
-
-
-def sts_f32_if(pred, addr, v) -> None:
-    _asm_effect("{ .reg .pred p; setp.ne.b32 p, $0, 0; @p st.shared.f32 [$1], $2; }",
-                "r,r,f", _u32(select_(pred, Uint32(1), Uint32(0))), _i32(addr), _f32(v))
 
 
 def imin(a, b):
@@ -328,7 +140,7 @@ def zero_fill_smem(base, nbytes: int, tid, threads: int) -> None:
     words = nbytes // 4
     for i in range((words + threads - 1) // threads):
         idx = tid + threads * i
-        sts_u32_if(idx < words, base + idx * 4, 0)
+        P.sts_u32_if(idx < words, base + idx * 4, 0)
 
 
 def query_split(cfg: AttnCfg, q_group_addr, warp, lane, qs, alpha_s) -> None:
@@ -346,7 +158,7 @@ def query_split(cfg: AttnCfg, q_group_addr, warp, lane, qs, alpha_s) -> None:
         j = warp + cfg.num_warps * i
         valid = j < cfg.group
         jj = imin(j, cfg.group - 1) if cfg.group > 1 else Int32(0)
-        words = ld_nc_bytes(q_group_addr + Int64(jj) * (2 * d) + Int64(lane) * (2 * per),
+        words = P.ld_nc_bytes(q_group_addr + Int64(jj) * (2 * d) + Int64(lane) * (2 * per),
                             2 * per)
         xs = []
         for w in words:
@@ -363,8 +175,8 @@ def query_split(cfg: AttnCfg, q_group_addr, warp, lane, qs, alpha_s) -> None:
             col = M.qk_col(jj, kind, cfg.packing)
             row = qs + (col * d + lane * per) * 2
             for e in range(0, per, 2):
-                sts_u32_if(valid, row + e * 2, pack_f16x2(vals[e], vals[e + 1]))
-        sts_f32_if(valid & (lane == 0), alpha_s + jj * 4, alpha)
+                P.sts_u32_if(valid, row + e * 2, P.pack_f16x2(vals[e], vals[e + 1]))
+        P.sts_f32_if(valid & (lane == 0), alpha_s + jj * 4, alpha)
 
 
 def load_q_frags(cfg: AttnCfg, qs, g, t) -> list:
@@ -377,8 +189,8 @@ def load_q_frags(cfg: AttnCfg, qs, g, t) -> list:
         for kk in range(cfg.ks):
             regs = []
             for s0 in (2 * t, 2 * t + 8):
-                lo = lds_u16(row + M.k_slot_dim(kk, s0, d) * 2)
-                hi = lds_u16(row + M.k_slot_dim(kk, s0 + 1, d) * 2)
+                lo = P.lds_u16(row + M.k_slot_dim(kk, s0, d) * 2)
+                hi = P.lds_u16(row + M.k_slot_dim(kk, s0 + 1, d) * 2)
                 regs.append(lo | (hi << 16))
             per_k.append(regs)
         out.append(per_k)
@@ -400,9 +212,9 @@ def load_chunk(cfg: AttnCfg, kc_ptr, ksf_ptr, vc_ptr, vsf_ptr, row0, g, t):
         rows_w, rows_s = [], []
         for key in M.k_lane_keys(g, z):
             r = row0 + Int64(key)
-            rows_w.append(ld_nc_bytes(kc_ptr + r * (d // 2) + Int64(M.k_lane_dims(t, d) // 2),
+            rows_w.append(P.ld_nc_bytes(kc_ptr + r * (d // 2) + Int64(M.k_lane_dims(t, d) // 2),
                                       d // 8))
-            rows_s.append(ld_nc_bytes(ksf_ptr + r * (d // 16) + Int64(t * (d // 64)),
+            rows_s.append(P.ld_nc_bytes(ksf_ptr + r * (d // 16) + Int64(t * (d // 64)),
                                       max(1, d // 64))[0])
         kw.append(rows_w)
         ksc.append(rows_s)
@@ -411,8 +223,8 @@ def load_chunk(cfg: AttnCfg, kc_ptr, ksf_ptr, vc_ptr, vsf_ptr, row0, g, t):
     voff = (g >> 1) if d == 64 else g * (d // 128)
     for key in M.v_lane_keys(t, cfg.kc):
         r = row0 + Int64(key)
-        vw.append(ld_nc_bytes(vc_ptr + r * (d // 2) + Int64(g * (d // 16)), d // 16))
-        vsc.append(ld_nc_bytes(vsf_ptr + r * (d // 16) + Int64(voff), vsb)[0])
+        vw.append(P.ld_nc_bytes(vc_ptr + r * (d // 2) + Int64(g * (d // 16)), d // 16))
+        vsc.append(P.ld_nc_bytes(vsf_ptr + r * (d // 16) + Int64(voff), vsb)[0])
     return kw, ksc, vw, vsc
 
 
@@ -422,7 +234,7 @@ def chunk_loc(cfg: AttnCfg, bt_row, q0, warp, c, count):
     ok = count > 0
     cc = imax(imin(c, count - 1), 0)
     key0 = sel_i32(ok, (q0 + warp + cfg.num_warps * cc) * cfg.kc, 0)
-    phys = sel_i32(ok, ld_s32(bt_row + Int64(key0 // cfg.page_size) * 4), 0)
+    phys = sel_i32(ok, P.ld_global_s32(bt_row + Int64(key0 // cfg.page_size) * 4), 0)
     return phys, key0 % cfg.page_size
 
 
@@ -464,14 +276,14 @@ def _k_scales(cfg: AttnCfg, sw) -> list:
     d = cfg.head_dim
     out = []
     for pair in range(max(1, d // 128)):
-        x = hmul2(e4m3x2_to_f16x2(sw >> (16 * pair)), F16X2_128)
-        out += [prmt(x, x, 0x1010), prmt(x, x, 0x3232)]
+        x = P.mul_f16x2(P.e4m3x2_to_f16x2(sw >> (16 * pair)), F16X2_128)
+        out += [P.prmt(x, x, 0x1010, hex_imm=True), P.prmt(x, x, 0x3232, hex_imm=True)]
     return out
 
 
 def _decode_k_word(w, scale) -> list:
     h = (M.h_even(w), M.h_odd(w))
-    return [hmul2(prmt_zero(h[odd], M.sel_f16_pair(lo, hi)), scale)
+    return [P.mul_f16x2(P.prmt_zero(h[odd], M.sel_f16_pair(lo, hi)), scale)
             for odd, lo, hi in M.K_WORD_REGS]
 
 
@@ -491,9 +303,9 @@ def qk_scores(cfg: AttnCfg, kw, ksc, bq) -> tuple[list, list]:
                 u, v = kk >> 1, kk & 1
                 a = [dec[0][u][2 * v], dec[1][u][2 * v], dec[0][u][2 * v + 1],
                      dec[1][u][2 * v + 1]]
-                acc = mma_f16(a, bq[i][kk], acc)
+                acc = list(P.mma_f16_16816(a, bq[i][kk], acc))
                 if cfg.packing == "stack":
-                    acc_r = mma_f16(a, bq[cfg.na + i][kk], acc_r)
+                    acc_r = list(P.mma_f16_16816(a, bq[cfg.na + i][kk], acc_r))
             if cfg.packing == "stack":          # the fold: base + residue scores, FP32
                 acc = [acc[j] + acc_r[j] for j in range(4)]
             if cfg.packing == "pair":
@@ -520,14 +332,14 @@ def softmax_update(cfg: AttnCfg, s_lo, s_hi, cs, key0, g, seq_len, m, l, o):
             for arr, off in ((s_lo, 0), (s_hi, 8)):
                 ok = (key0 + (16 * z + off) + g) < seq_len
                 arr[r][z] = sel_f32(ok, arr[r][z] * cs[r], ninf)
-                mx = fmax(mx, arr[r][z])
+                mx = P.fmax(mx, arr[r][z])
         mx = bfly_max(mx)
-        m_new = fmax(m[r], mx)
-        a_r = ex2(m[r] - m_new)
+        m_new = P.fmax(m[r], mx)
+        a_r = P.ex2_approx(m[r] - m_new)
         tot = Float32(0.0)
         for z in range(cfg.zt):
-            p_lo[r][z] = ex2(s_lo[r][z] - m_new)
-            p_hi[r][z] = ex2(s_hi[r][z] - m_new)
+            p_lo[r][z] = P.ex2_approx(s_lo[r][z] - m_new)
+            p_hi[r][z] = P.ex2_approx(s_hi[r][z] - m_new)
             tot = tot + p_lo[r][z] + p_hi[r][z]
         l[r] = l[r] * a_r + tot
         m[r] = m_new
@@ -551,16 +363,16 @@ def _p_exchange(cfg: AttnCfg, xs, g, t) -> list:
 
 def _v_scale_pair(sa, sb, shift: int, mul) -> Uint32:
     pair = ((sa >> shift) & 0xFF) | (((sb >> shift) & 0xFF) << 8)
-    x = e4m3x2_to_f16x2(pair)
-    return hmul2(x, mul) if mul is not None else x
+    x = P.e4m3x2_to_f16x2(pair)
+    return P.mul_f16x2(x, mul) if mul is not None else x
 
 
 def _decode_v_pair(wa, wb) -> list:
     out = []
     for sel in M.V_INTERLEAVE:
-        x = prmt(wa, wb, sel)
+        x = P.prmt(wa, wb, sel, hex_imm=True)
         h = (M.h_even(x), M.h_odd(x))
-        out += [prmt_zero(h[odd], M.sel_f16_pair(lo, hi)) for odd, lo, hi in M.V_PAIR_REGS]
+        out += [P.prmt_zero(h[odd], M.sel_f16_pair(lo, hi)) for odd, lo, hi in M.V_PAIR_REGS]
     return out
 
 
@@ -575,7 +387,7 @@ def _v_regs(cfg: AttnCfg, vw, vsc, ja, jb, valid_a, valid_b, fp8: bool) -> list:
         shift = 8 * (u >> 1) if d == 256 else 0
         sc = _v_scale_pair(sa, sb, shift, None if fp8 else F16X2_128)
         for x in _decode_v_pair(vw[ja][u], vw[jb][u]):
-            regs.append(hmul2(hmul2(x, F16X2_2P14), sc) if fp8 else hmul2(x, sc))
+            regs.append(P.mul_f16x2(P.mul_f16x2(x, F16X2_2P14), sc) if fp8 else P.mul_f16x2(x, sc))
     return regs
 
 
@@ -587,20 +399,20 @@ def pv_update(cfg: AttnCfg, vw, vsc, p_lo, p_hi, key0, g, t, seq_len, o) -> list
 
     if cfg.pv == "f16":
         for z in range(cfg.zt):
-            xs = [pack_f16x2(p_lo[r][z], p_hi[r][z]) for r in range(cfg.nr)]
+            xs = [P.pack_f16x2(p_lo[r][z], p_hi[r][z]) for r in range(cfg.nr)]
             b = _p_exchange(cfg, xs, g, t)
             ja, jb, jc, jd = 4 * z, 4 * z + 2, 4 * z + 1, 4 * z + 3
             pa = _v_regs(cfg, vw, vsc, ja, jb, valid(ja), valid(jb), False)
             pc = _v_regs(cfg, vw, vsc, jc, jd, valid(jc), valid(jd), False)
             for mt in range(cfg.mts):
                 a = [pa[2 * mt], pa[2 * mt + 1], pc[2 * mt], pc[2 * mt + 1]]
-                o[mt] = mma_f16(a, b, o[mt])
+                o[mt] = list(P.mma_f16_16816(a, b, o[mt]))
         return o
     # fp8: one k32 step over the 32-key chunk
     xs = []
     for r in range(cfg.nr):
-        lo = f32x2_to_e4m3x2(p_lo[r][0] * FP8_P_SCALE, p_hi[r][0] * FP8_P_SCALE)
-        hi = f32x2_to_e4m3x2(p_lo[r][1] * FP8_P_SCALE, p_hi[r][1] * FP8_P_SCALE)
+        lo = P.f32x2_to_e4m3x2(p_lo[r][0] * FP8_P_SCALE, p_hi[r][0] * FP8_P_SCALE)
+        hi = P.f32x2_to_e4m3x2(p_lo[r][1] * FP8_P_SCALE, p_hi[r][1] * FP8_P_SCALE)
         xs.append(lo | (hi << 16))
     b = _p_exchange(cfg, xs, g, t)
     by_set = []
@@ -608,12 +420,12 @@ def pv_update(cfg: AttnCfg, vw, vsc, p_lo, p_hi, key0, g, t, seq_len, o) -> list
         halves = []
         for ja, jb in ((js[0], js[1]), (js[2], js[3])):
             regs = _v_regs(cfg, vw, vsc, ja, jb, valid(ja), valid(jb), True)
-            halves.append([f16x2_to_e4m3x2(x) for x in regs])
+            halves.append([P.f16x2_to_e4m3x2(x) for x in regs])
         by_set.append([lo | (hi << 16) for lo, hi in zip(*halves)])
     for mt in range(cfg.mts):
         a = [by_set[0][2 * mt], by_set[0][2 * mt + 1], by_set[1][2 * mt],
              by_set[1][2 * mt + 1]]
-        o[mt] = mma_e4m3(a, b, o[mt])
+        o[mt] = P.mma_e4m3_16832(a, b, o[mt])
     return o
 
 
@@ -632,25 +444,25 @@ def store_warp_partials(cfg: AttnCfg, warp, g, t, m, l, o, wm, wl, wo) -> None:
         ok = head < cfg.group
         lsum = bfly_sum(l[r])
         slot = (warp * cfg.group + imin(head, cfg.group - 1)) * 4
-        sts_f32_if(ok & (g == 0), wm + slot, m[r])
-        sts_f32_if(ok & (g == 0), wl + slot, lsum)
+        P.sts_f32_if(ok & (g == 0), wm + slot, m[r])
+        P.sts_f32_if(ok & (g == 0), wl + slot, lsum)
         obase = wo + (warp * cfg.group + imin(head, cfg.group - 1)) * (4 * d)
         for mt in range(cfg.mts):
             for c, row_off in ((r, 0), (2 + r, 8)):
                 dim = M.v_row_dim(mt, g + row_off, d)
-                sts_f32_if(ok, obase + dim * 4, o[mt][c])
+                P.sts_f32_if(ok, obase + dim * 4, o[mt][c])
 
 
 def combine(parts) -> tuple:
     """[(m, l, o...)] -> (m*, l, [o...]): rescale to the largest m; m = -inf parts drop out."""
     mstar = parts[0][0]
     for p in parts[1:]:
-        mstar = fmax(mstar, p[0])
+        mstar = P.fmax(mstar, p[0])
     ninf = Float32(NEG_INF)
     lt = Float32(0.0)
     ot = [Float32(0.0)] * len(parts[0][2])
     for mw, lw, ow in parts:
-        f = sel_f32(mw == ninf, Float32(0.0), ex2(mw - mstar))
+        f = sel_f32(mw == ninf, Float32(0.0), P.ex2_approx(mw - mstar))
         lt = lt + lw * f
         ot = [a + b * f for a, b in zip(ot, ow)]
     return mstar, lt, ot
@@ -681,8 +493,8 @@ def combine_warps(cfg: AttnCfg, tid, wm, wl, wo) -> list:
         for w in range(cfg.num_warps):
             slot = (w * cfg.group + head) * 4
             ob = wo + ((w * cfg.group + head) * d + dim) * 4
-            parts.append((lds_f32(wm + slot), lds_f32(wl + slot),
-                          [lds_f32(ob), lds_f32(ob + 4)]))
+            parts.append((P.lds_f32(wm + slot), P.lds_f32(wl + slot),
+                          [P.lds_f32(ob), P.lds_f32(ob + 4)]))
         mstar, lt, ot = combine(parts)
         out.append((ok, head, dim, mstar, lt, ot))
     return out
@@ -701,18 +513,18 @@ def write_output(cfg: AttnCfg, group_row, items, vscale) -> None:
         del mstar
         f = sel_f32(lt > Float32(0.0), vscale * Float32(post_scale(cfg)) / lt, Float32(0.0))
         addr = group_row + Int64(head * (2 * cfg.head_dim) + dim * 2)
-        st_u32_if(ok, addr, pack_bf16x2(ot[0] * f, ot[1] * f))
+        P.st_u32_if(ok, addr, P.pack_bf16x2(ot[0] * f, ot[1] * f))
 
 
 def write_partial(cfg: AttnCfg, items, ws_o, ws_ml, part) -> None:
     """One split's (O [G, D], m, l [G]) -> workspace row `part` = (batch * Hkv + h) * S + s."""
     for ok, head, dim, mstar, lt, ot in items:
         ob = ws_o + (part * cfg.group + Int64(head)) * (4 * cfg.head_dim) + Int64(dim * 4)
-        st_f32_if(ok, ob, ot[0])
-        st_f32_if(ok, ob + 4, ot[1])
+        P.st_f32_if(ok, ob, ot[0])
+        P.st_f32_if(ok, ob + 4, ot[1])
         mb = ws_ml + (part * cfg.group + Int64(head)) * 8
-        st_f32_if(ok & (dim == 0), mb, mstar)
-        st_f32_if(ok & (dim == 0), mb + 4, lt)
+        P.st_f32_if(ok & (dim == 0), mb, mstar)
+        P.st_f32_if(ok & (dim == 0), mb + 4, lt)
 
 
 def reduce_init(cfg: AttnCfg, tid) -> list:
@@ -729,11 +541,11 @@ def reduce_step(cfg: AttnCfg, state, tid, ws_o, ws_ml, part) -> list:
         del ok
         mb = ws_ml + (part * cfg.group + Int64(head)) * 8
         ob = ws_o + (part * cfg.group + Int64(head)) * (4 * cfg.head_dim) + Int64(dim * 4)
-        mw, lw = ld_cg_f32(mb), ld_cg_f32(mb + 4)
-        w0, w1 = ld_cg_f32(ob), ld_cg_f32(ob + 4)
-        mn = fmax(m0, mw)
-        f_old = sel_f32(m0 == ninf, Float32(0.0), ex2(m0 - mn))
-        f_new = sel_f32(mw == ninf, Float32(0.0), ex2(mw - mn))
+        mw, lw = P.ld_cg_f32(mb), P.ld_cg_f32(mb + 4)
+        w0, w1 = P.ld_cg_f32(ob), P.ld_cg_f32(ob + 4)
+        mn = P.fmax(m0, mw)
+        f_old = sel_f32(m0 == ninf, Float32(0.0), P.ex2_approx(m0 - mn))
+        f_new = sel_f32(mw == ninf, Float32(0.0), P.ex2_approx(mw - mn))
         new.append([mn, l0 * f_old + lw * f_new, o0 * f_old + w0 * f_new,
                     o1 * f_old + w1 * f_new])
     return new
@@ -746,7 +558,7 @@ def reduce_items(cfg: AttnCfg, state, tid) -> list:
 
 def score_scales(cfg: AttnCfg, alpha_s, t, qk_scale) -> list:
     """Per score register: alpha_q(head) * k_scale * sm_scale * log2(e) * 2^7 (FP32)."""
-    return [lds_f32(alpha_s + M.score_head(t, r, cfg.packing) * 4) * qk_scale
+    return [P.lds_f32(alpha_s + M.score_head(t, r, cfg.packing) * 4) * qk_scale
             for r in range(cfg.nr)]
 
 
@@ -774,7 +586,7 @@ def append_rows(head_dim: int, kv_heads: int, page_size: int, num_warps: int, wa
         is_v = rr >= kv_heads
         h = rr - sel_i32(is_v, kv_heads, 0)
         src = sel_i64(is_v, v_addr, k_addr) + (Int64(tok) * kv_heads + Int64(h)) * (2 * head_dim)
-        words = ld_nc_bytes(src + Int64(lane * 2 * per), 2 * per)
+        words = P.ld_nc_bytes(src + Int64(lane * 2 * per), 2 * per)
         xs = []
         for w in words:
             lo, hi = F4.bf16x2_to_f32(w)
@@ -785,9 +597,9 @@ def append_rows(head_dim: int, kv_heads: int, page_size: int, num_warps: int, wa
         row = (Int64(phys) * kv_heads + Int64(h)) * page_size + Int64(slot)
         cbase = sel_i64(is_v, vc, kc) + row * (head_dim // 2) + Int64(lane * (per // 2))
         sbase = sel_i64(is_v, vsf, ksf) + row * (head_dim // 16)
-        st_codes_if(ok, cbase, packed, per // 2)
+        P.st_bytes_if(ok, cbase, packed, per // 2)
         first = (lane % lanes) == 0
-        st_u8_if(ok & first, sbase + Int64(lane // lanes), blk.scale_byte)
+        P.st_bytes_if(ok & first, sbase + Int64(lane // lanes), blk.scale_byte, 1)
 
 
 def sel_i32(p, a, b) -> Int32:
@@ -796,14 +608,3 @@ def sel_i32(p, a, b) -> Int32:
 
 def sel_i64(p, a, b) -> Int64:
     return Int64(select_(p, _i64(a), _i64(b)))
-
-
-def st_codes_if(pred, addr, packed, nbytes: int) -> None:
-    """Store the low nbytes (1, 2 or 4) of a packed code word when pred."""
-    op = {1: "b8", 2: "b16", 4: "b32"}[nbytes]
-    _asm_effect(f"{{ .reg .pred p; setp.ne.b32 p, $0, 0; @p st.global.{op} [$1], $2; }}",
-                "r,l,r", _u32(select_(pred, Uint32(1), Uint32(0))), _i64(addr), _u32(packed))
-
-
-def st_u8_if(pred, addr, v) -> None:
-    st_codes_if(pred, addr, v, 1)

@@ -22,12 +22,11 @@ kernel computes resgen.reference.query_fp16 exactly.
 from __future__ import annotations
 
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass.cutlass_dsl import T
 
 from . import attention_sm90_device as D
 from . import attention_sm90_maps as M
 from . import fp4_device as F4
-from .fp4_device import _asm, _u32
+from . import sm90_ptx as P
 
 __all__ = ["Q16_EXP_OFFSET", "q16_row_scale", "query_stage_q16"]
 
@@ -39,8 +38,7 @@ def q16_row_scale(amax) -> tuple[Float32, Float32]:
     biased exponent of amax, at least 2^-126 (zero or tiny rows); both exact powers of two."""
     expo = (F4.f32_bits(amax) >> 23) & Uint32(0xFF)
     # max(E, 15) - 14 = max(E - 14, 1): the scale's biased exponent, never 0 (no subnormal)
-    sexp = Uint32(_asm(T.i32(), f"max.u32 $0, $1, {Q16_EXP_OFFSET + 1};", "=r,r",
-                       _u32(expo))) - Uint32(Q16_EXP_OFFSET)
+    sexp = P.max_u32_imm(expo, Q16_EXP_OFFSET + 1) - Uint32(Q16_EXP_OFFSET)
     return F4.bits_f32(sexp << 23), F4.bits_f32((Uint32(254) - sexp) << 23)
 
 
@@ -59,7 +57,7 @@ def query_stage_q16(cfg: D.AttnCfg, q_group_addr, warp, lane, qs, alpha_s) -> No
         j = warp + cfg.num_warps * i
         valid = j < cfg.group
         jj = D.imin(j, cfg.group - 1) if cfg.group > 1 else Int32(0)
-        words = D.ld_nc_bytes(q_group_addr + Int64(jj) * (2 * d) + Int64(lane) * (2 * per),
+        words = P.ld_nc_bytes(q_group_addr + Int64(jj) * (2 * d) + Int64(lane) * (2 * per),
                               2 * per)
         xs = []
         for w in words:
@@ -69,6 +67,6 @@ def query_stage_q16(cfg: D.AttnCfg, q_group_addr, warp, lane, qs, alpha_s) -> No
         scale, inv = q16_row_scale(amax)
         row = qs + (M.qk_col(jj, 0, "dense") * d + lane * per) * 2
         for e in range(0, per, 2):
-            D.sts_u32_if(valid, row + e * 2, D.pack_f16x2(F4.mul_rn(xs[e], inv),
+            P.sts_u32_if(valid, row + e * 2, P.pack_f16x2(F4.mul_rn(xs[e], inv),
                                                          F4.mul_rn(xs[e + 1], inv)))
-        D.sts_f32_if(valid & (lane == 0), alpha_s + jj * 4, scale)
+        P.sts_f32_if(valid & (lane == 0), alpha_s + jj * 4, scale)

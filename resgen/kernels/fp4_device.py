@@ -9,6 +9,8 @@ Exactness contract: the FP32 operations that resgen.formats performs are emitted
 with an explicit rounding modifier and WITHOUT .ftz (`div.rn.f32`, `mul.rn.f32`, `add.rn.f32`,
 `sub.rn.f32`): IEEE results, subnormals kept, and ptxas never contracts an explicitly rounded
 mul/add pair into an FMA (the DSL's own `a * b - c` does get fused, which would change residues).
+Those wrappers, like every inline PTX, are resgen.kernels.sm90_ptx's; this module re-exports
+the exact arithmetic and the global loads / stores below as part of its API.
 
 API (stable: the GEMM prologue and the attention query split call these)
 --------------------------------------------------------------------------
@@ -62,7 +64,7 @@ One block held in registers (block = 16 NVFP4 / 32 MXFP4 elements spread over `l
     operand_values(block) -> list[Float32]          value * scale: the exact BF16 GEMM operand
     select_by_mask(rs, mask, k) -> list[Float32]    the k entries of an 8-entry list whose bit is
                                                     set in `mask` (Uint32 byte), ascending
-Global memory (raw 64-bit addresses, Int64; alignment is the caller's promise)
+Global memory (raw 64-bit addresses, Int64; alignment is the caller's promise; sm90_ptx's)
     ld_global_v4(addr, l1=False) -> 4 x Uint32      (ld.global.nc: read-only path; l1=False
                                                     also skips L1 allocation: data read once)
     ld_global_f32(addr) -> Float32, ld_global_u32 / ld_global_u16 / ld_global_u8(addr) -> Uint32
@@ -75,10 +77,19 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from cutlass import Boolean, Float32, Int64, Uint32
+from cutlass import Boolean, Float32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 import cutlass.cute as cute
+
+from . import sm90_ptx as P
+# re-exported (see the docstring); _f32 / _u32 coerce an operand to a DSL scalar
+from .sm90_ptx import _as_f32 as _f32
+from .sm90_ptx import _as_u32 as _u32
+from .sm90_ptx import (add_rn, div_rn, fabs, fma_rn, fmax, fmin, ld_global_u8, ld_global_u16,
+                       ld_global_u32, ld_global_v4, mul_rn, rcp_rn, st_global_u8, st_global_u16,
+                       st_global_u32, st_global_v2, st_global_v4, sub_rn)
+from .sm90_ptx import ld_f32 as ld_global_f32
 
 __all__ = [
     "div_rn", "mul_rn", "add_rn", "sub_rn", "fma_rn", "rcp_rn", "div6_rn",
@@ -115,46 +126,7 @@ _ONE_SIXTH = 0x3E2AAAAB      # RN(1 / 6)
 _DIV6_MIN = 0x0D800000       # 2^-100: div6_rn's FMA path is exact from here up (see there)
 
 
-# ----------------------------------------------------------------------------- inline PTX
-
-
-def _u32(v) -> Uint32:
-    return v if isinstance(v, Uint32) else Uint32(v)
-
-
-def _f32(v) -> Float32:
-    return v if isinstance(v, Float32) else Float32(v)
-
-
-def _asm(ret_type, template: str, constraints: str, *operands):
-    """A pure (side-effect free) inline PTX instruction; the compiler may CSE or move it."""
-    return llvm.inline_asm(ret_type, [o.ir_value() for o in operands], template, constraints,
-                           has_side_effects=False, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-def _asm_effect(template: str, constraints: str, *operands) -> None:
-    """An inline PTX instruction with side effects (stores): never removed or merged."""
-    llvm.inline_asm(None, [o.ir_value() for o in operands], template, constraints,
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-def _f32_op(instr: str, a, b) -> Float32:
-    return Float32(_asm(T.f32(), f"{instr} $0, $1, $2;", "=f,f,f", _f32(a), _f32(b)))
-
-
-def div_rn(a, b) -> Float32:
-    """IEEE a / b, round to nearest even, subnormals kept (div.rn.f32)."""
-    return _f32_op("div.rn.f32", a, b)
-
-
-def rcp_rn(a) -> Float32:
-    """IEEE 1 / a, round to nearest even (rcp.rn.f32: MUFU.RCP plus one correction on sm_90).
-
-    Note: its slow-path subroutine saves a register on the stack; in register-heavy kernels
-    ptxas then spills around it, which div_rn(1.0, a) (what block_quotients uses) avoids."""
-    return Float32(_asm(T.f32(), "rcp.rn.f32 $0, $1;", "=f,f", _f32(a)))
+# ----------------------------------------------------------------------------- FP32 helpers
 
 
 def div6_rn(a) -> Float32:
@@ -180,52 +152,12 @@ def _div6_tiny(a, q):
     return r
 
 
-def mul_rn(a, b) -> Float32:
-    """IEEE a * b (mul.rn.f32): never fused with a following add."""
-    return _f32_op("mul.rn.f32", a, b)
-
-
-def add_rn(a, b) -> Float32:
-    return _f32_op("add.rn.f32", a, b)
-
-
-def sub_rn(a, b) -> Float32:
-    return _f32_op("sub.rn.f32", a, b)
-
-
-def fma_rn(a, b, c) -> Float32:
-    """a * b + c with one rounding (fma.rn.f32)."""
-    return Float32(_asm(T.f32(), "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
-                        _f32(a), _f32(b), _f32(c)))
-
-
-def fabs(a) -> Float32:
-    """|a| (clears the sign bit; ptxas folds it into the consumer's operand)."""
-    return Float32(_asm(T.f32(), "abs.f32 $0, $1;", "=f,f", _f32(a)))
-
-
-def fmin(a, b) -> Float32:
-    return _f32_op("min.f32", a, b)
-
-
-def fmax(a, b) -> Float32:
-    return _f32_op("max.f32", a, b)
-
-
 def f32_bits(x) -> Uint32:
     return Uint32(llvm.bitcast(T.i32(), _f32(x).ir_value()))
 
 
 def bits_f32(u) -> Float32:
     return Float32(llvm.bitcast(T.f32(), _u32(u).ir_value()))
-
-
-def _min_u32(a, b) -> Uint32:
-    return Uint32(_asm(T.i32(), "min.u32 $0, $1, $2;", "=r,r,r", _u32(a), _u32(b)))
-
-
-def _max_u32(a, b) -> Uint32:
-    return Uint32(_asm(T.i32(), "max.u32 $0, $1, $2;", "=r,r,r", _u32(a), _u32(b)))
 
 
 def sel_u32(p, a, b) -> Uint32:
@@ -239,11 +171,6 @@ def sel_f32(p, a, b) -> Float32:
     from cutlass.cutlass_dsl import select_
 
     return Float32(select_(p, _f32(a), _f32(b)))
-
-
-def _prmt(a, b, selector: int) -> Uint32:
-    return Uint32(_asm(T.i32(), f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
-                       _u32(a), _u32(b)))
 
 
 # ----------------------------------------------------------------------------- reductions
@@ -290,7 +217,7 @@ def bf16x2_abs_max(words: Sequence) -> Float32:
         raise ValueError("bf16x2_abs_max needs at least one word")
     m = _u32(words[0])
     for w in words[1:]:
-        m = Uint32(_asm(T.i32(), "max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", m, _u32(w)))
+        m = P.max_xorsign_abs_bf16x2(m, w)
     lo, hi = bf16x2_to_f32(m)
     return fmax(fabs(lo), fabs(hi))
 
@@ -300,7 +227,7 @@ def pack_bf16x2_exact(lo, hi) -> Uint32:
 
     Takes the high 16 bits of each (no rounding): exact for FP4 value x block scale, which
     needs at most 6 significant bits (E2M1 x E4M3) or is a power-of-two multiple (MXFP4)."""
-    return _prmt(f32_bits(lo), f32_bits(hi), 0x7632)
+    return P.prmt(f32_bits(lo), f32_bits(hi), 0x7632, hex_imm=True)
 
 
 # ----------------------------------------------------------------------------- E2M1
@@ -328,7 +255,7 @@ def e2m1_round_signed(v, sign) -> tuple[Uint32, Float32]:
     """
     sign = _u32(sign)
     a = fmin(fabs(v), E2M1_MAX)
-    magic = bits_f32(_max_u32((f32_bits(a) & _EXP) + _MAGIC_SHIFT, _ONE + _MAGIC_SHIFT))
+    magic = bits_f32(P.max_u32((f32_bits(a) & _EXP) + _MAGIC_SHIFT, _ONE + _MAGIC_SHIFT))
     q = sub_rn(add_rn(a, magic), magic)
     code = (f32_bits(mul_rn(q, bits_f32(_MIN_NORMAL))) >> 22) | (sign >> 28)
     return code, bits_f32(f32_bits(q) | sign)
@@ -356,9 +283,7 @@ def pack_codes(codes: Sequence) -> Uint32:
 
 def e4m3_encode(v) -> Uint32:
     """Non-negative Float32 -> E4M3 byte, RNE, saturating at 448 (and +inf -> 448)."""
-    return Uint32(_asm(T.i32(),
-                       "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $1; "
-                       "cvt.u32.u16 $0, t; }", "=r,f", _f32(v))) & 0xFF
+    return P.f32_to_e4m3x2(v) & 0xFF
 
 
 def e4m3_decode(byte) -> Float32:
@@ -391,7 +316,7 @@ def mxfp4_block_scale(amax) -> tuple[Uint32, Float32, Float32]:
     A finite amax has e <= 125, so 2^-e is always a normal number; 2^e for e = -127 is the
     subnormal 2^-127."""
     ef = f32_bits(amax) >> 23
-    byte = _max_u32(ef, 2) - 2
+    byte = P.max_u32(ef, 2) - 2
     scale = bits_f32(sel_u32(byte == Uint32(0), _TWO_POW_M127, byte << 23))
     inv = bits_f32((Uint32(254) - byte) << 23)
     return byte, scale, inv
@@ -529,78 +454,3 @@ def select_by_mask(rs: Sequence, mask, k: int) -> list:
         p = (mask & (1 << j)) != Uint32(0)
         out = [sel_f32(p, rs[j], out[0])] + [sel_f32(p, out[i - 1], out[i]) for i in range(1, k)]
     return out
-
-
-# ----------------------------------------------------------------------------- global memory
-
-
-def _i64(a) -> Int64:
-    return a if isinstance(a, Int64) else Int64(a)
-
-
-def ld_global_v4(addr, l1: bool = False) -> tuple[Uint32, Uint32, Uint32, Uint32]:
-    """16-byte load through the read-only path (addr 16-byte aligned).
-
-    l1=False: L1::no_allocate (the bytes are used once). l1=True: cached in L1, for access
-    patterns where a second load reads the other half of the same 32-byte sectors (lanes 32
-    bytes apart), which would otherwise fetch every sector from L2 twice."""
-    ty = llvm.StructType.get_literal([T.i32()] * 4)
-    hint = "" if l1 else ".L1::no_allocate"
-    r = llvm.inline_asm(ty, [_i64(addr).ir_value()],
-                        f"ld.global.nc{hint}.v4.b32 {{$0, $1, $2, $3}}, [$4];",
-                        "=r,=r,=r,=r,l", has_side_effects=False, is_align_stack=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT)
-    return tuple(Uint32(llvm.extractvalue(T.i32(), r, [i])) for i in range(4))
-
-
-def ld_global_f32(addr) -> Float32:
-    return Float32(_asm(T.f32(), "ld.global.nc.f32 $0, [$1];", "=f,l", _i64(addr)))
-
-
-def ld_global_u32(addr) -> Uint32:
-    return Uint32(_asm(T.i32(), "ld.global.nc.b32 $0, [$1];", "=r,l", _i64(addr)))
-
-
-def ld_global_u16(addr) -> Uint32:
-    """Zero-extended 16-bit load."""
-    return Uint32(_asm(T.i32(), "ld.global.nc.u16 $0, [$1];", "=r,l", _i64(addr)))
-
-
-def ld_global_u8(addr) -> Uint32:
-    """Zero-extended 8-bit load."""
-    return Uint32(_asm(T.i32(), "ld.global.nc.u8 $0, [$1];", "=r,l", _i64(addr)))
-
-
-def _store(op: str, operands: str, addr, words: Sequence, pred) -> None:
-    """`op [addr], operands;` optionally predicated on a DSL Boolean (PTX predication, no branch)."""
-    args = [_i64(addr)] + [_u32(w) for w in words]
-    cons = "l" + ",r" * len(words)
-    if pred is None:
-        _asm_effect(f"{op} [$0], {operands};", cons, *args)
-    else:
-        n = len(args)
-        _asm_effect(f"{{ .reg .pred p; setp.ne.b32 p, ${n}, 0; @p {op} [$0], {operands}; }}",
-                    cons + ",r", *args, sel_u32(pred, 1, 0))
-
-
-def st_global_v4(addr, w0, w1, w2, w3, pred=None) -> None:
-    """16-byte store (addr 16-byte aligned); pred: optional Boolean, store only where true."""
-    _store("st.global.v4.b32", "{$1, $2, $3, $4}", addr, (w0, w1, w2, w3), pred)
-
-
-def st_global_v2(addr, w0, w1, pred=None) -> None:
-    _store("st.global.v2.b32", "{$1, $2}", addr, (w0, w1), pred)
-
-
-def st_global_u32(addr, w, pred=None) -> None:
-    _store("st.global.b32", "$1", addr, (w,), pred)
-
-
-def st_global_u16(addr, w, pred=None) -> None:
-    """Stores the low 16 bits of w (PTX lets st take a wider register than its type)."""
-    _store("st.global.b16", "$1", addr, (w,), pred)
-
-
-def st_global_u8(addr, w, pred=None) -> None:
-    """Stores the low 8 bits of w."""
-    _store("st.global.b8", "$1", addr, (w,), pred)

@@ -2,7 +2,7 @@
 
 - WgmmaLauncher: binds a compiled variant to torch CUDA tensors and launches it on the current
   stream (no synchronization: graph capturable). The activation operand comes from
-  resgen.kernels.linear_sm90.make_xop (torch) or the fused quantizer quant_sm90 (kp_align=256):
+  resgen.kernels.sm90_operand.make_xop (torch) or the fused quantizer quant_sm90 (kp_align=256):
   the same xop both families read. Split-K variants reduce through a workspace (FP32) and
   one semaphore per output tile (int32), owned by the launcher and zeroed once: the kernel
   leaves every semaphore at zero, and the workspace needs no clearing (each slot is written

@@ -240,7 +240,7 @@ class WgGeometry:
         return REC_WORD_BYTES + (q * 8 + g) * self.sb_bytes
 
     def scale_select(self, j: int) -> tuple[int, int]:
-        """(scale word, pair index i for linear_sm90_dev.scale_pair) of k16 step j: the bytes
+        """(scale word, pair index i for sm90_fp4_decode.scale_pair) of k16 step j: the bytes
         2 (i % 2) (row r0) and 2 (i % 2) + 1 (row r1) of that word are the step's scales."""
         return (j // 2, j) if self.nv else (0, j // 2)
 

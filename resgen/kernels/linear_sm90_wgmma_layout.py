@@ -7,7 +7,7 @@ warp's 16 rows (CUTLASS/CuTe GMMA ALayout_64x16; tests/test_linear_sm90_wgmma.py
 against the CuTe DSL's own partition of an identity tensor, thread by thread), so the decode
 family's bit trick carries over unchanged: a code decodes by bit placement to E2M1 x 2^-126,
 one `mul.rn.bf16x2` by S = s_w x 2^119 gives E2M1 x s_w x 2^-7 exactly (see
-resgen.kernels.layouts for the scale bytes and the two nibble packings "nib" / "split").
+resgen.kernels.sm90_fp4_layout for the scale bytes and the two nibble packings "nib" / "split").
 
 Why a new layout (and not frag16). The activations (B) come from shared memory through TMA
 with the 128-byte swizzle, in NATURAL column order: the wgmma B descriptor walks k16 steps as
@@ -19,11 +19,11 @@ r0 = 64 mb + 16 q + g and r1 = r0 + 8 at chunk columns 16 j + 2 t + {0, 1, 8, 9}
     a0 = (r0, 16j+2t)  a1 = (r0, 16j+2t+1)  a2 = (r1, 16j+2t)  a3 = (r1, 16j+2t+1)
     a4 = (r0, 16j+2t+8) a5 = (r0, 16j+2t+9) a6 = (r1, 16j+2t+8) a7 = (r1, 16j+2t+9)
 (the frag16 slot -> bit placement of the chosen packing is reused: the words are built by
-resgen.kernels.layouts.prepare_sm90_weight on a column-permuted copy of the codes, so any
+resgen.kernels.sm90_fp4_layout.prepare_sm90_weight on a column-permuted copy of the codes, so any
 packing it knows is available here with the same decode). With natural order a k16 step is
 exactly one NVFP4 block: each lane needs 8 scales per chunk (4 steps x 2 rows), MXFP4 4.
 
-Records. Kp = round_up(K or K + ext, 256) (as resgen.kernels.layouts.K_ALIGN and the
+Records. Kp = round_up(K or K + ext, 256) (as resgen.kernels.sm90_fp4_layout.K_ALIGN and the
 quantizer's kp_align=256; the kernel itself needs Kp % 128 == 0). For every m64 block mb and
 64-column chunk c one contiguous record of REC bytes (one bulk copy per block and stage):
     bytes [0, 2048):     int32 words [q 4][lane 32][j 4]        (lane l reads 16 bytes at
@@ -32,7 +32,7 @@ quantizer's kp_align=256; the kernel itself needs Kp % 128 == 0). For every m64 
         NVFP4 (SB = 8, REC = 2304): byte 2 j + rr = block (row r_rr, 4 c + j)
         MXFP4 (SB = 4, REC = 2176): byte 2 h + rr = block (row r_rr, 2 c + h), h = j // 2
     so k16 step j reads scale word j // 2 (NVFP4) / 0 (MXFP4) and expands its bytes with
-    resgen.kernels.linear_sm90_dev.scale_pair (PRMT + IMAD per scale).
+    resgen.kernels.sm90_fp4_decode.scale_pair (PRMT + IMAD per scale).
 Tensor: int32 [N / 64, Kp / 64, REC / 4], record (mb, c) at byte (mb * Kp / 64 + c) * REC.
 """
 
@@ -44,8 +44,8 @@ import torch
 
 from .. import formats
 from ..calibrate import QLinearWeight, Selection
-from .layouts import (K_ALIGN, PACKINGS, decode_pairs, expand_scale_bits, pad_to,
-                      prepare_sm90_weight, scale_bytes)
+from .sm90_fp4_layout import (K_ALIGN, PACKINGS, decode_pairs, expand_scale_bits, pad_to,
+                              prepare_sm90_weight, scale_bytes)
 from .linear_sm90_wgmma_geom import (REC_WORD_BYTES, SLOT_COL, SLOT_ROW8, record_bytes,
                                      scale_bytes_per_group)
 
@@ -122,7 +122,7 @@ def prepare_wgmma_weight(qweight: QLinearWeight, packing: str = "split") -> WgWe
 
     Requires N % 64 == 0. K-Ext weights (prepared with a selection) keep their extension: the
     kernel reduces over K + ext in one pass. MXFP4 scales outside the exact BF16 range raise
-    ValueError (resgen.kernels.layouts.scale_bytes)."""
+    ValueError (resgen.kernels.sm90_fp4_layout.scale_bytes)."""
     if packing not in PACKINGS:
         raise ValueError(f"unknown packing {packing!r}; expected one of {PACKINGS}")
     q = qweight.q

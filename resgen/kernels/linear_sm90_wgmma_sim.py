@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layouts import epilogue_factor
+from .sm90_fp4_layout import epilogue_factor
 from .linear_sm90_wgmma_geom import MEXT_SEL, PLAIN_SEL, WgGeometry
 from .linear_sm90_wgmma_layout import WgWeight, fragment_values
 

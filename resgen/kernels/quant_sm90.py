@@ -1,8 +1,8 @@
 """Host side of the fused residue quantizer (family quant_sm90): operand layouts, a torch
 reference of every output, kernel configuration, compilation and launch on torch CUDA tensors.
 
-The operand (what the Hopper GEMMs consume; contract with resgen.kernels.linear_sm90)
------------------------------------------------------------------------------------
+The operand (what the Hopper GEMMs consume, as resgen.kernels.sm90_operand defines it)
+--------------------------------------------------------------------------------------
 For activations x: [m, K] bf16 the quantizer writes one operand of T_pad rows:
 
     codes  uint8 [T_pad, KQ / 2]      E2M1 codes, two per byte, even element in the low nibble
@@ -14,7 +14,7 @@ For activations x: [m, K] bf16 the quantizer writes one operand of T_pad rows:
                                       dynamic), shared by base and residue
 
 KP's granularity kp_align (64, 128 or 256) is the consuming GEMM's choice (64 in the issue;
-linear_sm90_mma uses 256, resgen.kernels.layouts.K_ALIGN).
+linear_sm90_mma uses 256, resgen.kernels.sm90_fp4_layout.K_ALIGN).
 Columns: KQ = K for plain and M-Ext; K-Ext: KQ = K + ext, the base channels then the selected
 residue channels (block-local masks, group order, ascending inside a group) zero-padded to the
 block size (formats.extension_length): codes/scales[:, :KQ] is formats.cat([base, res]).
@@ -46,6 +46,8 @@ import torch
 
 from .. import formats
 from ..calibrate import GROUP, Selection
+# the check inputs are shared with quant_sm100 (re-exported: Q.make_inputs, Q.random_masks)
+from .quant_inputs import INPUT_KINDS, make_inputs, random_masks
 
 __all__ = [
     "COMPENSATIONS", "LAYOUTS", "ALPHA_MODES", "KP_ALIGNS", "TEMPLATE", "FAMILY", "AMAX_CTAS",
@@ -258,74 +260,6 @@ def xop_reference(x: torch.Tensor, fmt: str = "nvfp4", compensation: str = "none
     """bf16 [T_pad, KP]: the exact BF16 GEMM operand (see operand_reference)."""
     return operand_reference(x, fmt, compensation, layout, row_multiple, global_scale,
                              masks, kp_align).xop
-
-
-INPUT_KINDS: tuple[str, ...] = ("randn", "outliers", "ties", "zeros", "tiny", "huge", "mixed")
-
-
-def make_inputs(kind: str, m: int, k: int, seed: int = 0, device="cpu") -> torch.Tensor:
-    """Test activations x: [m, K] bf16 of one kind (CPU tests, GPU tests and runner checks).
-
-    randn     normal values with per-token scales spanning 1e-3..1e3
-    outliers  randn plus a few 100x channels (the calibration-sensitive case)
-    ties      blocks whose amax is 6 (so d = 1 for alpha = 1 / 2^-8 static or MXFP4) filled with
-              E2M1 midpoints 0.25, 0.75, ..., 5 and grid values, both signs, and the x = 2688
-              element that makes the dynamic NVFP4 alpha exactly 1
-    zeros     all-zero tokens, -0.0 blocks and zero blocks next to non-zero ones
-    tiny      bf16 subnormals and values near FLT_MIN (scale underflow, subnormal d)
-    huge      values near the bf16 maximum (3.39e38)
-    mixed     tiny and huge values inside the same block (quotients that underflow)
-    """
-    if kind not in INPUT_KINDS:
-        raise ValueError(f"kind must be one of {INPUT_KINDS}, got {kind!r}")
-    if m < 1 or k % 32:
-        raise ValueError("need m >= 1 and K a multiple of 32")
-    g = torch.Generator().manual_seed(seed)
-    if kind in ("randn", "outliers"):
-        scale = torch.exp(torch.empty(m, 1).uniform_(-7, 7, generator=g))
-        x = torch.randn(m, k, generator=g) * scale
-        if kind == "outliers":
-            ch = torch.randint(0, k, (max(1, k // 256),), generator=g)
-            x[:, ch] *= 100.0
-    elif kind == "ties":
-        grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0,
-                             0.0, 0.125, 5.5])
-        x = grid[torch.randint(0, grid.numel(), (m, k), generator=g)]
-        x = x * torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
-        blocks = x.view(m, k // 16, 16)
-        blocks[:, :, 0] = 6.0 * torch.where(torch.rand(m, k // 16, generator=g) < 0.5, -1.0, 1.0)
-        x[0, -1] = 2688.0
-    elif kind == "zeros":
-        x = torch.randn(m, k, generator=g)
-        x[::2] = 0.0
-        blocks = x.view(m, k // 16, 16)
-        blocks[:, ::3] = -0.0
-        blocks[:, 1::5] = 0.0
-    elif kind == "tiny":
-        e = torch.randint(-140, -118, (m, k), generator=g).to(torch.float32)
-        x = torch.ldexp(torch.rand(m, k, generator=g) + 0.5, e.to(torch.int32))
-        x = x * torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
-    elif kind == "huge":
-        x = (torch.rand(m, k, generator=g) * 2 - 1) * 3.3e38
-    else:
-        e = torch.randint(-130, 127, (m, k), generator=g).to(torch.int32)
-        x = torch.ldexp(torch.rand(m, k, generator=g) + 0.5, e)
-        x = x * torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
-    x = x.to(torch.bfloat16)
-    if not bool(torch.isfinite(x.float()).all()):      # bf16 rounding of the huge kind
-        x = torch.nan_to_num(x, posinf=3.3e38, neginf=-3.3e38)
-    return x.to(device)
-
-
-def random_masks(k: int, compensation: str, seed: int = 0, device="cpu") -> torch.Tensor:
-    """uint8 [K / 8]: a random block-local selection for a K-Ext compensation ratio."""
-    ks = ksel_of(compensation)
-    if not ks:
-        raise ValueError(f"{compensation!r} is not a K-Ext ratio")
-    g = torch.Generator().manual_seed(seed)
-    order = torch.rand(k // GROUP, GROUP, generator=g).argsort(dim=-1)[:, :ks]
-    masks = (torch.ones_like(order) << order).sum(-1).to(torch.uint8)
-    return masks.to(device)
 
 
 def split_operand(op: QuantOperand) -> tuple[formats.QuantizedTensor,

@@ -13,7 +13,7 @@ The variant axes (LinearSm90WgmmaVariant) and what they change in the kernel
                 weight records per stage)
     raster      grid order: "tok" (consecutive CTAs walk token tiles: a wave shares weight
                 blocks) or "ch" (they walk channel blocks: a wave shares activation tiles)
-    packing     weight nibble layout and decode ("split" / "nib", resgen.kernels.layouts)
+    packing     weight nibble layout and decode ("split" / "nib", resgen.kernels.sm90_fp4_layout)
     split_k     K slices per output tile (grid z): more CTAs for layers with few channel tiles
                 (decode and mid-size M); the slices meet in a workspace and the tile's last CTA
                 sums them in split order (deterministic, one launch)

@@ -169,7 +169,7 @@ class QuantSm100Runner:
     def __init__(self, compiled: Any, variant: QuantSm100Variant, problem: QuantSm100Problem,
                  device: Any, n_sets: int = 1, seed: int = 0):
         from ..calibrate import Selection
-        from ..kernels.quant_sm90 import make_inputs, random_masks
+        from ..kernels.quant_inputs import make_inputs, random_masks
 
         self.variant, self.problem = variant, problem
         self.config = config_of(variant, problem)

@@ -1,4 +1,4 @@
-"""What the Hopper linear families share (linear_sm90_mma: decode, resgen/search/linear_sm90.py;
+"""What the Hopper linear families share (linear_sm90_mma: decode, resgen/search/linear_sm90_mma.py;
 linear_sm90_wgmma: prefill, resgen/search/linear_sm90_wgmma.py): the one launch path of a
 linear layer, the runner that times exactly it, and their common pieces (the weight packing
 axis, Kp, the tolerance, the layer quantizer, random layers, the weight-set cache).
@@ -28,12 +28,10 @@ stage in front is `W4A16Operand`: the caller's buffer read in place where it alr
 operand (K = Kp, rows the GEMM reads = M, 16-byte aligned), else one copy into a zero-padded
 buffer; no quantizer. A fused linear_sm90_mma variant serves W4A16 in one launch: its
 prologue copies the CTA's BF16 activation rows into the shared-memory operand tile its main loop
-reads (operand "copy", resgen.kernels.linear_sm90_a16: a render of its own) instead of
+reads (operand "copy", resgen.kernels.linear_sm90_mma_a16: a render of its own) instead of
 quantizing them, alpha_x = 1 again.
 
-Shared math that still lives in linear_sm90_mma's kernel modules (moving a kernel module
-changes every fingerprint): the torch operand `make_xop` (resgen.kernels.linear_sm90) and
-`pow2_ceil` (resgen.kernels.linear_sm90_geom).
+The torch operand both families read is resgen.kernels.sm90_operand.make_xop.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..calibrate import QLinearWeight, static_alpha
-from ..kernels.layouts import K_ALIGN, pad_to
-from ..kernels.linear_sm90_geom import pow2_ceil
+from ..kernels.sm90_fp4_layout import K_ALIGN, pad_to
 from .family import CheckResult, KernelFamilyBase
 from .family import compare as family_compare
 from .variant import Choice, LinearProblem, VariantBase
@@ -61,8 +58,13 @@ __all__ = ["Packing", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensatio
 TOLERANCE = 3e-3          # BF16 output rounding
 
 
+def pow2_ceil(v: int) -> int:
+    """The smallest power of two >= v (v >= 1)."""
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
 class Packing(Choice):
-    """Weight nibble layout and its decode (resgen.kernels.layouts): "nib" as in the design
+    """Weight nibble layout and its decode (resgen.kernels.sm90_fp4_layout): "nib" as in the design
     brief, "split": sign apart from magnitude (fewer integer ops)."""
 
     NIB = "nib"
@@ -654,7 +656,7 @@ class Sm90LinearRunner:
         if self.w4a16:
             return (bf16_operand(x, kp_of(self.problem), self.xop_multiple),
                     _w4a16_alpha(self.problem, x.device))
-        from ..kernels.linear_sm90 import make_xop
+        from ..kernels.sm90_operand import make_xop
 
         return make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
 

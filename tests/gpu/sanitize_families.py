@@ -22,7 +22,7 @@ from resgen.search import build
 from resgen.search.attention_sm90 import Packing as AttnPacking
 from resgen.search.attention_sm90 import Reduction as AttnReduction
 from resgen.search.family import get_family
-from resgen.search.linear_sm90 import Act, Pipeline
+from resgen.search.linear_sm90_mma import Act, Pipeline
 from resgen.search.quant_sm90 import QuantProblem
 from resgen.search.variant import AttentionProblem, LinearProblem
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from resgen.search.cover import covering_subset
-from resgen.search.linear_sm90 import Packing
+from resgen.search.linear_sm90_mma import Packing
 from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Raster,
                                              compile_once)
 from resgen.search.variant import LinearProblem
@@ -197,10 +197,10 @@ def test_subnormal_half_codes_survive_the_bf16_decode(packing):
     from resgen import calibrate as C
     from resgen import formats as F
     from resgen import reference
-    from resgen.kernels.linear_sm90 import make_xop
+    from resgen.kernels.sm90_operand import make_xop
     from resgen.kernels.linear_sm90_wgmma import WgmmaLauncher
     from resgen.kernels.linear_sm90_wgmma_layout import prepare_wgmma_weight
-    from resgen.search.linear_sm90 import compare
+    from resgen.search.linear_sm90_mma import compare
     from resgen.search.linear_sm90_wgmma import geometry_of
 
     n, k, m = 128, 512, 4

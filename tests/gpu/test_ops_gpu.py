@@ -140,7 +140,7 @@ def test_decode_attention_graph_after_warmup():
 
 
 def _bind_cases():
-    from resgen.search import linear_sm90 as LS
+    from resgen.search import linear_sm90_mma as LS
     from resgen.search import linear_sm90_wgmma as LW
 
     return [("linear_sm90_mma", LS.LinearSm90Variant(1, 8, 1, 1, 1, LS.Pipeline.CP_ASYNC, 3)),

@@ -26,7 +26,7 @@ import torch
 from resgen import calibrate as C
 from resgen import reference as R
 from resgen.ops import Linear
-from resgen.search import linear_sm90 as LS
+from resgen.search import linear_sm90_mma as LS
 from resgen.search import linear_sm90_wgmma as LW
 from resgen.search.sm90_linear import TOLERANCE
 from resgen.search.variant import LinearProblem

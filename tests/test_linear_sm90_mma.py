@@ -11,8 +11,8 @@ import torch
 from resgen import calibrate as C
 from resgen import formats as F
 from resgen import reference as R
-from resgen.kernels import layouts as L
-from resgen.kernels.linear_sm90 import make_xop, operand_values, xop_layout_for
+from resgen.kernels import sm90_fp4_layout as L
+from resgen.kernels.sm90_operand import make_xop, operand_values, xop_layout_for
 
 
 def _qweight(fmt, n=48, k=512, seed=0, ratio=None, input_scale=None):
@@ -199,7 +199,7 @@ def test_emulator_matches_reference_linear(fmt, comp, packing):
     x, qw = _qweight(fmt, ratio=ratio, seed=7)
     wt = L.prepare_sm90_weight(qw, packing)
     xop, ax = make_xop(x, qw, comp)
-    y = L.emulate_linear_sm90(xop, wt, x.shape[0], xop_layout_for(comp), ax)
+    y = L.emulate_linear_sm90_mma(xop, wt, x.shape[0], xop_layout_for(comp), ax)
     ref = R.linear(x, qw, comp)
     rel = float((y.double() - ref.double()).norm() / ref.double().norm())
     assert rel < 1e-6, rel
@@ -216,7 +216,7 @@ def test_emulator_exact_on_adversarial_weights(make):
     wt = L.prepare_sm90_weight(qw)
     for comp in ("none", "full"):
         xop, ax = make_xop(x, qw, comp)
-        y = L.emulate_linear_sm90(xop, wt, 5, xop_layout_for(comp), ax)
+        y = L.emulate_linear_sm90_mma(xop, wt, 5, xop_layout_for(comp), ax)
         ref = R.linear(x, qw, comp)
         assert float((y - ref).norm() / ref.norm()) < 1e-6
 
@@ -225,7 +225,7 @@ def test_emulator_uses_the_static_input_scale():
     x, qw = _qweight("nvfp4", input_scale=0.01)
     xop, ax = make_xop(x, qw, "full")
     assert float(ax) == pytest.approx(0.01)
-    y = L.emulate_linear_sm90(xop, L.prepare_sm90_weight(qw), x.shape[0], "row_pair", ax)
+    y = L.emulate_linear_sm90_mma(xop, L.prepare_sm90_weight(qw), x.shape[0], "row_pair", ax)
     ref = R.linear(x, qw, "full")
     assert float((y - ref).norm() / ref.norm()) < 1e-6
 
@@ -259,11 +259,11 @@ def test_make_xop_rejects_mismatched_inputs():
 
 # ----------------------------------------------------------------------------- variants
 
-from resgen.kernels.linear_sm90_geom import Geometry  # noqa: E402
-from resgen.kernels.linear_sm90_sim import simulate_kernel  # noqa: E402
+from resgen.kernels.linear_sm90_mma_geom import Geometry  # noqa: E402
+from resgen.kernels.linear_sm90_mma_sim import simulate_kernel  # noqa: E402
 from resgen.search import family as family_registry  # noqa: E402
-from resgen.search.linear_sm90 import (FAMILY, Act, Fold, LinearSm90Variant,  # noqa: E402
-                                       Packing, Pipeline, Reduction, compare, geometry_of)
+from resgen.search.linear_sm90_mma import (FAMILY, Act, Fold, LinearSm90Variant,  # noqa: E402
+                                           Packing, Pipeline, Reduction, compare, geometry_of)
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 ARCH = "sm_90a"
@@ -510,7 +510,7 @@ def _check_xop_simulation(fmt, comp, m, fields, k):
     random.Random(5).shuffle(order)
     ws = torch.zeros(max(geom.ws_floats(rows, m), 1))
     simulate_kernel(geom, wt, xop, m, rows, ax, out, ws=ws, cta_order=order)
-    emu = L.emulate_linear_sm90(xop, wt, m, xop_layout_for(c), ax).to(torch.bfloat16)
+    emu = L.emulate_linear_sm90_mma(xop, wt, m, xop_layout_for(c), ax).to(torch.bfloat16)
     assert torch.equal(out.view(torch.int16), emu.view(torch.int16))
     assert compare(out, R.linear(x, qw, c)).ok
     if v.reduce == Reduction.ATOMIC:     # the next call accumulates into it again
@@ -586,7 +586,7 @@ def test_fused_simulation_matches_emulator_bit_for_bit(fmt, comp, k, m_compiled,
     masks = qw.selection.masks if ratio is not None else None
     ws = torch.zeros(max(geom.ws_floats(rows, m), 1))
     simulate_kernel(geom, wt, x, m, rows, ax, out, ws=ws, cta_order=order, masks=masks)
-    emu = L.emulate_linear_sm90(xop, wt, m, xop_layout_for(c), ax).to(torch.bfloat16)
+    emu = L.emulate_linear_sm90_mma(xop, wt, m, xop_layout_for(c), ax).to(torch.bfloat16)
     assert torch.equal(out.view(torch.int16), emu.view(torch.int16))
     assert compare(out, R.linear(x.float(), qw, c)).ok
 
@@ -851,14 +851,14 @@ def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, mo
     assert q.calls == 4
     qw1, wt1, _, _, _ = r.sets[1]
     xq, aq = make_xop(r.xbs[1].float(), qw1, c, t_multiple=r.geom.tok)
-    emu = L.emulate_linear_sm90(xq, wt1, 3, xop_layout_for(c), aq)
+    emu = L.emulate_linear_sm90_mma(xq, wt1, 3, xop_layout_for(c), aq)
     assert torch.equal(y1.view(torch.int16), emu.to(torch.bfloat16).view(torch.int16))
     g = r.gemm_only()
     g.rotate(1)
     yg = g().clone()
     xop1, ax1 = r.operand(1)                     # built by the call above
     assert r.sets[1][3] is xop1
-    emu = L.emulate_linear_sm90(xop1, wt1, 3, xop_layout_for(c), ax1).to(torch.bfloat16)
+    emu = L.emulate_linear_sm90_mma(xop1, wt1, 3, xop_layout_for(c), ax1).to(torch.bfloat16)
     assert torch.equal(yg.view(torch.int16), emu.view(torch.int16))
     assert fake.calls == 7
     assert FAMILY.working_set_bytes(v, p) >= wt1.nbytes()
@@ -867,7 +867,7 @@ def test_runner_check_and_calls_on_cpu_with_the_simulation(fmt, comp, fields, mo
 def _record_launcher_pointers(monkeypatch) -> dict:
     """data_ptr -> tensor for every tensor the LinearSm90Launcher passes to a kernel, so that
     _SimulatedKernel can find the tensors behind the pointers it receives."""
-    from resgen.kernels import linear_sm90 as H
+    from resgen.kernels import linear_sm90_mma as H
 
     registry: dict = {}
     orig = H.LinearSm90Launcher._ptr
@@ -968,7 +968,7 @@ def test_as_layer_puts_the_quantizer_in_front_of_xop_variants_only(act, monkeypa
 def test_weight_sets_are_copies_in_their_own_memory():
     """Input sets exist for cold-L2 rotation: set 0 is a random layer, the others copies of
     its prepared weight in distinct memory; asking for more sets extends the cached list."""
-    from resgen.search.linear_sm90 import _weight_sets
+    from resgen.search.linear_sm90_mma import _weight_sets
 
     p = LinearProblem("nvfp4", "0.25", 1, 64, 1024)
     a = _weight_sets(p, "split", "cpu", 2, seed=5)
@@ -1010,17 +1010,17 @@ def test_prior_puts_the_h200_winning_patterns_first():
 
 
 def test_compare_is_the_shared_check_at_the_linear_tolerance():
-    """linear_sm90.compare and attention_sm90.compare are resgen.search.family.compare: NaN /
+    """linear_sm90_mma.compare and attention_sm90.compare are resgen.search.family.compare: NaN /
     Inf (an unwritten poisoned element) fails whatever the tolerance, the error is relative,
     and the linear one defaults to the BF16-rounding tolerance."""
-    from resgen.search import attention_sm90, family, linear_sm90
+    from resgen.search import attention_sm90, family, linear_sm90_mma
 
     assert attention_sm90.compare is family.compare
     ref = torch.ones(4, 8)
     out = ref.clone()
     out[0, 0] = 1 + 2 ** -10                                          # exact in float32
-    res = linear_sm90.compare(out, ref)
-    assert res.ok and res.tolerance == linear_sm90.TOLERANCE
+    res = linear_sm90_mma.compare(out, ref)
+    assert res.ok and res.tolerance == linear_sm90_mma.TOLERANCE
     assert res.rel_err == pytest.approx(2 ** -10 / 32 ** 0.5, rel=1e-12)
     assert not family.compare(out, ref, 1e-5).ok
     out[1, 1] = float("nan")

@@ -2,7 +2,7 @@
 32 lanes of a warp), for CPU tests.
 
 It follows the template's control flow (CTAs, warps, K iterations, in-CTA and cross-CTA split-K,
-fold, epilogue) with the SAME address functions (resgen.kernels.linear_sm90_geom.Geometry) on
+fold, epilogue) with the SAME address functions (resgen.kernels.linear_sm90_mma_geom.Geometry) on
 byte images of the buffers the kernel receives, and models the PTX it emits:
   ld.global (little-endian words), prmt + integer multiply-add (scale expansion), the pair decode
   bit operations, mul.rn.bf16x2, mma.sync.m16n8k16.row.col (fragment ownership as in the PTX ISA:
@@ -12,7 +12,7 @@ byte images of the buffers the kernel receives, and models the PTX it emits:
 A wrong stride, fragment slot or fold in the index math shows up as a mismatch against
 resgen.reference.linear, without a GPU.
 
-Presum variants (fold "presum", resgen.kernels.linear_sm90_presum.PresumGeometry): the B
+Presum variants (fold "presum", resgen.kernels.linear_sm90_mma_presum.PresumGeometry): the B
 fragment of token r is the base row 2r plus the residue row 2r + 1 of the row-pair xop, added
 in FP32 and rounded once to FP16 (cvt.rn.f16x2.f32), the weight pairs decode to FP16 bits
 (the module's decoders, shared with the device code) times the FP16 scale (mul.rn.f16x2), the
@@ -23,7 +23,7 @@ its shared memory by walking the kernel's work items with the same Geometry func
 per-block quantization itself is resgen.formats (the device code calls resgen.kernels.fp4_device,
 its bit-exact GPU twin, which the quant_sm90 GPU tests check), so what this proves is the item
 decomposition, the K-Ext source/mask mapping and every tile address. W4A16 fused variants
-(resgen.kernels.linear_sm90_a16.A16Geometry, operand "copy") store each item's BF16 activations
+(resgen.kernels.linear_sm90_mma_a16.A16Geometry, operand "copy") store each item's BF16 activations
 as they are (no quantization; alpha_x is the one the launch path passes).
 """
 
@@ -32,10 +32,10 @@ from __future__ import annotations
 import torch
 
 from .. import formats
-from .layouts import Sm90Weight, _bf16_halves, decode_pairs
-from .linear_sm90_dev import SCALE_CONSTS
-from .linear_sm90_geom import Geometry
-from .linear_sm90_presum import F16_DECODERS, PRESUM_SCALE_CONSTS
+from .sm90_fp4_layout import Sm90Weight, _bf16_halves, decode_pairs
+from .sm90_fp4_decode import SCALE_CONSTS
+from .linear_sm90_mma_geom import Geometry
+from .linear_sm90_mma_presum import F16_DECODERS, PRESUM_SCALE_CONSTS
 
 __all__ = ["simulate_kernel"]
 
@@ -149,7 +149,7 @@ def _cvt_bf16(v: torch.Tensor) -> torch.Tensor:
 
 def _operand_bits(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
     """int64 bf16 bit patterns of code value x block scale (exact in bf16)."""
-    from .linear_sm90 import operand_values
+    from .sm90_operand import operand_values
 
     v = operand_values(codes, scales, fmt).to(torch.bfloat16)
     return v.view(torch.int16).to(torch.int64) & 0xFFFF

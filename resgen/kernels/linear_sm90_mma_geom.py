@@ -35,12 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Geometry", "pow2_ceil"]
-
-
-def pow2_ceil(v: int) -> int:
-    """The smallest power of two >= v (v >= 1)."""
-    return 1 << max(0, int(v) - 1).bit_length()
+__all__ = ["Geometry"]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The kernel template (resgen/templates/linear_sm90_mma.py.j2) owns the control fl
 K groups, split-K reduction, epilogue branches); these helpers emit the per-chunk data path.
 Register arrays are Python lists of DSL scalars, indexed only at trace time.
 
-Data path per 64-column chunk kq and m16 tile (layouts: resgen.kernels.layouts):
+Data path per 64-column chunk kq and m16 tile (layouts: resgen.kernels.sm90_fp4_layout; the
+scale expansion and pair decode: resgen.kernels.sm90_fp4_decode):
     scale word  -> 2 x PRMT (b | b << 16) -> 2 x IMAD          = S(r0), S(r1) bf16x2
     4 words     -> pair decode (bit ops)  -> 16 x mul.rn.bf16x2 = A fragments of 4 k16 steps
     activation  -> two 16-byte loads per n8 tile                = B fragments of 4 k16 steps
@@ -26,51 +27,9 @@ from cutlass import Float32, Uint32
 
 from . import fp4_device as fd
 from . import sm90_ptx as P
+from .sm90_fp4_decode import DECODERS
 
-__all__ = ["scale_pair", "decode_nib", "decode_split", "DECODERS", "chunk_mma", "SCALE_CONSTS",
-           "x_values", "operand_words", "base_operand", "selected_residues"]
-
-# (multiplier applied to b | b << 16, bf16x2 offset): see layouts.expand_scale_bits
-SCALE_CONSTS = {"nvfp4": (16, 0x76807680), "mxfp4": (128, 0x3B803B80)}
-
-
-def _byte_sel(b: int) -> int:
-    """PRMT selector producing bytes [a.b, 0, a.b, 0] (second operand is zero)."""
-    return (4 << 12) | (b << 8) | (4 << 4) | b
-
-
-def scale_pair(sw: Uint32, i: int, fmt: str) -> tuple[Uint32, Uint32]:
-    """bf16x2 scales (row r0, row r1) of chunk i (0..3) of a group from the lane's scale word
-    sw = word i // 2 of its 8-byte scale vector (byte 2 (i % 2) = r0, byte 2 (i % 2) + 1 = r1)."""
-    mul, add = SCALE_CONSTS[fmt]
-    zero = Uint32(0)
-    b0 = 2 * (i % 2)
-    x0 = P.prmt(sw, zero, _byte_sel(b0))
-    x1 = P.prmt(sw, zero, _byte_sel(b0 + 1))
-    return x0 * Uint32(mul) + Uint32(add), x1 * Uint32(mul) + Uint32(add)
-
-
-def decode_nib(w: Uint32) -> list[Uint32]:
-    """Packing "nib": the 4 bf16x2 pairs (E2M1 x 2^-126) of a word, a0a1, a2a3, a4a5, a6a7."""
-    out = []
-    for p in range(4):
-        tp = w << Uint32(4 * p) if p else w
-        out.append((tp & Uint32(0x80008000)) | ((tp & Uint32(0x70007000)) >> Uint32(6)))
-    return out
-
-
-def decode_split(w: Uint32) -> list[Uint32]:
-    """Packing "split" (sign apart from magnitude): 7 LOP3/SHF + 4 IMAD.SHL per word."""
-    mag, sgn = Uint32(0x01C001C0), Uint32(0x80008000)
-    both = Uint32(0x81C081C0)
-    return [w & both,
-            (w << Uint32(3)) & both,
-            ((w << Uint32(6)) & mag) | ((w << Uint32(1)) & sgn),
-            ((w >> Uint32(3)) & mag) | ((w << Uint32(2)) & sgn)]
-
-
-DECODERS = {"nib": decode_nib, "split": decode_split}
-
+__all__ = ["chunk_mma", "x_values", "operand_words", "base_operand", "selected_residues"]
 
 def chunk_mma(words: Sequence[Sequence[Uint32]], scales: Sequence[tuple[Uint32, Uint32]],
               xw: Sequence[Sequence[Uint32]], acc: list[list[list[Float32]]],

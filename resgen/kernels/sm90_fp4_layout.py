@@ -1,5 +1,6 @@
-"""Offline weight layouts for the Hopper decode FP4 linear kernels (family linear_sm90_mma), and
-a pure-torch CPU emulation of those kernels' data path.
+"""The Hopper FP4 weight layout "frag16", written offline and read by both Hopper linear
+families (linear_sm90_mma, the decode kernels it was designed for, and linear_sm90_wgmma, whose
+layout is built from it), and a pure-torch CPU emulation of linear_sm90_mma's data path.
 
 Hopper has no FP4 tensor cores. The kernels run `mma.sync.m16n8k16` in BF16 with FP32
 accumulation on EXACT values: a weight code is decoded by bit placement to the BF16 value
@@ -76,7 +77,7 @@ from ..calibrate import QLinearWeight, Selection
 
 __all__ = ["K_ALIGN", "PACKINGS", "XOP_LAYOUTS", "Sm90Weight", "prepare_sm90_weight",
            "scale_bytes", "expand_scale_bits", "decode_pairs", "fragment_weight_values",
-           "emulate_linear_sm90", "epilogue_factor", "pad_to"]
+           "emulate_linear_sm90_mma", "epilogue_factor", "pad_to"]
 
 K_ALIGN = 256                 # Kp granularity: 4 chunks of 64 (one scale vector per lane)
 PACKINGS: tuple[str, ...] = ("nib", "split")
@@ -164,7 +165,7 @@ def scale_bytes(q: formats.QuantizedTensor) -> torch.Tensor:
     nonzero = ((codes & 7) != 0).reshape(*codes.shape[:-1], -1, bs).any(-1)
     if bool((e8 > _MX_E_MAX).any()):
         raise ValueError(f"MXFP4 block scale exponent above {_MX_E_MAX - 127} (|w| >= 2^11): "
-                         "the BF16 path of linear_sm90 cannot represent it exactly")
+                         "the BF16 path of the Hopper linear kernels cannot represent it exactly")
     if bool((nonzero & (e8 < _MX_E_MIN_NONZERO)).any()):
         raise ValueError(f"MXFP4 nonzero block with scale exponent below "
                          f"{_MX_E_MIN_NONZERO - 127} (|w| < 2^-116): not exact in BF16")
@@ -192,7 +193,7 @@ def prepare_sm90_weight(qweight: QLinearWeight, packing: str = "nib") -> Sm90Wei
     if q.codes.dim() != 2:
         raise ValueError("a linear weight must be 2-D")
     if n % 16:
-        raise ValueError(f"linear_sm90 needs out_features % 16 == 0, got N={n}")
+        raise ValueError(f"the Hopper FP4 weight layout needs out_features % 16 == 0, got N={n}")
     kp = pad_to(kw, K_ALIGN)
     dev = q.codes.device
     codes = formats.unpack_fp4(q.codes).to(torch.int64)               # [N, Kw]
@@ -310,7 +311,7 @@ def epilogue_factor(fmt: str, alpha_x: torch.Tensor | None, alpha_w: torch.Tenso
     return (alpha_x.float().reshape(1) * alpha_w.float().reshape(1)) * 128.0
 
 
-def emulate_linear_sm90(xop: torch.Tensor, wt: Sm90Weight, m: int,
+def emulate_linear_sm90_mma(xop: torch.Tensor, wt: Sm90Weight, m: int,
                         layout: Literal["plain", "row_pair"] = "plain",
                         alpha_x: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's data path on the CPU (or any device), in torch. Returns float32 [m, N]

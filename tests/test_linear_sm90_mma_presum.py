@@ -20,15 +20,15 @@ from resgen import calibrate as C
 from resgen import formats as F
 from resgen import reference as R
 from resgen.kernels import codegen
-from resgen.kernels import layouts as L
-from resgen.kernels import linear_sm90_presum as PS
-from resgen.kernels.linear_sm90 import make_xop
-from resgen.kernels.linear_sm90_sim import _f16_halves, _f16_mul, _scale, simulate_kernel
-from resgen.search.linear_sm90 import (FAMILY, PRESUM_MEXT_ONLY, PRESUM_NVFP4_ONLY,
-                                       PRESUM_XOP_ONLY, Act, Fold, LinearSm90Variant, Packing,
-                                       Pipeline, Reduction, compare, geometry_of)
+from resgen.kernels import sm90_fp4_layout as L
+from resgen.kernels import linear_sm90_mma_presum as PS
+from resgen.kernels.sm90_operand import make_xop
+from resgen.kernels.linear_sm90_mma_sim import _f16_halves, _f16_mul, _scale, simulate_kernel
+from resgen.search.linear_sm90_mma import (FAMILY, PRESUM_MEXT_ONLY, PRESUM_NVFP4_ONLY,
+                                           PRESUM_XOP_ONLY, Act, Fold, LinearSm90Variant, Packing,
+                                           Pipeline, Reduction, compare, geometry_of)
 from resgen.search.variant import LinearProblem
-from test_linear_sm90 import _record_launcher_pointers, _TorchQuantizer
+from test_linear_sm90_mma import _record_launcher_pointers, _TorchQuantizer
 
 ARCH = "sm_90a"
 FIXTURE = Path(__file__).parent / "fixtures" / "linear_sm90_mma_renders.json.xz"
@@ -72,7 +72,7 @@ def test_presum_render_is_its_own_kernel():
     assert 'PRESUM = "presum" == "presum"' in pr and 'PRESUM = "exact" == "presum"' in ex
     # the substitute-only template imports the presum module in every render (issue 18), so
     # the kernel modules are shared; the renders, hence the fingerprints, differ
-    assert "from resgen.kernels import linear_sm90_presum as PS" in pr
+    assert "from resgen.kernels import linear_sm90_mma_presum as PS" in pr
     assert codegen.kernel_modules_digest(ex) == codegen.kernel_modules_digest(pr)
     assert variant_fingerprint(FAMILY, v, p, ARCH) != \
         variant_fingerprint(FAMILY, dataclasses.replace(v, **PRESUM), p, ARCH)
@@ -159,7 +159,7 @@ def test_f16_pair_decode_of_every_code_is_e2m1_times_2_pow_minus_14(packing):
 
 def test_f16_weight_is_exact_for_every_code_and_scale_byte():
     """decode (E2M1 x 2^-14) x S16(b) in mul.rn.f16x2 = E2M1 x s_w x 2^-7 exactly, for every
-    code and every scale byte layouts.scale_bytes can emit (NVFP4: 0 and 9 << 3 .. 143)."""
+    code and every scale byte sm90_fp4_layout.scale_bytes can emit (NVFP4: 0 and 9 << 3 .. 143)."""
     codes = torch.arange(16, dtype=torch.int64)
     r0 = PS.decode_split_f16(_place(codes, 0, "split"))[0] & 0xFFFF      # low half of pair 0
     for b in range(144):
@@ -178,7 +178,7 @@ def test_f16_weight_is_exact_for_every_code_and_scale_byte():
 def test_presum_b_words_are_formats_presum_fp16():
     """The sim's B words (FP32 add of the row pair, one RNE to FP16) are formats.presum_fp16
     of X_hat + R_hat (unit values), for make_xop's operand of random activations."""
-    from resgen.kernels.linear_sm90_sim import _presum_words
+    from resgen.kernels.linear_sm90_mma_sim import _presum_words
 
     _, qw = _layer(64, 512, seed=3)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4)) * 3
@@ -264,7 +264,7 @@ def test_presum_rounding_is_what_the_kernel_computes():
     wt = L.prepare_sm90_weight(qw, "split")
     out = torch.full((2, n), float("nan"), dtype=torch.bfloat16)
     simulate_kernel(geometry_of(v, p), wt, xop, 2, 2, ax, out)
-    emu = L.emulate_linear_sm90(xop, wt, 2, "row_pair", ax)
+    emu = L.emulate_linear_sm90_mma(xop, wt, 2, "row_pair", ax)
     assert bool((out[0] == 0).all()) and bool((emu[0] != 0).all())
     assert torch.equal(out[1].float(), emu[1].to(torch.bfloat16).float())
 
@@ -273,7 +273,7 @@ def test_presum_rounding_is_what_the_kernel_computes():
 
 
 class _SimKernel:
-    """A compiled presum variant's stand-in (tests/test_linear_sm90.py's _SimulatedKernel
+    """A compiled presum variant's stand-in (tests/test_linear_sm90_mma.py's _SimulatedKernel
     idea): maps the launcher's pointers back to tensors and runs the simulation; drop_residue
     zeroes the residue rows first (a wrong kernel the checks must catch)."""
 
@@ -314,7 +314,7 @@ def test_runner_checks_presum_against_both_folds(drop, monkeypatch):
 
 
 def test_launcher_refuses_rows_that_are_not_row_pairs():
-    from resgen.kernels.linear_sm90 import LinearSm90Launcher
+    from resgen.kernels.linear_sm90_mma import LinearSm90Launcher
 
     p = LinearProblem("nvfp4", "full", 3, 64, 1024)
     v = LinearSm90Variant(warps_m=2, warps_k=2, stages=3, **PRESUM)
@@ -381,7 +381,7 @@ def test_presum_h200_script_runs_tests_then_probe(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert len(calls) == 2
-    assert "tests/gpu/test_linear_sm90_presum_gpu.py" in calls[0]
+    assert "tests/gpu/test_linear_sm90_mma_presum_gpu.py" in calls[0]
     assert "bench/probes/presum_probe.py" in calls[1]
     env["RESGEN_PRESUM_COVER"] = "1"
     (tmp_path / "calls.log").unlink()
@@ -389,7 +389,7 @@ def test_presum_h200_script_runs_tests_then_probe(tmp_path):
                        capture_output=True, text=True, timeout=120)
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert r.returncode == 0 and len(calls) == 3
-    assert "test_linear_sm90_gpu.py" in calls[1] and "nvfp4-full" in calls[1]
+    assert "test_linear_sm90_mma_gpu.py" in calls[1] and "nvfp4-full" in calls[1]
     env["FAKE_FAIL"] = "presum_probe"
     r = subprocess.run(["bash", str(repo / "bench" / "presum_h200.sh")], env=env,
                        capture_output=True, text=True, timeout=120)

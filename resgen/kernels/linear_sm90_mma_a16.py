@@ -2,7 +2,7 @@
 
 W4A16 (compensation "w4a16": FP4 weights, BF16 activations never quantized) multiplies the
 BF16 activations themselves by the exactly decoded weight. A fused variant's main loop reads
-its operand tile (TOK rows of the CTA's K range, resgen.kernels.linear_sm90_geom) from shared
+its operand tile (TOK rows of the CTA's K range, resgen.kernels.linear_sm90_mma_geom) from shared
 memory as exact BF16 values; for W4A16 those values ARE the activations, so the prologue copies
 each (token, block) item of x [m, K] into the tile instead of quantizing it, and the epilogue
 scales by alpha_x alpha_w with alpha_x = 1 (the launch path passes a one, as it does for the
@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .linear_sm90_geom import Geometry
+from .linear_sm90_mma_geom import Geometry
 
 __all__ = ["A16Geometry", "a16_geometry", "copy_words"]
 

@@ -2,7 +2,7 @@
 mma.sync on exactly decoded values, operand swap, M-Ext fold, K-Ext, split-K).
 
 The variant axes (LinearSm90Variant) and what they change in the kernel
-(resgen/templates/linear_sm90_mma.py.j2, geometry in resgen.kernels.linear_sm90_geom):
+(resgen/templates/linear_sm90_mma.py.j2, geometry in resgen.kernels.linear_sm90_mma_geom):
     warps_m, warps_k   warps per CTA along output channels / along K (in-CTA split-K, reduced
                        through shared memory in warp order)
     m_tiles            m16 tiles (16 output channels) per warp
@@ -30,7 +30,7 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
                        activations into shared memory with resgen.kernels.fp4_device: the
                        variant IS the whole layer; static NVFP4 alpha or MXFP4; for W4A16 the
                        prologue copies the BF16 activations instead, resgen.kernels.
-                       linear_sm90_a16)
+                       linear_sm90_mma_a16)
     cluster            fused only: CTAs of neighbouring channel blocks launched as one cluster
                        that quantize the operand tile once between them (each 1 / cluster of
                        the blocks, stored into every peer's shared memory); 1 = each CTA
@@ -44,7 +44,7 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
                        extra MMA rows, the epilogue folds row pairs: Blackwell's numerics, twice
                        the MMAs) or "presum" (each token's base + residue summed in FP32 in the
                        B load, rounded once to FP16, ONE FP16 MMA against the weight decoded
-                       exactly in FP16, no fold: resgen.kernels.linear_sm90_presum). Presum is
+                       exactly in FP16, no fold: resgen.kernels.linear_sm90_mma_presum). Presum is
                        valid for compensation "full" (M-Ext), NVFP4, xop variants only (PRESUM_*
                        below say why not elsewhere); it is a kernel choice of the "full"
                        workload, checked against reference.linear(fold="presum") AND within
@@ -68,10 +68,9 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from ..calibrate import QLinearWeight
-from ..kernels.linear_sm90_geom import pow2_ceil
 from .family import register
-from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily,
-                          cached_weight_sets, compare, kp_of, layer_quantizer, random_layer)
+from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily, cached_weight_sets, compare,
+                          kp_of, layer_quantizer, pow2_ceil, random_layer)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Packing", "Pipeline", "Reduction", "Act", "Fold", "PRESUM_MEXT_ONLY",
@@ -182,8 +181,6 @@ def tok_rows_of(variant: LinearSm90Variant, problem: LinearProblem) -> int:
     """Fused: xop rows of a CTA's operand tile (a power of two, at most 8 n_tiles); 0 for xop."""
     if not variant.fused:
         return 0
-    from ..kernels.linear_sm90_geom import pow2_ceil
-
     return min(8 * variant.n_tiles, pow2_ceil(problem.rows))
 
 
@@ -192,14 +189,14 @@ def _ksel(problem: LinearProblem) -> int:
 
 
 def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
-    """The kernel's Geometry (presum: resgen.kernels.linear_sm90_presum.PresumGeometry, whose
-    GEMM rows are tokens: mext False; W4A16 fused: resgen.kernels.linear_sm90_a16.A16Geometry,
+    """The kernel's Geometry (presum: resgen.kernels.linear_sm90_mma_presum.PresumGeometry, whose
+    GEMM rows are tokens: mext False; W4A16 fused: resgen.kernels.linear_sm90_mma_a16.A16Geometry,
     whose prologue copies the activations)."""
-    from ..kernels.linear_sm90_geom import Geometry
+    from ..kernels.linear_sm90_mma_geom import Geometry
 
     fused = variant.fused
     if variant.presum:
-        from ..kernels.linear_sm90_presum import presum_geometry
+        from ..kernels.linear_sm90_mma_presum import presum_geometry
 
         return presum_geometry(geometry_of(replace(variant, fold=Fold.EXACT),
                                            replace(problem, compensation="none")))
@@ -214,7 +211,7 @@ def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
                  k=problem.k if fused else 0, ksel=_ksel(problem) if fused else 0,
                  tok_rows=tok_rows_of(variant, problem), cluster=variant.cluster)
     if fused and problem.w4a16:
-        from ..kernels.linear_sm90_a16 import a16_geometry
+        from ..kernels.linear_sm90_mma_a16 import a16_geometry
 
         return a16_geometry(g)
     return g
@@ -251,7 +248,7 @@ def _why_not_presum(v: LinearSm90Variant, p: LinearProblem) -> str | None:
 
 def _reg_estimate(v: LinearSm90Variant, p: LinearProblem | None = None) -> int:
     """Registers per thread a variant needs, fitted to ptxas's counts for sm_90a (see
-    docs/linear_sm90.md): accumulators 4 MT NT; B words 8 NT per chunk, twice when MT > 1
+    docs/linear_sm90_mma.md): accumulators 4 MT NT; B words 8 NT per chunk, twice when MT > 1
     (ptxas loads the next chunk's while the current one multiplies); weight/scale words per
     iteration held by the pipeline (direct ~8 per group and tile in flight, the register
     double buffer two full iterations of 18, cp_async 6 per tile read back per chunk).
@@ -580,8 +577,8 @@ class LinearSm90Family(Sm90LinearFamily):
 
     # ------------------------------------------------------------------ launch (bind)
     def layout(self, qweight: QLinearWeight, packing: str) -> Any:
-        """The weight in this family's layout (resgen.kernels.layouts.Sm90Weight)."""
-        from ..kernels.layouts import prepare_sm90_weight
+        """The weight in this family's layout (resgen.kernels.sm90_fp4_layout.Sm90Weight)."""
+        from ..kernels.sm90_fp4_layout import prepare_sm90_weight
 
         return prepare_sm90_weight(qweight, packing)
 
@@ -597,9 +594,9 @@ class LinearSm90Family(Sm90LinearFamily):
 
     def launcher(self, compiled: Any, variant: LinearSm90Variant, problem: LinearProblem,
                  device: torch.device | str) -> Any:
-        """resgen.kernels.linear_sm90.LinearSm90Launcher with the split-K workspace and
+        """resgen.kernels.linear_sm90_mma.LinearSm90Launcher with the split-K workspace and
         semaphores of `problem`; refuses a kernel compiled for another compile key."""
-        from ..kernels.linear_sm90 import LinearSm90Launcher
+        from ..kernels.linear_sm90_mma import LinearSm90Launcher
 
         from .build import COMPILE_KEY_ATTR
 
@@ -630,7 +627,7 @@ _WEIGHTS_KEEP = 3       # weight-set lists kept for reuse by the next variants /
 def _weight_sets(problem: LinearProblem, packing: str, device, n_sets: int, seed: int) -> list:
     """[(qweight, Sm90Weight)] * n_sets for the problem's layer (M plays no part), cached for
     the few most recent layers: preparing big weights costs more than timing a variant."""
-    from ..kernels.layouts import prepare_sm90_weight
+    from ..kernels.sm90_fp4_layout import prepare_sm90_weight
 
     return cached_weight_sets(_WEIGHTS, _WEIGHTS_KEEP, prepare_sm90_weight, problem, packing,
                               device, n_sets, seed)

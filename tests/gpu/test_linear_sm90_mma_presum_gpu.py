@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from resgen import calibrate as C
-from resgen.kernels import layouts as L
-from resgen.search.linear_sm90 import (FAMILY, PRESUM_NVFP4_ONLY, PRESUM_XOP_ONLY, Act, Fold,
-                                       LinearSm90Variant, Pipeline, geometry_of)
+from resgen.kernels import sm90_fp4_layout as L
+from resgen.search.linear_sm90_mma import (FAMILY, PRESUM_NVFP4_ONLY, PRESUM_XOP_ONLY, Act, Fold,
+                                           LinearSm90Variant, Pipeline, geometry_of)
 from resgen.search.variant import LinearProblem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_linear_sm90_gpu import _compiled  # noqa: E402  (one compile cache for both files)
+from test_linear_sm90_mma_gpu import _compiled  # noqa: E402  (one compile cache for both files)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -89,7 +89,7 @@ def test_presum_rounds_once_to_fp16_on_the_gpu():
     xop[0, 0], xop[0, 1], xop[1, 0] = 1.0, -1.0, 2.0 ** -12
     xop[2, 5], xop[3, 5] = 1.0, 2.0 ** -9
     ax = torch.ones(1)
-    emu = L.emulate_linear_sm90(xop, L.prepare_sm90_weight(qw, "split"), 2, "row_pair", ax)
+    emu = L.emulate_linear_sm90_mma(xop, L.prepare_sm90_weight(qw, "split"), 2, "row_pair", ax)
     out = torch.full((2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     launch(wt, xop.cuda(), 2, 4, ax.cuda(), out)
     torch.cuda.synchronize()

@@ -25,7 +25,7 @@ alpha_x alpha_w 2^7 is the same):
   - weight: E2M1 (2 significant bits) x E4M3 (4) has 6; the smallest nonzero value
     0.5 x 2^-9 x 2^-7 = 2^-17 is a multiple of FP16's subnormal step 2^-24, the largest
     6 x 448 x 2^-7 = 21 is far below 65504;
-  - scale: byte b = ((E' + 9) << 3) | f for s_w = 2^E' (1 + f/8) (resgen.kernels.layouts), and
+  - scale: byte b = ((E' + 9) << 3) | f for s_w = 2^E' (1 + f/8) (resgen.kernels.sm90_fp4_layout), and
     s_w x 2^7 in FP16 has exponent field E' + 22 and mantissa f << 7, i.e. the bits
     b * 128 + 0x3400 (at most 143 * 128 + 0x3400 = 0x7B80 < 0x7C00: never Inf);
   - activation: the operand values are unit values (no alpha) exact in BF16; their FP32 sum
@@ -33,7 +33,7 @@ alpha_x alpha_w 2^7 is the same):
     rounding (fp16 RNE of the FP32 sum, no scale factoring: t = 0).
 MXFP4 presum needs each token row's power-of-two shift t = floor(log2 max |X_hat + R_hat|) - 11
 over ALL of K (formats.presum_fp16) before its first MMA; a CTA sees only its K range, so the
-family refuses it (resgen.search.linear_sm90), as it does fused presum (the fused prologue
+family refuses it (resgen.search.linear_sm90_mma), as it does fused presum (the fused prologue
 writes the row pair).
 """
 
@@ -47,9 +47,8 @@ from cutlass import Uint32
 
 from . import fp4_device as fd
 from . import sm90_ptx as P
-from . import sm90_ptx_f16 as H
-from .linear_sm90_dev import _byte_sel
-from .linear_sm90_geom import Geometry
+from .sm90_fp4_decode import byte_sel
+from .linear_sm90_mma_geom import Geometry
 
 __all__ = ["PRESUM_SCALE_CONSTS", "F16_MAG", "decode_nib_f16", "decode_split_f16",
            "F16_DECODERS", "PresumGeometry", "presum_geometry", "scale_pair_f16",
@@ -67,7 +66,7 @@ _SIGN = 0x80008000
 
 def decode_nib_f16(w: Any, u: Callable[[int], Any] = int) -> list:
     """Packing "nib": the 4 f16x2 pairs (E2M1 x 2^-14) of a word, a0a1, a2a3, a4a5, a6a7
-    (the nibble of slot s sits where resgen.kernels.layouts puts it; magnitude bits 12..14
+    (the nibble of slot s sits where resgen.kernels.sm90_fp4_layout puts it; magnitude bits 12..14
     of a half shifted to 9..11). w: a DSL Uint32 (u = Uint32) or a torch int64 tensor of
     non-negative 32-bit words (u = int); bits above 32 are masked off."""
     out = []
@@ -78,7 +77,7 @@ def decode_nib_f16(w: Any, u: Callable[[int], Any] = int) -> list:
 
 
 def decode_split_f16(w: Any, u: Callable[[int], Any] = int) -> list:
-    """Packing "split" (sign apart from magnitude; layouts: |code| of pair p at bits 6, 3, 0, 9
+    """Packing "split" (sign apart from magnitude; sm90_fp4_layout: |code| of pair p at bits 6, 3, 0, 9
     of each half, sign at 15, 12, 14, 13): each pair's magnitude moved to bits 9..11 and its
     sign to 15. Arguments as decode_nib_f16."""
     mag, sgn = u(F16_MAG), u(_SIGN)
@@ -135,12 +134,12 @@ def presum_geometry(g: Geometry) -> PresumGeometry:
 
 def scale_pair_f16(sw: Any, i: int, fmt: str) -> tuple:
     """f16x2 scales S16(r0), S16(r1) of chunk i (0..3) of a group from the lane's scale word
-    (resgen.kernels.linear_sm90_dev.scale_pair with the FP16 constants)."""
+    (resgen.kernels.sm90_fp4_decode.scale_pair with the FP16 constants)."""
     mul, add = PRESUM_SCALE_CONSTS[fmt]
     zero = Uint32(0)
     b0 = 2 * (i % 2)
-    x0 = P.prmt(sw, zero, _byte_sel(b0))
-    x1 = P.prmt(sw, zero, _byte_sel(b0 + 1))
+    x0 = P.prmt(sw, zero, byte_sel(b0))
+    x1 = P.prmt(sw, zero, byte_sel(b0 + 1))
     return x0 * Uint32(mul) + Uint32(add), x1 * Uint32(mul) + Uint32(add)
 
 
@@ -154,13 +153,13 @@ def presum_b_words(load: Callable[[Any], tuple], a: Any, res_off: int) -> list:
     for bw, rw in zip(base, res):
         b_lo, b_hi = fd.bf16x2_to_f32(bw)
         r_lo, r_hi = fd.bf16x2_to_f32(rw)
-        out.append(H.cvt_f16x2(b_lo + r_lo, b_hi + r_hi))
+        out.append(P.cvt_f16x2(b_lo + r_lo, b_hi + r_hi))
     return out
 
 
 def chunk_mma_f16(words: Sequence[Sequence[Any]], scales: Sequence[tuple],
                   xw: Sequence[Sequence[Any]], acc: list, packing: str) -> None:
-    """One 64-column chunk in FP16 (linear_sm90_dev.chunk_mma's shape): words[mt][j] (4 per
+    """One 64-column chunk in FP16 (linear_sm90_mma_dev.chunk_mma's shape): words[mt][j] (4 per
     m16 tile), scales[mt] = (S16(r0), S16(r1)), xw[nt] = the lane's 8 presum B words of n8
     tile nt; acc[mt][nt] = 4 FP32, updated."""
     decode = F16_DECODERS[packing]
@@ -168,7 +167,7 @@ def chunk_mma_f16(words: Sequence[Sequence[Any]], scales: Sequence[tuple],
         s0, s1 = scales[mt]
         for j in range(4):
             r = decode(wv[j], Uint32)
-            a = (H.mul_f16x2(r[0], s0), H.mul_f16x2(r[1], s1),
-                 H.mul_f16x2(r[2], s0), H.mul_f16x2(r[3], s1))
+            a = (P.mul_f16x2(r[0], s0), P.mul_f16x2(r[1], s1),
+                 P.mul_f16x2(r[2], s0), P.mul_f16x2(r[3], s1))
             for nt, x in enumerate(xw):
-                acc[mt][nt] = list(H.mma_f16_16816(a, (x[2 * j], x[2 * j + 1]), acc[mt][nt]))
+                acc[mt][nt] = list(P.mma_f16_16816(a, (x[2 * j], x[2 * j + 1]), acc[mt][nt]))

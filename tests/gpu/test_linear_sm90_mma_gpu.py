@@ -17,8 +17,8 @@ import torch
 
 from resgen.search import build
 from resgen.search.cover import covering_subset
-from resgen.search.linear_sm90 import (FAMILY, Act, LinearSm90Variant, Packing, Pipeline,
-                                       Reduction, geometry_of)
+from resgen.search.linear_sm90_mma import (FAMILY, Act, LinearSm90Variant, Packing, Pipeline,
+                                           Reduction, geometry_of)
 from resgen.search.variant import LinearProblem
 
 pytestmark = [pytest.mark.gpu,
@@ -200,8 +200,8 @@ def test_pdl_layers_chained_through_activations(graph):
     """Layer 2 (fused, PDL) quantizes layer 1's BF16 output. Layer 1 lets it launch at its
     own start; layer 2 must still read x only after griddepcontrol.wait. Any early read shows
     up as a mismatch with the same two layers run with a synchronize in between."""
-    from resgen.kernels.linear_sm90 import LinearSm90Launcher
-    from resgen.search.linear_sm90 import geometry_of, random_layer
+    from resgen.kernels.linear_sm90_mma import LinearSm90Launcher
+    from resgen.search.linear_sm90_mma import geometry_of, random_layer
 
     m, d = 4, 4096
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -211,7 +211,7 @@ def test_pdl_layers_chained_through_activations(graph):
                            Packing.SPLIT, Act.FUSED, True)
     v2 = LinearSm90Variant(2, 4, 1, 1, 1, Pipeline.DIRECT, 1, 4, 1, Reduction.NONE,
                            Packing.SPLIT, Act.FUSED, True)
-    from resgen.kernels.layouts import prepare_sm90_weight
+    from resgen.kernels.sm90_fp4_layout import prepare_sm90_weight
 
     q1, q2 = random_layer(p1, "cuda", gen), random_layer(p2, "cuda", gen)
     w1, w2 = prepare_sm90_weight(q1, "split"), prepare_sm90_weight(q2, "split")
@@ -263,9 +263,10 @@ def test_subnormal_half_codes_survive_the_bf16_decode(packing):
     from resgen import calibrate as C
     from resgen import formats as F
     from resgen import reference
-    from resgen.kernels.layouts import prepare_sm90_weight
-    from resgen.kernels.linear_sm90 import LinearSm90Launcher, make_xop
-    from resgen.search.linear_sm90 import compare, geometry_of
+    from resgen.kernels.sm90_fp4_layout import prepare_sm90_weight
+    from resgen.kernels.linear_sm90_mma import LinearSm90Launcher
+    from resgen.kernels.sm90_operand import make_xop
+    from resgen.search.linear_sm90_mma import compare, geometry_of
 
     n, k, m = 128, 512, 4
     g = torch.Generator().manual_seed(0)
