@@ -1,7 +1,7 @@
 """Write the render-identity fixture of linear_sm90_mma's exact-fold variants.
 
     PYTHONPATH=/path/to/main/checkout python scripts/exact_render_fixture.py \
-        tests/fixtures/linear_sm90_mma_renders.json.xz
+        tests/fixtures/linear_sm90_mma_renders.json.xz [COMMIT] [--pairs-from OLD.json.xz]
 
 (resgen is imported from PYTHONPATH, the table read from this checkout's tuned/.)
 
@@ -12,6 +12,12 @@ linear_sm90_mma workload of the shipped table (tuned/h200.sqlite.xz; 719 distinc
 both formats, every compensation, fused and xop), stored as canonical keys. The test
 (tests/test_linear_sm90_mma_presum.py) renders each with the checkout under test: one changed
 byte fails, as does a change to a resgen.kernels module the renders import (digest stored).
+
+--pairs-from re-pins the same (variant, compile key) pairs as an earlier fixture with this
+checkout's renders: after a change whose kernels were proven unchanged (every shipped row
+PTX- and host-IR-equal, `resgen db refingerprint --check-ptx auto`), so the fixture keeps
+guarding the same kernels. Re-pinned at 1213aef (issue 18: module renames, one epilogue, the
+substitute-only template; 48c1103's pairs).
 """
 from __future__ import annotations
 
@@ -60,15 +66,30 @@ def pairs() -> list[tuple[str, str]]:
     return list(out)
 
 
+def pairs_from(fixture: str) -> list[tuple[str, str]]:
+    """The (variant key, compile key) pairs an earlier fixture pinned."""
+    doc = json.loads(lzma.decompress(Path(fixture).read_bytes()))
+    return [(vk, pk) for vk, pk, _ in doc["renders"]]
+
+
 def main(argv: list[str]) -> int:
+    old = None
+    if "--pairs-from" in argv:
+        i = argv.index("--pairs-from")
+        if i + 1 >= len(argv):
+            print("--pairs-from needs a fixture path", file=sys.stderr)
+            return 2
+        old = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
     if len(argv) not in (2, 3):
-        print("usage: python scripts/exact_render_fixture.py OUT.json.xz [COMMIT]\n"
+        print("usage: python scripts/exact_render_fixture.py OUT.json.xz [COMMIT] "
+              "[--pairs-from OLD.json.xz]\n"
               "(COMMIT: the label to record where resgen is not a git checkout, e.g. a "
               "`git archive` of that commit)", file=sys.stderr)
         return 2
     fam = get_family("linear_sm90_mma")
     entries = []
-    for vk, pk in pairs():
+    for vk, pk in (pairs_from(old) if old else pairs()):
         v, p = fam.VARIANT.from_key(vk), fam.PROBLEM.from_key(pk)
         entries.append([vk, pk, render_sha(fam, v, p)[:12]])
     import resgen

@@ -198,7 +198,9 @@ def test_renders_are_byte_identical_to_the_pinned_substitute_only_template():
     fingerprint unnoticed. The fixture was rewritten when the template became substitute-only
     (issue 18: no `{% if %}`; every shipped attention row was proven PTX- and host-IR-equal
     to the branching template by `resgen db refingerprint --check-ptx auto`, tier 2,
-    tuned/README.md); before that it pinned e045ab3's renders through the Q16 change.
+    tuned/README.md); before that it pinned e045ab3's renders through the Q16 change. Re-pinned
+    at 1213aef (issue 18: one inline-PTX module sm90_ptx, so the kernel-module digest moved),
+    every shipped attention row again proven equal at tier 2.
     Rewrite it only with such a proof: `python tests/attention_render_sample.py >
     tests/fixtures/attention_sm90_render.json`."""
     import sys

@@ -142,11 +142,16 @@ def test_gpu_tests_all_runs_every_file_with_its_own_xml(tmp_path):
     for name in ("test_a_gpu", "test_b_gpu"):
         call = next(c for c in calls if f"tests/gpu/{name}.py" in c)
         assert f"--junitxml={tmp_path / 'out'}/gpu_tests_s9_{name}.xml" in call
-        assert (tmp_path / "out" / f"gpu_tests_s9_{name}.log").exists()
-    lines = r.stdout.strip().splitlines()
+    lines = [ln.rstrip() for ln in r.stdout.strip().splitlines()]
     assert [ln.split(":")[0] for ln in lines] == ["test_a_gpu", "test_b_gpu"]
     assert "rc=0" in lines[0] and "rc=3" in lines[1]
-    assert not list((tmp_path / "out").glob(".rc_*"))
+    out = tmp_path / "out"
+    assert [ln.rstrip() for ln in (out / "gpu_tests_s9.txt").read_text().splitlines()] == lines
+    # the logs travel as one archive (a device call returns at most 8 files)
+    packed = subprocess.run(["tar", "tJf", str(out / "gpu_tests_s9.tar.xz")],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(packed) == ["gpu_tests_s9_test_a_gpu.log", "gpu_tests_s9_test_b_gpu.log"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_tests_s9.tar.xz", "gpu_tests_s9.txt"]
 
 
 def test_gpu_tests_all_wants_a_tag_and_a_file(tmp_path):

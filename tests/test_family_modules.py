@@ -371,3 +371,14 @@ def test_ops_take_their_default_arch_from_settings(monkeypatch):
         assert DecodeAttention(8, 2, 64, arch="sm_90a", op_fn=stand_in).arch == "sm_90a"
     finally:
         S.settings.cache_clear()
+
+
+def test_experimental_families_come_last():
+    """families() keeps registration order but puts opt-in families last, so "the first
+    family of an op" serves by default (linear_sm90_fp8 sorts first by module name)."""
+    names = list(F.families())
+    flags = [F.families()[n].EXPERIMENTAL for n in names]
+    assert flags == sorted(flags)
+    linear = [n for n in names if F.families()[n].PROBLEM is LinearProblem
+              and "sm_90a" in F.families()[n].ARCHS]
+    assert linear[0] == "linear_sm90_mma" and linear[-1] == "linear_sm90_fp8"

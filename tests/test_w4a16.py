@@ -157,10 +157,10 @@ def _render(v, p) -> str:
 
 
 def test_plain_full_and_kext_fused_renders_are_unchanged():
-    """The operand "copy" changed the template under `{% if %}` only: every fused (and xop)
-    winner of the shipped table (plain, M-Ext, K-Ext, both formats; rendered on main by
-    scripts/exact_render_fixture.py) renders the same bytes and imports the same kernel
-    modules (so the table's rows are re-fingerprinted, not re-tuned)."""
+    """No change since the fixture was pinned moved a fused kernel: every fused (and xop)
+    winner of the fixture (plain, M-Ext, K-Ext, both formats; scripts/exact_render_fixture.py,
+    last re-pinned at 1213aef under a tier-2 refingerprint proof) renders the same bytes and
+    imports the same kernel modules (so the table's rows are re-fingerprinted, not re-tuned)."""
     doc = json.loads(lzma.decompress(FIXTURE.read_bytes()))
     comps = set()
     bad = []

@@ -313,13 +313,16 @@ def unknown_experimental() -> list[str]:
 
 
 def families() -> dict[str, KernelFamilyBase]:
+    """Every registered family by name: in registration order (family modules are imported
+    in module-name order), the experimental (opt-in) ones last, so the first family of an op
+    is one that serves by default (linear_sm90_fp8 sorts before linear_sm90_mma by name)."""
     bad = unknown_experimental()
     if bad and frozenset(bad) not in _WARNED_EXPERIMENTAL:
         _WARNED_EXPERIMENTAL.add(frozenset(bad))
         warnings.warn(f"RESGEN_EXPERIMENTAL names {bad}, which are no experimental kernel "
                       f"family (those are {_experimental_families()}): nothing is opted in "
                       "for them", stacklevel=2)
-    return dict(_REGISTRY)
+    return dict(sorted(_REGISTRY.items(), key=lambda kv: kv[1].EXPERIMENTAL))
 
 
 def families_for(op: str, arch: str) -> list[KernelFamilyBase]:
