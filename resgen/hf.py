@@ -68,9 +68,12 @@ PAGE_SIZE = 32
 
 
 def kernel_support(fmt: str, compensation: str, n: int, k: int, static_scale: bool,
-                   arch: str = "sm_90a") -> str | None:
-    """None if a linear kernel family serves (fmt, compensation, N, K) on arch, else why not
-    (every family's reason)."""
+                   arch: str | None = None) -> str | None:
+    """None if a linear kernel family serves (fmt, compensation, N, K) on arch (default:
+    resgen.settings'), else why not (every family's reason)."""
+    from .settings import settings
+
+    arch = arch or settings().arch
     from .search.family import families_for
     from .search.variant import LinearProblem
 
@@ -138,7 +141,7 @@ def quantize(model: torch.nn.Module, fmt: str = "nvfp4", compensation: str | flo
              calib: torch.Tensor | None = None, input_scale: str = "auto",
              modules_to_not_convert: Iterable[str] = ("lm_head",),
              skip_unsupported: bool = False, kv_compensation: bool = True, pv: str = "f16",
-             calib_batch: int = 4, arch: str = "sm_90a",
+             calib_batch: int = 4, arch: str | None = None,
              attention_kwargs: dict | None = None, append_kwargs: dict | None = None,
              **linear_kwargs: Any) -> torch.nn.Module:
     """Quantize a transformers causal LM in place for resgen (see the module docstring).

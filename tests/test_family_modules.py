@@ -351,6 +351,29 @@ def test_compile_target_comes_from_the_device_else_the_setting(monkeypatch):
     assert arch_of_capability is S.arch_of_capability
 
 
+def test_generic_entry_points_default_to_the_settings_arch(monkeypatch):
+    """The tuner's config, the checkpoint / Hugging Face servability checks and the layer
+    quantizer take their arch default from resgen.settings (not a literal sm_90a): with
+    RESGEN_ARCH=sm_100a and no GPU, they ask the sm_100a families."""
+    from resgen.checkpoint.serve import why_unservable
+    from resgen.hf import kernel_support
+    from resgen.search.tuner import TuneConfig
+
+    monkeypatch.setattr(S, "device_arch", lambda: None)
+    monkeypatch.setenv("RESGEN_ARCH", "sm_100a")
+    S.settings.cache_clear()
+    try:
+        assert TuneConfig().arch == "sm_100a"
+        # N = 100 is refused by every family, each arch's families with their own reasons
+        for fn in (lambda a: why_unservable("nvfp4", 100, 4096, "none", a),
+                   lambda a: kernel_support("nvfp4", "none", 100, 4096, True, a)):
+            assert fn(None) == fn("sm_100a") != fn("sm_90a")
+            assert "linear_sm100_tc" in fn(None) and "linear_sm90_mma" not in fn(None)
+    finally:
+        S.settings.cache_clear()
+    assert TuneConfig().arch == S.settings().arch
+
+
 def test_ops_take_their_default_arch_from_settings(monkeypatch):
     import torch
 

@@ -192,11 +192,12 @@ def _read_resgen(folder: Path, fmt: str | None, entries: dict[str, LinearEntry]
 
 
 def load_checkpoint(path: str | Path, *, fallback_bf16: bool = False,
-                    serve_check: bool = True, arch: str = "sm_90a") -> Checkpoint:
+                    serve_check: bool = True, arch: str | None = None) -> Checkpoint:
     """Open a Hugging Face checkpoint folder (see the module docstring for what is checked).
 
     fallback_bf16: serve layers the kernels cannot run in BF16 instead of failing.
     serve_check: False skips the kernel-servability check (e.g. CPU-only fake-quant use).
+    arch: the target the servability check asks about (default: resgen.settings' arch).
     """
     folder = Path(path)
     if not folder.is_dir():

@@ -12,11 +12,15 @@ __all__ = ["why_unservable"]
 
 
 def why_unservable(fmt: str, n: int, k: int, compensation: str = "none",
-                   arch: str = "sm_90a") -> str | None:
+                   arch: str | None = None) -> str | None:
     """None if resgen can serve y = x W^T with W: [n, k] in `fmt`, else the reasons (one line).
 
-    compensation: "none" | "full" | a K-Ext ratio string ("0.125", ...).
+    compensation: "none" | "full" | a K-Ext ratio string ("0.125", ...); arch: default
+    resgen.settings' (the GPU's, else RESGEN_ARCH, else sm_90a).
     """
+    from ..settings import settings
+
+    arch = arch or settings().arch
     from .. import formats
     from ..search.family import families_for
     from ..search.variant import LinearProblem

@@ -32,6 +32,7 @@ import torch
 from .. import formats
 from ..calibrate import GROUP
 from ..search.family import get_family
+from ..settings import settings
 from . import common
 from .common import choose_variant, compile_cached
 
@@ -77,7 +78,7 @@ class LayerQuantizer:
     def __init__(self, fmt: str, compensation: str, k: int, *,
                  input_scale: torch.Tensor | float | None = None,
                  masks: torch.Tensor | None = None, layout: str | None = None,
-                 device: torch.device | str | None = None, arch: str = "sm_90a",
+                 device: torch.device | str | None = None, arch: str | None = None,
                  variant: Any = None, dispatcher: Any = None,
                  compile_fn: Callable[[Any, Any, Any, str], Any] | None = None) -> None:
         formats.block_size(fmt)
@@ -102,7 +103,7 @@ class LayerQuantizer:
                       torch.as_tensor(input_scale, dtype=torch.float32)
                       .reshape(1).to(self.device))
         self.masks = None if masks is None else masks.to(self.device)
-        self.arch, self.variant = arch, variant
+        self.arch, self.variant = arch or settings().arch, variant
         self._family = get_family(FAMILY)
         self._dispatcher = dispatcher
         self._compile = compile_fn or compile_cached

@@ -68,6 +68,7 @@ from .family import KernelFamily
 from .record import Environment, ResultRecord, Status, pick_winner
 from .timing import DEFAULT_POLICY, MeasurementPolicy, Timing, measure
 from .variant import ProblemBase, VariantBase, canonical_json, _to_jsonable
+from ..settings import settings
 
 __all__ = ["TuneConfig", "ResultStore", "WorkloadSummary", "Tuner", "working_set_bytes",
            "gpu_lock", "DeviceLost", "compile_class", "stages_of", "merge_summaries",
@@ -99,7 +100,8 @@ PHASES = ("compile", "wait", "prep", "check", "time")
 
 @dataclass
 class TuneConfig:
-    arch: str = "sm_90a"
+    # the compile target: the GPU's, else RESGEN_ARCH, else sm_90a (resgen.settings)
+    arch: str = field(default_factory=lambda: settings().arch)
     policy: MeasurementPolicy = DEFAULT_POLICY
     max_variants: int = 16                 # evaluated per workload (timed, or compiled)
     time_budget_s: float | None = None     # whole run
