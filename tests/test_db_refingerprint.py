@@ -331,3 +331,32 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert "not an SQLite database" in err and len(err.splitlines()) == 1, err
 
+
+
+def test_a_table_changed_during_the_run_is_never_mixed_in(tmp_path, monkeypatch):
+    """The rows are read from a snapshot: a row added to --db while the renders / compiles
+    run is absent from --out (built from the snapshot), and in place the changed file is
+    refused with one message and left as it is."""
+    db = tmp_path / "t.sqlite"
+    repo, p, ids = attention_rows(tmp_path, db)
+    nones = [v for v in ATTN.space(p, "sm_90a") if v.reduction == "none"]
+    real = rf._run_side
+
+    writes = iter(nones[3:5])
+
+    def side_that_changes_the_table(*a, **k):
+        if not getattr(side_that_changes_the_table, "done", False):
+            side_that_changes_the_table.done = True
+            store(db, ATTN, p, next(writes), "1" * 64, median=2.0)   # a concurrent writer
+        return real(*a, **k)
+
+    monkeypatch.setattr(rf, "_run_side", side_that_changes_the_table)
+    out = tmp_path / "new.sqlite"
+    s = rf.refingerprint(db, "HEAD", repo=repo, check_ptx="never", out=out)
+    assert s.written == 1 and s.rows == 2
+    assert len(fingerprints(out)) == 2 and len(fingerprints(db)) == 3
+    side_that_changes_the_table.done = False
+    before = db.read_bytes()
+    with pytest.raises(rf.RefingerprintError, match="changed while the refingerprint ran"):
+        rf.refingerprint(db, "HEAD", repo=repo, check_ptx="never")
+    assert len(fingerprints(db)) == 4 and db.read_bytes() != before    # only the writer's row

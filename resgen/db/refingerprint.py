@@ -36,8 +36,10 @@ row_checksum), in one transaction through TuningDB.set_fingerprints: an interrup
 file as it was. A row whose new (workload, variant, fingerprint, environment) already exists
 (re-tuned meanwhile) keeps its old fingerprint and is counted. `--out` writes a copy (xz when
 its name ends in .xz, as `resgen db export` does) and leaves --db alone; in place (the
-default), an .xz table is rewritten through a temporary file renamed over the original. The
-written table must pass `resgen db verify`.
+default), the table is rewritten through a temporary file renamed over the original. The rows
+are read from a snapshot taken at the start and the written table is that snapshot updated, so
+a --db file replaced during the run is never mixed in; in place, such a change refuses the
+write (nothing written). The written table must pass `resgen db verify`.
 
 Not covered, as in the fingerprint itself: host code outside the rendered module (a family's
 `bind` / runner in resgen/search). Renamed families or changed variant fields change the
@@ -46,6 +48,7 @@ stored keys, which this tool does not rewrite.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -269,8 +272,14 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
         tmp = Path(tmp_s)
         old = materialise(repo, from_rev, tmp / "old")
         t = time.perf_counter()
+        # The rows are read from a snapshot, and the write edits that snapshot: a file
+        # replaced while the (long) compile phase runs is never mixed with the rows read
+        # before; in place, a changed file is refused at the write (_write).
+        snap, src_digest = tmp / "source.sqlite", _file_digest(src)
         try:
             with TuningDB(src, readonly=True) as db:
+                db.export_sqlite(snap)
+            with TuningDB(snap, readonly=True) as db:
                 rows = db.rows()
                 keep = db.winner_ids() if winners_only else None
         except DatabaseError as e:
@@ -393,7 +402,8 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
             updates.append((rid, n["fingerprint"]))
         t = time.perf_counter()
         if not dry_run and (updates or out is not None):
-            summary.written, summary.already_present = _write(src, out, updates, tmp)
+            summary.written, summary.already_present = _write(snap, src, src_digest, out,
+                                                              updates)
             with TuningDB(Path(out) if out is not None else src, readonly=True) as db:
                 rep = db.verify()
             summary.verify_ok = rep.ok
@@ -405,28 +415,34 @@ def refingerprint(db_path: str | os.PathLike, from_rev: str, *, out: str | os.Pa
     return summary
 
 
-def _write(src: Path, out: str | os.PathLike | None, updates: Sequence[tuple[int, str]],
-           tmp: Path) -> tuple[int, int]:
-    """Apply `updates` (result id, new fingerprint) to `out` (a new file) or in place.
-    Returns (rows written, rows whose new key already existed)."""
+def _file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (is it still the file the rows were read from?)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write(snap: Path, src: Path, src_digest: str, out: str | os.PathLike | None,
+           updates: Sequence[tuple[int, str]]) -> tuple[int, int]:
+    """Apply `updates` (result id, new fingerprint) to the snapshot `snap` of `src` read at
+    the start, then write it to `out` (a new file) or over `src` (in place: only if src is
+    still the file the snapshot came from, else nothing is written). Returns (rows
+    written, rows whose new key already existed)."""
     dest = Path(out) if out is not None else src
     if out is not None and dest.exists():
         raise RefingerprintError(f"{dest} exists; remove it first")
-    plain_in_place = dest == src and src.suffix != ".xz"
-    if plain_in_place:
-        work = src
-    else:       # a copy to edit: the unpacked .xz, or the source for --out
-        work = tmp / "work.sqlite"
-        with TuningDB(src, readonly=True) as db:
-            db.export_sqlite(work)
+    if out is None and _file_digest(src) != src_digest:
+        raise RefingerprintError(f"{src} changed while the refingerprint ran: nothing "
+                                 "written (run it again, or give --out)")
     try:
-        with TuningDB(work, create=False) as db:
+        with TuningDB(snap, create=False) as db:
             counts = db.set_fingerprints(updates)
-            if not plain_in_place:
-                final = dest.with_name(f".{dest.name}.{os.getpid()}.tmp{''.join(dest.suffixes)}")
-                final.unlink(missing_ok=True)
-                db.export_sqlite(final)
-                os.replace(final, dest)        # atomic: an interrupt leaves the old file
+            final = dest.with_name(f".{dest.name}.{os.getpid()}.tmp{''.join(dest.suffixes)}")
+            final.unlink(missing_ok=True)
+            db.export_sqlite(final)
+            os.replace(final, dest)        # atomic: an interrupt leaves the old file
     except DatabaseError as e:
         raise RefingerprintError(str(e)) from None
     return counts["written"], counts["already_present"]
