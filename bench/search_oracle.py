@@ -1,11 +1,11 @@
 """Does the tuner's search find the winners? An offline study on recorded H200 timings
 (issue 20 section 5). CPU only.
 
-The shipped table (tuned/h200.sqlite.xz) holds, per linear workload, every variant the tuner
-timed on the H200 with its median. Taking those medians as an oracle, this script replays
-search strategies at equal budgets (number of variants evaluated) over each workload's TIMED
-variants and records the best median found after b evaluations, relative to the best median
-the table holds for the workload:
+The search history (the shipped table until session 29; see below) holds, per linear workload,
+every variant the tuner timed on the H200 with its median. Taking those medians as an oracle,
+this script replays search strategies at equal budgets (number of variants evaluated) over
+each workload's TIMED variants and records the best median found after b evaluations,
+relative to the best median the table holds for the workload:
 
   ranked   the tuner's order for a family with a prior (resgen.search.tuner): the prior's first
            choice, the family default, then the prior order (lower first, space order on ties);
@@ -24,6 +24,11 @@ table's timed sets were themselves chosen mostly by the ranked order (plus the c
 and warm starts), so they are biased toward what the prior likes; a strategy that would explore
 beyond them cannot be credited here. The study measures ORDERING QUALITY within the timed set,
 not exploration beyond it.
+
+Since session 29 the shipped table holds each workload's winner only (its non-winning rows went
+stale in the issue-18 refingerprint); the history this study replays is the table of commit
+6be1828: `git show 6be1828:tuned/h200.sqlite.xz > /tmp/h200-history.sqlite.xz`, then
+`--table /tmp/h200-history.sqlite.xz`.
 
     python bench/search_oracle.py [--table tuned/h200.sqlite.xz] [--min-timed 32]
         [--workloads 60] [--out bench/results/cpu/search_oracle.json]
@@ -329,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
             strategies.remove("cmaes")
     t0 = time.time()
     every = load(a.table, a.min_timed)
+    if not every:
+        print(f"search_oracle: {a.table} has no linear workload with >= {a.min_timed} timed "
+              "variants (a winners-only table? see the module docstring for the history "
+              "table)", file=sys.stderr)
+        return 2
     ws = sample(every, a.workloads)
     print(f"{len(every)} linear workloads with >= {a.min_timed} timed valid variants; "
           f"studying {len(ws)}", flush=True)
