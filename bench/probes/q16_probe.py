@@ -55,13 +55,14 @@ def problem(geom: str, batch: int, kv_len: int, mode: str):
                             **MODES[mode])
 
 
-def candidates(p, with_table: bool = True) -> list:
+def candidates(p, table: Any = None) -> list:
     """The fallback rule's variant and the same with 2x / 0.5x its split count (valid ones),
-    then the variant the runtime dispatches from the shipped table for p's mode (where the
-    table has the workload): bench/gpu_attention_check.py's candidate rule."""
-    from gpu_attention_check import resattn_candidates, table_variant
+    then `table` (the variant the runtime dispatches from the shipped table for p's mode,
+    gpu_attention_check.table_variant; None where the table has no row):
+    bench/gpu_attention_check.py's candidate rule."""
+    from gpu_attention_check import resattn_candidates
 
-    return resattn_candidates(p, table_variant(p) if with_table else None)
+    return resattn_candidates(p, table)
 
 
 def compile_identity(v, p) -> str:
@@ -120,7 +121,7 @@ def main() -> int:
             from gpu_attention_check import table_variant
 
             tv = table_variant(p)
-            for v in candidates(p):
+            for v in candidates(p, tv):
                 rec: dict[str, Any] = {"variant": v.name(), "table": v == tv}
                 try:
                     ident = compile_identity(v, p)
