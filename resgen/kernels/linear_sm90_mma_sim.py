@@ -451,31 +451,31 @@ def _put(y16: torch.Tensor, off: torch.Tensor, v: torch.Tensor, ok: torch.Tensor
     y16.view(-1)[idx] = _cvt_bf16(v[ok]).view(torch.int16)
 
 
-def _store(G: Geometry, acc, y16, fac, mt0, row0, g, t, m) -> None:
-    """The kernel's store_tile: fold, scale and store as G.epilogue_plan says."""
+def _planned(G: Geometry, acc, fac, mt0, row0, g, t, m):
+    """The epilogue's stores as G.epilogue_plan says (the fold, scale and row predicate that
+    store_tile and atomic_tile share): (token, channel, v0, v1, ok) per plan row; v0 / v1 go
+    to channels ch and ch + 8 of the token's output row where ok."""
     for mt in range(G.m_tiles):
         for nt in range(G.n_tiles):
             ep = G.epilogue_plan(mt, nt, mt0, row0, g, t)
             for r in ep.rows:
                 v0, v1 = ep.values(acc[mt][nt], 0, r, fac)
                 tok = ep.token(r)
-                ok = G.out_ok(ep.local_row(r), tok, m)
-                a = G.y_off(tok, ep.ch)
-                _put(y16, a, v0, ok)
-                _put(y16, a + 16, v1, ok)
+                yield tok, ep.ch, v0, v1, G.out_ok(ep.local_row(r), tok, m)
+
+
+def _store(G: Geometry, acc, y16, fac, mt0, row0, g, t, m) -> None:
+    """The kernel's store_tile: fold, scale and store as G.epilogue_plan says."""
+    for tok, ch, v0, v1, ok in _planned(G, acc, fac, mt0, row0, g, t, m):
+        a = G.y_off(tok, ch)
+        _put(y16, a, v0, ok)
+        _put(y16, a + 16, v1, ok)
 
 
 def _atomic(G: Geometry, acc, ws, fac, mt0, row0, g, t, m) -> None:
     """The kernel's atomic_tile: fold and scale as G.epilogue_plan says, add into ws."""
     flat = ws.view(-1)
-    for mt in range(G.m_tiles):
-        for nt in range(G.n_tiles):
-            ep = G.epilogue_plan(mt, nt, mt0, row0, g, t)
-            for r in ep.rows:
-                v0, v1 = ep.values(acc[mt][nt], 0, r, fac)
-                tok = ep.token(r)
-                ok = G.out_ok(ep.local_row(r), tok, m)
-                a = G.y_off(tok, ep.ch) * 2
-                idx = (a // 4)[ok]
-                flat.index_add_(0, idx, v0[ok])
-                flat.index_add_(0, idx + 8, v1[ok])
+    for tok, ch, v0, v1, ok in _planned(G, acc, fac, mt0, row0, g, t, m):
+        idx = (G.y_off(tok, ch) * 2 // 4)[ok]
+        flat.index_add_(0, idx, v0[ok])
+        flat.index_add_(0, idx + 8, v1[ok])
