@@ -80,11 +80,12 @@ class Case:
 
 
 def cases(device: Any = None, linear_ms: tuple[int, ...] = (1,),
-          attention: bool = True, kext: tuple[str, ...] = ()) -> Iterator[Case]:
+          attention: bool = True, kext: tuple[str, ...] = (), w4a16: bool = False
+          ) -> Iterator[Case]:
     """The dispatched variants (shipped table; `device`: a resgen.runtime.Device to match its
     rows against, the current GPU by default), and each compensated variant without its
     residue where the family accepts that; `kext`: K-Ext ratios ("0.125", ..., "1.0") whose
-    dispatched linear variants are profiled too."""
+    dispatched linear variants are profiled too; `w4a16`: the dispatched W4A16 layers too."""
     from resgen import runtime
     from resgen.search.family import get_family
     from resgen.search.variant import AttentionProblem, LinearProblem
@@ -106,11 +107,11 @@ def cases(device: Any = None, linear_ms: tuple[int, ...] = (1,),
         for name, (n, k) in LINEAR_SHAPES.items():
             yield from pair("linear", LinearProblem("nvfp4", "none", m, n, k),
                             LinearProblem("nvfp4", "full", m, n, k), f"linear {name} M={m}")
-            for r in kext:
+            for r in kext + (("w4a16",) if w4a16 else ()):
                 pk = LinearProblem("nvfp4", r, m, n, k)
                 vk = disp.lookup("linear", pk)
-                yield Case(f"linear {name} M={m} K-Ext {r}", get_family(type(vk).FAMILY), vk,
-                           pk)
+                yield Case(f"linear {name} M={m} " + ("W4A16" if r == "w4a16" else f"K-Ext {r}"),
+                           get_family(type(vk).FAMILY), vk, pk)
     for geo, (qh, kvh, d) in ATTENTION_GEOMETRIES.items() if attention else ():
         for b in ATTENTION_BATCHES:
             def ap(comp: bool) -> AttentionProblem:
@@ -122,14 +123,14 @@ def cases(device: Any = None, linear_ms: tuple[int, ...] = (1,),
 
 
 def run(linear_ms: tuple[int, ...] = (1,), attention: bool = True,
-        kext: tuple[str, ...] = ()) -> int:
+        kext: tuple[str, ...] = (), w4a16: bool = False) -> int:
     """Check, warm and profile every case (the GPU part; ncu attaches from outside)."""
     import torch
 
     from resgen.search.build import compile_variant
 
     failures = 0
-    for c in cases(linear_ms=linear_ms, attention=attention, kext=kext):
+    for c in cases(linear_ms=linear_ms, attention=attention, kext=kext, w4a16=w4a16):
         out = compile_variant(c.family, c.variant, c.problem, "sm_90a")
         if not out.ok:
             print(f"SKIP\t{c.label}\t{c.variant.name()}\tcompile failed", flush=True)
@@ -258,10 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kext", default="",
                     help="GPU run: comma-separated K-Ext ratios to profile as well (e.g. "
                     "0.125,1.0)")
+    ap.add_argument("--w4a16", action="store_true",
+                    help="GPU run: the dispatched W4A16 linear layers as well")
     args = ap.parse_args(argv)
     if not args.summarize:
         return run(tuple(int(x) for x in args.linear_m.split(",")), not args.no_attention,
-                   tuple(x for x in args.kext.split(",") if x))
+                   tuple(x for x in args.kext.split(",") if x), args.w4a16)
     csv_path, order_path = (Path(p) for p in args.summarize)
     records = summarize(read_text(csv_path), read_text(order_path))
     if args.json:

@@ -1,9 +1,16 @@
 """Baselines every resgen benchmark compares against (`resgen bench`, bench/*.py).
 
 - cuBLAS BF16: torch.matmul on bf16 operands.
-- cuBLAS FP8 W8A8 (E4M3 x E4M3 -> bf16, torch._scaled_mm), three forms:
+- cuBLAS FP8 W8A8 (E4M3 x E4M3 -> bf16, torch._scaled_mm), five forms:
   - cublas_fp8_prequant: rowwise scales (per token [M, 1], per output channel [1, N]), the
-    activations quantized once outside the timed call: the lower bound of any W8A8 layer;
+    activations quantized once outside the timed call: the rowwise GEMM alone;
+  - cublas_fp8_tensor_prequant: per-tensor scales (one for x, one for w), the activations
+    quantized once outside the timed call. cuBLAS picks faster kernels for per-tensor scales
+    at small M than for rowwise ones, so this is the lower bound of a W8A8 layer (the
+    issue-20 figure of 61 us at M = 1 is this form);
+  - cublas_fp8_static: per-tensor scales with the activation scale static (calibrated once,
+    as a static-scale FP8 checkpoint carries it): one Triton cast kernel then the per-tensor
+    GEMM, as a serving engine runs such a checkpoint;
   - cublas_fp8_fused: the same GEMM behind one fused per-token quantization kernel (Triton),
     as a serving engine runs a W8A8 layer;
   - cublas_fp8_torch_quant: per-tensor scales, the activation quantized per call by several
@@ -29,7 +36,9 @@ HBM_BYTES_PER_S = 4.45e12
 
 __all__ = ["HBM_BYTES_PER_S", "floor_us", "nvfp4_weight_bytes", "mxfp4_weight_bytes",
            "cublas_bf16", "cublas_fp8_torch_quant", "cublas_fp8_prequant", "cublas_fp8_fused",
-           "fp8_rowwise_quant", "fp8_weight_rowwise", "triton_mxfp4", "marlin_fp4",
+           "cublas_fp8_tensor_prequant", "cublas_fp8_static", "fp8_tensor_quant",
+           "fp8_tensor_quant_triton", "fp8_rowwise_quant", "fp8_weight_rowwise", "triton_mxfp4",
+           "marlin_fp4",
            "MarlinUnavailable", "TRITON_AVAILABLE", "TRITON_FORMS"]
 
 E4M3_MAX = 448.0
@@ -93,6 +102,21 @@ def fp8_weight_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w8.t(), ws.reshape(1, -1).contiguous()
 
 
+def fp8_tensor_quant(x: torch.Tensor, scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [R, K] (any float dtype) -> (E4M3 [R, K], float32 0-d scale): per-tensor FP8 with
+    scale = max(amax(|x|) * fp32(1 / 448), 1e-12) unless a (static, calibrated) scale is given,
+    and x8 = clamp(x / scale, +-448) (IEEE division, round to nearest even in the cast). The
+    torch reference of fp8_tensor_quant_triton and the quantizer of the per-tensor forms."""
+    _check_2d_float(x, "fp8_tensor_quant input")
+    xf = x.float()
+    if scale is None:
+        scale = (xf.abs().amax() * INV_E4M3_MAX).clamp(min=1e-12)
+    scale = scale.reshape(()).float()
+    x8 = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, scale
+
+
 def _check_2d_float(x: torch.Tensor, what: str) -> None:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"{what} must be a 2-D float tensor, got {x.dtype} {tuple(x.shape)}")
@@ -118,6 +142,60 @@ def cublas_fp8_prequant(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.
     w8, ws = fp8_weight_rowwise(w)
     x8, xs = fp8_rowwise_quant(x)
     return lambda: torch._scaled_mm(x8, w8, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+
+def cublas_fp8_tensor_prequant(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """x: [M, K] bf16 (M % 16 == 0), w: [N, K] bf16 -> callable returning [M, N] bf16:
+    per-tensor-scaled torch._scaled_mm on activations quantized HERE, once (not in the timed
+    call): the lower bound of a W8A8 layer."""
+    _check_fp8_gemm_args(x, w)
+    w8, ws = fp8_tensor_quant(w)
+    x8, xs = fp8_tensor_quant(x)
+    w8t = w8.t()
+    return lambda: torch._scaled_mm(x8, w8t, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+
+def cublas_fp8_static(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """x: [M, K] bf16 (M % 16 == 0), w: [N, K] bf16 -> callable returning [M, N] bf16: a
+    static per-tensor activation scale (calibrated here, once, on x itself, as a static-scale
+    FP8 checkpoint carries one), then per call one Triton cast kernel (fp8_tensor_quant's math
+    with that scale) and per-tensor torch._scaled_mm: a serving engine's static-FP8 layer."""
+    _check_fp8_gemm_args(x, w)
+    if not TRITON_AVAILABLE:
+        raise RuntimeError("Triton is not installed (the static FP8 cast is a Triton kernel)")
+    w8, ws = fp8_tensor_quant(w)
+    w8t = w8.t()
+    x = x.contiguous()
+    _, xs = fp8_tensor_quant(x)
+    x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+
+    def run() -> torch.Tensor:
+        _launch_fp8_cast(x, x8, xs)
+        return torch._scaled_mm(x8, w8t, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+    return run
+
+
+_CAST_BLOCK = 2048
+
+
+def _launch_fp8_cast(x: torch.Tensor, x8: torch.Tensor, scale: torch.Tensor) -> None:
+    n = x.numel()
+    _fp8_cast_kernel[(triton.cdiv(n, _CAST_BLOCK),)](x, x8, scale, n, BLOCK=_CAST_BLOCK)
+
+
+def fp8_tensor_quant_triton(x: torch.Tensor, scale: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static cast kernel alone (for its check against fp8_tensor_quant): x [R, K] bf16
+    CUDA, scale a float32 0-d CUDA tensor -> (E4M3 [R, K], that scale)."""
+    if not TRITON_AVAILABLE:
+        raise RuntimeError("Triton is not installed")
+    _check_2d_float(x, "fp8_tensor_quant_triton input")
+    x = x.contiguous()
+    x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = scale.reshape(()).float()
+    _launch_fp8_cast(x, x8, scale)
+    return x8, scale
 
 
 def cublas_fp8_fused(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -196,6 +274,16 @@ if TRITON_AVAILABLE:
             v = tl.load(x_ptr + row * K + rk, mask=rk < K, other=0.0).to(tl.float32)
             q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)   # IEEE, as torch
             tl.store(y_ptr + row * K + rk, q.to(tl.float8e4nv), mask=rk < K)
+
+    @triton.jit
+    def _fp8_cast_kernel(x_ptr, y_ptr, s_ptr, n, BLOCK: tl.constexpr):
+        # y = clamp(x / s, +-448) as E4M3 over n elements of x (bf16), s a float32 scalar
+        # (fp8_tensor_quant with a given scale)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(s_ptr)
+        v = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(v, s), -448.0, 448.0)
+        tl.store(y_ptr + offs, q.to(tl.float8e4nv), mask=offs < n)
 
     @triton.jit
     def _mxfp4_rhs_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr,

@@ -1016,15 +1016,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # The baselines `resgen bench` times, as (JSON key, name in the sums); the table's ratio
 # columns follow this order. fp8_us is the per-tensor FP8 form quantized by torch ops (the key
-# the first bench JSON files and bench/report read); the two fair W8A8 forms are
-# fp8_prequant_us (activations quantized outside the timed call: the lower bound) and
-# fp8_fused_us (one fused per-token quantization kernel, as a serving engine runs).
+# the first bench JSON files and bench/report read); the fair W8A8 forms are, rowwise,
+# fp8_prequant_us (activations quantized outside the timed call) and fp8_fused_us (one fused
+# per-token quantization kernel, as a serving engine runs) and, per tensor,
+# fp8_tensor_prequant_us (quantized outside the timed call: the lower bound, since cuBLAS's
+# per-tensor kernels are the faster ones at small M) and fp8_static_us (a static calibrated
+# activation scale and one cast kernel, as an engine serves a static-FP8 checkpoint).
 BASELINE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("bf16_us", "cuBLAS BF16"), ("fp8_us", "cuBLAS FP8 torch-quant"),
     ("fp8_prequant_us", "cuBLAS FP8 prequant"), ("fp8_fused_us", "cuBLAS FP8 fused-quant"),
+    ("fp8_tensor_prequant_us", "cuBLAS FP8 per-tensor prequant"),
+    ("fp8_static_us", "cuBLAS FP8 static-scale"),
     ("marlin_us", "Marlin W4A16"), ("triton_us", "Triton MXFP4"))
 _SHORT = {"bf16_us": "bf16", "fp8_us": "fp8tq", "fp8_prequant_us": "fp8pre",
-          "fp8_fused_us": "fp8fused", "marlin_us": "marlin", "triton_us": "triton"}
+          "fp8_fused_us": "fp8fused", "fp8_tensor_prequant_us": "fp8tpre",
+          "fp8_static_us": "fp8static", "marlin_us": "marlin", "triton_us": "triton"}
+# The FP8 forms (BASELINE_COLUMNS key -> baselines function, its quantizer for the check)
+FP8_FORMS: tuple[tuple[str, str, str | None], ...] = (
+    ("fp8_us", "cublas_fp8_torch_quant", None),
+    ("fp8_prequant_us", "cublas_fp8_prequant", "fp8_rowwise_quant"),
+    ("fp8_fused_us", "cublas_fp8_fused", "fp8_rowwise_quant"),
+    ("fp8_tensor_prequant_us", "cublas_fp8_tensor_prequant", "fp8_tensor_quant"),
+    ("fp8_static_us", "cublas_fp8_static", "fp8_tensor_quant"))
 
 
 def _bench_table(rows: list[dict[str, Any]]) -> str:
@@ -1090,10 +1103,10 @@ def _ratio(base: float | None, ours: float | None) -> str:
 
 
 def _bench_baselines(bl: Any, p: Any, policy: Any) -> dict[str, Any]:
-    """The layer's shape under each baseline (BASELINE_COLUMNS): torch.matmul BF16; the three
-    torch._scaled_mm FP8 forms (activation rows padded to a multiple of 16, which _scaled_mm
-    requires; the two rowwise forms checked against the FP32 product of their own E4M3
-    operands before timing); vLLM's Marlin W4A16 in the layer's format (checked against
+    """The layer's shape under each baseline (BASELINE_COLUMNS): torch.matmul BF16; the five
+    torch._scaled_mm FP8 forms of FP8_FORMS (activation rows padded to a multiple of 16, which
+    _scaled_mm requires; all but torch-quant checked against the FP32 product of their own
+    E4M3 operands before timing); vLLM's Marlin W4A16 in the layer's format (checked against
     x @ the dequantized weights before timing; skipped with the reason in marlin_error when
     its library is absent); Triton MXFP4 for MXFP4 layers."""
     import torch
@@ -1114,14 +1127,14 @@ def _bench_baselines(bl: Any, p: Any, policy: Any) -> dict[str, Any]:
         m16 = -(-p.m // 16) * 16
         xp = [torch.nn.functional.pad(x, (0, 0, 0, m16 - p.m)) for x in xs]
         out["fp8_rows"] = m16
-        for key, make in (("fp8_us", bl.cublas_fp8_torch_quant),
-                          ("fp8_prequant_us", getattr(bl, "cublas_fp8_prequant", None)),
-                          ("fp8_fused_us", getattr(bl, "cublas_fp8_fused", None))):
+        for key, name, quant in FP8_FORMS:
+            make = getattr(bl, name, None)
             if make is None:
                 continue
             try:
-                if key != "fp8_us":
-                    out[key.replace("_us", "_rel_err")] = _check_fp8(bl, make, xp[0], ws[0])
+                if quant is not None:
+                    out[key.replace("_us", "_rel_err")] = _check_fp8(
+                        getattr(bl, quant), make, xp[0], ws[0])
                 out[key] = measure(CallableRunner([make(x, w) for x, w in
                                                    zip(xp[:fp8_sets], ws[:fp8_sets])]),
                                    policy, fp8_sets).median_us
@@ -1151,11 +1164,12 @@ def _rel_err(y: Any, ref: Any) -> float:
     return float((y - ref).norm() / ref.norm())
 
 
-def _check_fp8(bl: Any, make: Any, x: Any, w: Any) -> float:
-    """A rowwise FP8 form against the FP32 product of its own E4M3 operands (fresh quantization
-    of x and w by bl.fp8_rowwise_quant, dequantized); raises if rel err > FP8_TOLERANCE."""
-    x8, xs = bl.fp8_rowwise_quant(x)
-    w8, ws = bl.fp8_rowwise_quant(w)
+def _check_fp8(quant: Any, make: Any, x: Any, w: Any) -> float:
+    """An FP8 form against the FP32 product of its own E4M3 operands (fresh quantization of x
+    and w by the form's quantizer, quant: bl.fp8_rowwise_quant or bl.fp8_tensor_quant,
+    dequantized); raises if rel err > FP8_TOLERANCE."""
+    x8, xs = quant(x)
+    w8, ws = quant(w)
     ref = (x8.float() * xs) @ (w8.float() * ws).T
     rel = _rel_err(make(x, w)(), ref)
     if not rel <= FP8_TOLERANCE:

@@ -164,41 +164,73 @@ def _row(fmt, comp, m, n, k, us, **base):
 def test_bench_table_has_every_baseline_column():
     from resgen.cli import BASELINE_COLUMNS, _bench_table
 
-    rows = [_row("nvfp4", "none", 1, 4096, 4096, 10.0, bf16_us=40.0, fp8_us=50.0,
-                 fp8_prequant_us=20.0, fp8_fused_us=25.0, marlin_us=15.0),
-            _row("nvfp4", "w4a16", 1, 4096, 4096, 8.0, bf16_us=40.0, fp8_us=50.0,
-                 fp8_prequant_us=20.0, fp8_fused_us=25.0),
+    fp8 = dict(fp8_us=50.0, fp8_prequant_us=20.0, fp8_fused_us=25.0,
+               fp8_tensor_prequant_us=16.0, fp8_static_us=32.0)
+    rows = [_row("nvfp4", "none", 1, 4096, 4096, 10.0, bf16_us=40.0, marlin_us=15.0, **fp8),
+            _row("nvfp4", "w4a16", 1, 4096, 4096, 8.0, bf16_us=40.0, **fp8),
             _row("mxfp4", "none", 1, 4096, 4096, None, bf16_us=40.0, triton_us=30.0)]
     text = _bench_table(rows)
     lines = text.splitlines()
     head = lines[0].split()
-    for col in ("bf16", "fp8tq", "fp8pre", "fp8fused", "marlin"):
+    for col in ("bf16", "fp8tq", "fp8pre", "fp8fused", "fp8tpre", "fp8static", "marlin"):
         assert f"x{col}" not in head and col in head          # "<col> us" then "x <col>"
     assert [k for k, _ in BASELINE_COLUMNS] == ["bf16_us", "fp8_us", "fp8_prequant_us",
-                                                "fp8_fused_us", "marlin_us", "triton_us"]
+                                                "fp8_fused_us", "fp8_tensor_prequant_us",
+                                                "fp8_static_us", "marlin_us", "triton_us"]
     cells = lines[2].split() if set(lines[1]) <= set("-+ |") else lines[1].split()
-    # fmt comp M NxK resgen %floor | 5 times | 6 ratios | x none | variant
+    # fmt comp M NxK resgen %floor | 7 times | 8 ratios | x none | variant
     assert cells[:6] == ["nvfp4", "none", "1", "4096x4096", "10.00", "10"]
-    assert cells[6:11] == ["40.00", "50.00", "20.00", "25.00", "15.00"]
-    assert cells[11:17] == ["4.00", "5.00", "2.00", "2.50", "1.50", "-"]
-    assert cells[17:] == ["1.00", "v"]
+    assert cells[6:13] == ["40.00", "50.00", "20.00", "25.00", "16.00", "32.00", "15.00"]
+    assert cells[13:21] == ["4.00", "5.00", "2.00", "2.50", "1.60", "3.20", "1.50", "-"]
+    assert cells[21:] == ["1.00", "v"]
     w4 = [ln for ln in lines if "w4a16" in ln][0].split()
-    assert w4[10] == "-" and w4[15] == "-" and w4[17] == "1.25"    # no Marlin; none / w4a16
+    assert w4[12] == "-" and w4[19] == "-" and w4[21] == "1.25"    # no Marlin; none / w4a16
     mx = [ln for ln in lines if "mxfp4" in ln][0].split()
-    assert mx[4] == "-" and mx[16] == "-"                          # no resgen time: no ratio
+    assert mx[4] == "-" and mx[20] == "-"                          # no resgen time: no ratio
+
+
+def test_fp8_tensor_quant_math():
+    x = torch.randn(8, 64) * 5
+    x8, s = B.fp8_tensor_quant(x)
+    assert x8.dtype == torch.float8_e4m3fn and s.shape == () and s.dtype == torch.float32
+    assert s.item() == (x.abs().amax() * B.INV_E4M3_MAX).item()
+    assert x8.float().abs().max().item() == B.E4M3_MAX            # the maximum lands on 448
+    assert torch.allclose(x8.float() * s, x, rtol=2 ** -3, atol=float(s) * 2 ** -9)
+    # a static scale is used as given, and values past it clamp to +-448 (never inf / NaN)
+    y8, t = B.fp8_tensor_quant(x, torch.tensor(s.item() / 4))
+    assert t.item() == pytest.approx(s.item() / 4)
+    assert y8.float().abs().max().item() == B.E4M3_MAX and torch.isfinite(y8.float()).all()
+    z8, zs = B.fp8_tensor_quant(torch.zeros(2, 32))
+    assert zs.item() == pytest.approx(1e-12) and torch.all(z8.float() == 0)
+
+
+def test_per_tensor_prequant_matches_its_operands_on_cpu_when_scaled_mm_runs():
+    """The form's arithmetic against the FP32 product of its own operands (where this torch
+    build runs _scaled_mm on the CPU; on the GPU, tests/gpu/test_baselines_gpu.py)."""
+    x = torch.randn(16, 128).to(torch.bfloat16)
+    w = (torch.randn(64, 128) / 128 ** 0.5).to(torch.bfloat16)
+    try:
+        out = B.cublas_fp8_tensor_prequant(x, w)()
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {e}")
+    x8, xs = B.fp8_tensor_quant(x)
+    w8, ws = B.fp8_tensor_quant(w)
+    ref = (x8.float() * xs) @ (w8.float() * ws).T
+    assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
 
 
 def test_bench_sums_name_every_fp8_form_and_marlin():
     from resgen.cli import _bench_sums
 
-    rows = [_row("nvfp4", "none", 16, 4096, 4096, 10.0, bf16_us=40.0, fp8_us=50.0,
-                 fp8_prequant_us=20.0, fp8_fused_us=25.0, marlin_us=15.0),
-            _row("nvfp4", "none", 16, 6144, 4096, 10.0, bf16_us=40.0, fp8_us=50.0,
-                 fp8_prequant_us=20.0, fp8_fused_us=25.0, marlin_us=15.0)]
+    fp8 = dict(fp8_us=50.0, fp8_prequant_us=20.0, fp8_fused_us=25.0,
+               fp8_tensor_prequant_us=16.0, fp8_static_us=32.0)
+    rows = [_row("nvfp4", "none", 16, 4096, 4096, 10.0, bf16_us=40.0, marlin_us=15.0, **fp8),
+            _row("nvfp4", "none", 16, 6144, 4096, 10.0, bf16_us=40.0, marlin_us=15.0, **fp8)]
     (line,) = _bench_sums(rows)
     assert line == ("sum nvfp4 none M=16 over 2 layers: 20.00 us; cuBLAS BF16 80.00 us (x4.00); "
                     "cuBLAS FP8 torch-quant 100.00 us (x5.00); cuBLAS FP8 prequant 40.00 us "
-                    "(x2.00); cuBLAS FP8 fused-quant 50.00 us (x2.50); Marlin W4A16 30.00 us "
-                    "(x1.50); HBM floor 2.00 us (10%)")
+                    "(x2.00); cuBLAS FP8 fused-quant 50.00 us (x2.50); cuBLAS FP8 per-tensor "
+                    "prequant 32.00 us (x1.60); cuBLAS FP8 static-scale 64.00 us (x3.20); "
+                    "Marlin W4A16 30.00 us (x1.50); HBM floor 2.00 us (10%)")
     rows[1].pop("marlin_us")             # one layer without Marlin: no Marlin sum
     assert "Marlin" not in _bench_sums(rows)[0]

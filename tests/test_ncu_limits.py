@@ -109,3 +109,19 @@ def test_kext_cases_are_the_dispatched_prefill_variants():
         assert disp.lookup("linear", c.problem).key() == c.variant.key()
         assert c.family.why_invalid(c.variant, c.problem, "sm_90a") is None
     assert "linear down M=1024 K-Ext 1.0" in [c.label for c in cs]
+
+
+def test_w4a16_cases_are_the_dispatched_w4a16_rows():
+    from resgen import runtime
+
+    dev = runtime.Device("NVIDIA H200", "sm_90a")
+    cs = list(N.cases(dev, linear_ms=(64, 128), attention=False, w4a16=True))
+    disp = runtime.Dispatcher(paths=[N.DB], device=dev)
+    w4 = [c for c in cs if c.label.endswith("W4A16")]
+    assert len(w4) == 2 * len(N.LINEAR_SHAPES)
+    for c in w4:
+        assert c.problem.compensation == "w4a16" and c.problem.m in (64, 128)
+        assert disp.lookup("linear", c.problem).key() == c.variant.key()
+        assert disp.source("linear", c.problem) != "default"      # a shipped W4A16 row
+        assert c.family.why_invalid(c.variant, c.problem, "sm_90a") is None
+    assert "linear gate_up M=128 W4A16" in [c.label for c in cs]

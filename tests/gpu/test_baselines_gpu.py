@@ -1,8 +1,9 @@
 """`resgen bench`'s added baselines on an H200, at Qwen3-8B's four projection shapes and
 M = 1, 16, 64, 128: vLLM's Marlin W4A16 (NVFP4 and MXFP4) against x @ the dequantized
-weights (resgen.formats, FP32), the fused FP8 per-token quantizer bit for bit against its
-torch reference, and both rowwise FP8 forms against the FP32 product of their own E4M3
-operands. Fresh random inputs per case, outputs poisoned with NaN first; NaN never passes.
+weights (resgen.formats, FP32), the fused FP8 per-token quantizer and the static per-tensor
+cast bit for bit against their torch references, and the rowwise and per-tensor FP8 forms
+against the FP32 product of their own E4M3 operands. Fresh random inputs per case, outputs
+poisoned with NaN first; NaN never passes.
 
 Marlin needs its library (bash bench/marlin_setup.sh, carried as .peers/marlin): without it the
 Marlin tests fail, naming the path (they do not skip: a missing library is not a pass)."""
@@ -99,6 +100,37 @@ def test_fp8_rowwise_forms_match_their_operands(form, m, name, n, k):
     rel = _rel(out[:m], ref[:m])
     assert rel <= FP8_TOL, f"{form} {name} M={m}: rel err {rel:.3g}"
     # and the FP8 error against the bf16 product stays an FP8 error (not a wrong layout)
+    assert _rel(out[:m], (x.float() @ w.float().T)[:m]) < 0.1
+
+
+@pytest.mark.parametrize("k", sorted({k for _, _, k in SHAPES}))
+def test_static_fp8_cast_is_bit_exact_to_its_reference(k):
+    x = torch.randn(33, k, device="cuda").to(torch.bfloat16) * 3
+    x[0, :7] = 0.0
+    _, s = B.fp8_tensor_quant(x)
+    for scale in (s, s / 4):                     # calibrated, and one that clamps
+        x8, t = B.fp8_tensor_quant_triton(x, scale)
+        r8, rt = B.fp8_tensor_quant(x, scale)
+        assert torch.equal(t, rt)
+        assert torch.equal(x8.view(torch.uint8), r8.view(torch.uint8))
+
+
+@pytest.mark.parametrize("form", ["tensor_prequant", "static"])
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("name,n,k", SHAPES)
+def test_fp8_per_tensor_forms_match_their_operands(form, m, name, n, k):
+    m16 = -(-m // 16) * 16
+    x = torch.nn.functional.pad(torch.randn(m, k, device="cuda").to(torch.bfloat16),
+                                (0, 0, 0, m16 - m))
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    make = B.cublas_fp8_tensor_prequant if form == "tensor_prequant" else B.cublas_fp8_static
+    fn = make(x, w)
+    x8, xs = B.fp8_tensor_quant(x)
+    w8, ws = B.fp8_tensor_quant(w)
+    ref = (x8.float() * xs) @ (w8.float() * ws).T
+    out = fn()
+    rel = _rel(out[:m], ref[:m])
+    assert rel <= FP8_TOL, f"{form} {name} M={m}: rel err {rel:.3g}"
     assert _rel(out[:m], (x.float() @ w.float().T)[:m]) < 0.1
 
 
