@@ -257,3 +257,79 @@ def test_summary_of_a_partial_run_skips_what_is_missing():
     s = report.summarize(res)
     assert {t["target"].split(" ")[0] for t in s["targets"]} == {"nvfp4"}
     assert report.summarize(res[:1])["rows"] == []
+
+
+def test_perplexity_reports_each_sequences_nll(tiny):
+    model, seqs = tiny
+    r = perplexity(model, seqs, batch=2)
+    assert len(r["seq_nll"]) == seqs.shape[0]
+    # equal-length sequences: the mean of the per-sequence means is the overall mean
+    assert sum(r["seq_nll"]) / len(r["seq_nll"]) == pytest.approx(r["nll"], rel=1e-6)
+    one = perplexity(model, seqs[1:2], batch=1)
+    assert one["seq_nll"][0] == pytest.approx(r["seq_nll"][1], rel=1e-6)
+
+
+def test_paired_nll_difference():
+    from resgen.quality.evaluate import paired_nll_difference
+
+    d = paired_nll_difference([1.0, 2.0, 3.0], [0.5, 1.5, 2.0])
+    assert d["mean"] == pytest.approx((0.5 + 0.5 + 1.0) / 3) and d["n"] == 3
+    assert d["se"] == pytest.approx(torch.tensor([0.5, 0.5, 1.0]).std().item() / math.sqrt(3))
+    with pytest.raises(ValueError, match="equal-length"):
+        paired_nll_difference([1.0, 2.0], [1.0])
+
+
+def test_presum_methods_validate_label_and_keep_old_records_matching():
+    ps = Method("nvfp4", "full", fold="presum")
+    assert ps.label() == "NVFP4 full residue fold=presum" and ps.to_json()["fold"] == "presum"
+    assert "fold" not in Method("nvfp4", "full").to_json()     # records written before folds
+    assert Method("nvfp4", 0.25, fold="presum").label().endswith("fold=presum")
+    for comp in ("none", "w4a16", "ref"):
+        with pytest.raises(ValueError, match="needs a residue"):
+            Method("nvfp4", comp, fold="presum")
+    with pytest.raises(ValueError, match="fold must be one of"):
+        Method("nvfp4", "full", fold="sum")
+    hop = report.methods_for("hopper")
+    assert len(set(hop)) == len(hop) == 11
+    for fmt in formats.FORMATS:
+        assert {Method(fmt, "full"), Method(fmt, "full", fold="presum"),
+                Method(fmt, "w4a16"), Method(fmt, "none")} <= set(hop)
+    assert not any(m.fold == "presum" for m in report.methods_for("full"))
+
+
+def _with_presum(delta_nll: list[float], nmse_scale: float = 1.0, seq: bool = True):
+    res = _fake_results()
+    base = [2.0, 2.5, 3.0, 2.2]
+    for r in res:
+        if r["method"]["comp"] != "ref":
+            r["seq_nll"] = list(base) if seq else None
+    full = next(r for r in res if r["method"]["label"] == "NVFP4 full residue")
+    ps = {**full, "method": Method("nvfp4", "full", fold="presum").to_json(),
+          "ppl": full["ppl"] * 1.001,
+          "layer_nmse": {n: v * nmse_scale for n, v in full["layer_nmse"].items()},
+          "seq_nll": [b + d for b, d in zip(base, delta_nll)] if seq else None}
+    return res + [ps]
+
+
+def _presum_row(res):
+    s = report.summarize(res)
+    rows = [t for t in s["targets"] if "pre-summed" in t["target"]]
+    assert len(rows) == 1 and rows[0]["target"].startswith("nvfp4 full residue")
+    # the exact fold's own rows are still the exact fold's (the presum record is not taken)
+    full_nv = next(r for r in s["rows"] if r["label"] == "NVFP4 full residue")
+    assert full_nv["ppl"] == 14.0
+    return rows[0]
+
+
+def test_presum_target_is_a_paired_test_with_teeth():
+    # differences that straddle zero: within 2 SE -> met
+    assert _presum_row(_with_presum([0.01, -0.012, 0.008, -0.006]))["met"] is True
+    # a systematic shift, far outside 2 SE -> not met
+    assert _presum_row(_with_presum([0.05, 0.051, 0.049, 0.05]))["met"] is False
+    # equal to rounding (below 1e-4 nats) whatever the SE -> met
+    assert _presum_row(_with_presum([3e-9, 4e-9, 5e-9, 4e-9]))["met"] is True
+    # the perplexity agrees but the layer NMSE is 5 % worse -> not met
+    assert _presum_row(_with_presum([0.0, 0.0, 0.0, 0.0], nmse_scale=1.05))["met"] is False
+    # an old record without per-sequence nll: not measured, never a pass
+    row = _presum_row(_with_presum([0, 0, 0, 0], seq=False))
+    assert row["met"] is None and "nll_diff" not in row["measured"]

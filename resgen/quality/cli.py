@@ -117,7 +117,7 @@ def report_main(argv: list[str] | None = None) -> int:
         return _fail(p.prog, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}")
     jp, mp = report.write(doc, args.out, stem)
     print(f"wrote {jp} and {mp}")
-    if args.suite != "paper" and args.stem is None:
+    if args.suite in ("full", "extended") and args.stem is None:
         # The paper grid is a subset of the full one: write its report too, from the same run.
         paper = report.subset(doc, "paper")
         pj, pm = report.write(paper, args.out, stem.replace(f"_{args.suite}", ""))
