@@ -26,6 +26,9 @@ the E4M3 results with it), each:
    Timing: resgen.search.timing.measure, policy cold-l2-graph (CUDA graph, input sets rotated
    past 2x L2). Ratios: bf16_us / ours and fp8_us / ours (> 1: ours faster).
 The issue's targets: faster than cuBLAS FP8 at M = 128, >= 1.5x cuBLAS BF16 at M = 256..2048.
+--compensation w4a8 times the W4A8 mode instead (E4M3 per-token activations: the same
+kernels, the activation operand from linear_sm90_fp8_operand.token_operand, each variant
+checked against resgen.reference.linear_w4a8 within the family's tolerance).
 --budget-s caps the timing (default 420 s, tests and compiles not counted: 60 % for the E4M3
 phase, the rest and what it left for FP4); SIGINT or a CUDA error ends the run with what it
 has. Writes $OUT/linear_sm90_fp8_h200.json (+ _pytest_<wload>.xml), prints a table last.
@@ -122,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="c,bn,stages,group,parts,raster[,wload] (default: VARIANTS)")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--no-tests", action="store_true")
+    ap.add_argument("--compensation", choices=("none", "w4a8"), default="none",
+                    help="none: MXFP4 W4A4 (exact); w4a8: FP8 E4M3 per-token activations x "
+                    "MXFP4 weights (the same kernels, checked against reference.linear_w4a8)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/resgen-out"))
     args = ap.parse_args(argv)
     from run_record import run_record
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in args.shapes.split(",")]
     report: dict = {"run": run_record(__file__, argv, policy=DEFAULT_POLICY),
                     "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                    else None, "tests": {}, "compiles": {}, "rows": [], "errors": []}
+                    else None, "compensation": args.compensation, "tests": {},
+                    "compiles": {}, "rows": [], "errors": []}
     path = out_dir / "linear_sm90_fp8_h200.json"
     rows: dict[tuple[str, int], dict] = {}
 
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                                             f"({len(todo) - i} rows left)")
                     break
                 t = time.time()
-                time_row(rows, report, name, m, phase, gen)
+                time_row(rows, report, name, m, phase, gen, args.compensation)
                 timing_s += time.time() - t
                 save()
     except (KeyboardInterrupt, RuntimeError) as e:     # a CUDA error poisons the context
@@ -205,7 +212,8 @@ def compile_all(report: dict, variants: list[LinearSm90Fp8Variant]) -> None:
 
 
 def time_row(rows: dict, report: dict, name: str, m: int,
-             variants: list[LinearSm90Fp8Variant], gen: torch.Generator) -> None:
+             variants: list[LinearSm90Fp8Variant], gen: torch.Generator,
+             compensation: str = "none") -> None:
     """Time `variants` (checked first) on shape `name` at M = m into rows[(name, m)]; the
     cuBLAS baselines once per row."""
     n, k = SHAPES[name]
@@ -219,7 +227,7 @@ def time_row(rows: dict, report: dict, name: str, m: int,
         tf = measure(fp8_runner(m, n, k, nf, gen), DEFAULT_POLICY, nf)
         row["fp8_us"], row["fp8_mode"] = tf.median_us, tf.mode
         rows[(name, m)] = row
-    p = LinearProblem("mxfp4", "none", m, n, k)
+    p = LinearProblem("mxfp4", compensation, m, n, k)
     for v in variants:
         c = report["compiles"].get(v.name(), {})
         if FAMILY.why_invalid(v, p, ARCH) is not None or not c.get("ok"):

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from . import baselines_marlin
+from . import baselines_marlin, formats
 from .baselines_marlin import MarlinUnavailable
 
 HBM_BYTES_PER_S = 4.45e12
@@ -84,16 +84,12 @@ def cublas_fp8_torch_quant(x: torch.Tensor, w: torch.Tensor) -> Callable[[], tor
 
 
 def fp8_rowwise_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [R, K] (any float dtype) -> (E4M3 [R, K], float32 scales [R, 1]) with
-    scale = max(amax(|row|) * fp32(1 / 448), 1e-12) and x8 = clamp(x / scale, +-448) (IEEE
-    division, round to nearest even in the cast). The torch reference of the fused kernel,
-    and the quantizer of the weights (per output channel) and of the pre-quantized
-    activations."""
+    """x: [R, K] (any float dtype) -> (E4M3 [R, K], float32 scales [R, 1]):
+    resgen.formats.fp8_rowwise_quant (the one definition), with a shape check. The torch
+    reference of the fused kernel, and the quantizer of the weights (per output channel) and
+    of the pre-quantized activations."""
     _check_2d_float(x, "fp8_rowwise_quant input")
-    xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) * INV_E4M3_MAX).clamp(min=1e-12)
-    x8 = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return x8, scale
+    return formats.fp8_rowwise_quant(x)
 
 
 def fp8_weight_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

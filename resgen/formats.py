@@ -47,6 +47,7 @@ __all__ = [
     "e2m1_decode",
     "e2m1_round",
     "e4m3_round",
+    "fp8_rowwise_quant",
     "pack_fp4",
     "unpack_fp4",
     "nvfp4_global_scale",
@@ -203,6 +204,20 @@ def e2m1_round(v: torch.Tensor) -> torch.Tensor:
 def e4m3_round(v: torch.Tensor) -> torch.Tensor:
     """E4M3 (float8_e4m3fn) round-to-nearest-even of non-negative float32, saturating at 448."""
     return torch.clamp(v, max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_rowwise_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 E4M3 quantization, the activations of FP8 W8A8 (the baselines) and of the
+    W4A8 study mode: x [R, K] (any float dtype) -> (E4M3 [R, K], float32 scales [R, 1]) with
+
+        scale = max(amax(|row|) * fp32(1 / 448), 1e-12)
+        x8    = E4M3_rne(clamp(x / scale, +-448))          # FP32 IEEE division
+
+    Dequantized: x8.float() * scale."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * (1.0 / E4M3_MAX)).clamp(min=1e-12)
+    x8 = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, scale
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

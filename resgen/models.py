@@ -271,7 +271,8 @@ def tuning_workloads(family: Any, models: Sequence[ModelSpec], *, tp: int = 1,
         return list(own)
     lin = linear_problems(models, tp, formats, compensations, m_buckets)
     if family.PROBLEM is LinearProblem:
-        return lin
+        # only what the family serves (e.g. W4A8 only the FP8 tensor-core family)
+        return [p for p in lin if family.problem_invalid(p) is None]
     if family.PROBLEM is AttentionProblem:
         # only the workloads the family serves at all (attention_sm100 refuses pv=fp8 and the
         # Q16 query as a whole: no tuning job, instead of a "no valid variant" error)

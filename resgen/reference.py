@@ -16,7 +16,8 @@ from .calibrate import QLinearWeight
 from .formats import QuantizedTensor
 from .kvcache import PagedKVCache
 
-__all__ = ["Compensation", "Fold", "FOLDS", "linear", "linear_w4a16", "decode_attention",
+__all__ = ["Compensation", "Fold", "FOLDS", "linear", "linear_w4a16", "linear_w4a8",
+           "decode_attention",
            "nmse", "attention_fp32", "quantize_query", "query_fp16", "QUERY_MODES",
            "Q16_EXP_OFFSET", "check_compensation"]
 
@@ -146,6 +147,29 @@ def linear_w4a16(x: torch.Tensor, qweight: QLinearWeight, *,
     w = qweight.q.to(x.device)
     wu = _unit(w) if weight_unit is None else weight_unit.to(x.device).double()
     y = (xb @ wu[:, :k].T).float() * _global(w)
+    return y.reshape(*lead, -1)
+
+
+def linear_w4a8(x: torch.Tensor, qweight: QLinearWeight, *,
+                weight_unit: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference W4A8 linear layer (FP4 weights, FP8 E4M3 activations with one FP32 scale per
+    token). x: [..., K] float -> float32 [..., N].
+
+        Y = (E4M3(X / s) * s) W_hat^T,   s = max(amax(|row|) / 448, 1e-12) per token
+
+    (resgen.formats.fp8_rowwise_quant), the base FP4 weight with its global scale, the product
+    exact in float64. A numerics for Hopper's FP8 tensor cores (E2M1 codes are exact in E4M3),
+    named for what it is: the activations are rounded to FP8, so it is neither W4A4's
+    block-scaled numerics nor W4A16's. The quality study's W4A8 is checked against it."""
+    k = qweight.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"input has K={x.shape[-1]}, the weight expects K={k}")
+    lead = x.shape[:-1]
+    x8, s = formats.fp8_rowwise_quant(x.reshape(-1, k))
+    xq = x8.double() * s.double()
+    w = qweight.q.to(x.device)
+    wu = _unit(w) if weight_unit is None else weight_unit.to(x.device).double()
+    y = (xq @ wu[:, :k].T).float() * _global(w)
     return y.reshape(*lead, -1)
 
 

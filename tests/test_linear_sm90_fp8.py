@@ -587,3 +587,64 @@ def test_an_unknown_experimental_name_warns_once(monkeypatch):
             F.families()
     finally:
         settings.cache_clear()
+
+
+# ----------------------------------------------------------------------------- W4A8
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("m, n, k", [(1, 64, 256), (37, 128, 512), (130, 192, 320)])
+def test_w4a8_operand_through_the_emulation_is_the_w4a8_reference(group, m, n, k):
+    """W4A8 = the same kernel with E4M3 activations and per-token scales: the emulation
+    (exact partials) equals resgen.reference.linear_w4a8 to FP32 rounding, and a 14-bit
+    accumulator model of Hopper's FP8 sums stays within the check's BF16 tolerance."""
+    qw = _layer(n, k, seed=3 * m + group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + 7 * group)) * 3
+    x[0, :5] = 0.0
+    kp = O.kp_fp8(k)
+    w = O.fold_operand(qw.q, group, kp)
+    xo = Fp8ActivationStage(k, kp, group, "w4a8")(x)
+    assert xo.scales.shape == (kp // (32 * group), xo.rows_pad)
+    assert torch.all(xo.scales[:, :m] == xo.scales[:1, :m])        # one scale per token
+    ref = R.linear_w4a8(x, qw)
+    y = simulate(xo, w, m)
+    res = compare(y, ref, 1e-5)
+    assert res.ok, res.detail
+    assert compare(simulate(xo, w, m, acc_bits=14), ref, S.TOLERANCE).ok
+    # it is not W4A4: the plain reference is far off on the same inputs
+    assert not compare(y, R.linear(x, qw, "none"), S.TOLERANCE).ok
+
+
+def test_w4a8_problem_is_the_fp8_familys_only(opted_in):
+    from resgen.models import get_model, tuning_workloads
+    from resgen.search.family import get_family
+
+    p = LinearProblem("mxfp4", "w4a8", 256, 4096, 4096)
+    assert p.ratio is None and p.rows == 256 and not p.w4a16
+    assert S.FAMILY.problem_invalid(p) is None
+    assert S.FAMILY.space(p, ARCH)
+    for name in ("linear_sm90_mma", "linear_sm90_wgmma", "linear_sm100_tc"):
+        why = get_family(name).problem_invalid(p)
+        assert why is not None and "linear_sm90_fp8 only" in why
+    q8 = [get_model("qwen3-8b")]
+    kw = dict(tp=1, formats=["mxfp4"], compensations=["none", "w4a8"], m_buckets=[1, 256])
+    assert not [w for w in tuning_workloads(get_family("linear_sm90_wgmma"), q8, **kw)
+                if w.compensation == "w4a8"]
+    fp8 = tuning_workloads(S.FAMILY, q8, **kw)
+    assert {w.compensation for w in fp8} == {"none", "w4a8"} and all(w.m >= 64 for w in fp8)
+    with pytest.raises(ValueError, match="w4a8"):
+        Fp8ActivationStage(256, 256, 1, "full")
+
+
+def test_w4a8_runner_checks_against_the_w4a8_reference(monkeypatch, opted_in):
+    fam = S.FAMILY
+    v = S.LinearSm90Fp8Variant(2, 64, 3, 2, 2)
+    p = LinearProblem("mxfp4", "w4a8", 9, 128, 256)
+    monkeypatch.setattr(type(fam), "launcher",
+                        lambda self, c, var, prob, dev: _SimLauncher(S.geometry_of(var)))
+    r = fam.runner(None, v, p, "cpu", n_sets=1, seed=2)
+    res = r.check()
+    assert res.ok, res.detail
+    # a kernel fed the W4A4 operand instead fails the W4A8 check
+    monkeypatch.setattr(r.binding.stage, "compensation", "none")
+    assert not r.check().ok

@@ -99,6 +99,47 @@ def test_w4a16_fake_quant_equals_reference_and_beats_w4a4(fmt):
     assert torch.equal(FakeQuantLinear(qe, "w4a16")(x), got)
 
 
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_w4a8_fake_quant_equals_reference_and_sits_between_w4a4_and_w4a16(fmt):
+    """W4A8: E4M3 activations with one scale per token, FP4 weights. The fast path equals
+    resgen.reference.linear_w4a8 to FP32 rounding; the reference equals an independent formula
+    (E4M3 per row by hand: exponent, 3 mantissa bits, round to nearest even); its error
+    against the unquantized layer is below plain W4A4's and above W4A16's."""
+    n, k = 48, 128
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = _heavy((2, 9, k), 4)
+    x[0, 0] = 0.0                                    # an all-zero token: scale clamps, y = 0
+    qw = prepare_weight(w, fmt)
+    want = reference.linear_w4a8(x, qw)
+    got = FakeQuantLinear(qw, "w4a8")(x)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * float(want.abs().max()))
+    assert torch.all(want[0, 0] == 0)
+    xr = x.reshape(-1, k).double()
+    s = (xr.abs().amax(1, keepdim=True).float() * (1.0 / 448)).clamp(min=1e-12).double()
+    v = (xr.float() / s.float()).double()            # FP32 division, as the definition
+    e = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -6)))   # E4M3: subnormals below 2^-6
+    q = torch.round(v / 2.0 ** (e - 3)) * 2.0 ** (e - 3)        # 3 mantissa bits, ties even
+    indep = ((q * s) @ formats.dequantize(qw.q).double().T).reshape(2, 9, n).float()
+    torch.testing.assert_close(want, indep, rtol=1e-6, atol=1e-6 * float(indep.abs().max()))
+    exact = x.double() @ w.double().T
+    err = {m: reference.nmse(f, exact) for m, f in (
+        ("w4a4", reference.linear(x, qw, "none")), ("w4a8", want),
+        ("w4a16", reference.linear_w4a16(x, qw)))}
+    assert err["w4a16"] < err["w4a8"] < err["w4a4"], err
+    with pytest.raises(ValueError, match="no residue"):
+        FakeQuantLinear(qw, "w4a8", fold="presum")
+
+
+def test_fp8_rowwise_quant_is_the_baselines_quantizer():
+    from resgen import baselines
+
+    x = _heavy((6, 64), 9)
+    a8, a = formats.fp8_rowwise_quant(x)
+    b8, b = baselines.fp8_rowwise_quant(x)
+    assert torch.equal(a, b) and torch.equal(a8.view(torch.uint8), b8.view(torch.uint8))
+
+
 def test_fake_quant_bias_is_added_in_fp32():
     w = torch.randn(16, 64)
     b = torch.randn(16)

@@ -290,7 +290,7 @@ def test_presum_methods_validate_label_and_keep_old_records_matching():
     with pytest.raises(ValueError, match="fold must be one of"):
         Method("nvfp4", "full", fold="sum")
     hop = report.methods_for("hopper")
-    assert len(set(hop)) == len(hop) == 11
+    assert len(set(hop)) == len(hop) == 13
     for fmt in formats.FORMATS:
         assert {Method(fmt, "full"), Method(fmt, "full", fold="presum"),
                 Method(fmt, "w4a16"), Method(fmt, "none")} <= set(hop)

@@ -16,7 +16,8 @@ import torch
 
 from ..formats import quantize
 from .linear_sm90_fp8_geom import KC, Fp8Geometry
-from .linear_sm90_fp8_operand import ROW_MULTIPLE, Fp4Operand, Fp8Operand, fold_operand
+from .linear_sm90_fp8_operand import (ROW_MULTIPLE, Fp4Operand, Fp8Operand, fold_operand,
+                                      token_operand)
 
 __all__ = ["Fp8Launcher", "Fp8ActivationStage", "check_launch"]
 
@@ -67,18 +68,25 @@ def check_launch(geom: Fp8Geometry, w: Fp8Operand | Fp4Operand, x: Fp8Operand, m
 
 
 class Fp8ActivationStage:
-    """The activations' operand in torch: xb [m, K] (bf16 or float) -> MXFP4 (formats.quantize,
-    the reference's quantizer) -> Fp8Operand with `group` (fold_operand; FoldRangeError where a
-    group cannot be folded exactly). About a dozen torch ops and one host sync (the fold's
-    range check): correct, not fast, not capturable. A device quantizer writing E4M3 codes
-    and group scales is the missing piece for serving (docs/linear_sm90_fp8.md)."""
+    """The activations' operand in torch: xb [m, K] (bf16 or float) -> Fp8Operand with
+    `group`. compensation "none" (W4A4): MXFP4 (formats.quantize, the reference's quantizer),
+    folded (fold_operand; FoldRangeError where a group cannot be folded exactly); "w4a8": E4M3
+    values with one scale per token (token_operand: formats.fp8_rowwise_quant). About a dozen
+    torch ops (and, for W4A4, one host sync: the fold's range check): correct, not fast, not
+    capturable. A device quantizer writing this operand is the missing piece for serving
+    (docs/linear_sm90_fp8.md)."""
 
-    def __init__(self, k: int, kp: int, group: int) -> None:
+    def __init__(self, k: int, kp: int, group: int, compensation: str = "none") -> None:
+        if compensation not in ("none", "w4a8"):
+            raise ValueError(f"compensation {compensation!r}: 'none' (W4A4) or 'w4a8'")
         self.k, self.kp, self.group = int(k), int(kp), int(group)
+        self.compensation = compensation
 
     def __call__(self, xb: torch.Tensor) -> Fp8Operand:
         if xb.dim() != 2 or xb.shape[1] != self.k:
             raise ValueError(f"activations must be [M, {self.k}], got {tuple(xb.shape)}")
+        if self.compensation == "w4a8":
+            return token_operand(xb, self.group, self.kp, ROW_MULTIPLE)
         return fold_operand(quantize(xb.float(), "mxfp4"), self.group, self.kp, ROW_MULTIPLE)
 
 

@@ -44,7 +44,7 @@ from .linear_sm90_fp8_convert import lut16
 from .linear_sm90_fp8_geom import K_BLOCK, KC
 
 __all__ = ["FOLD_MIN", "FOLD_MAX", "ROW_MULTIPLE", "FoldRangeError", "Fp8Operand",
-           "Fp4Operand", "fold_operand", "fp4_operand", "expand_fp4", "e4m3_bytes", "e4m3_values", "pow2_f32", "nvfp4_fold_exact",
+           "Fp4Operand", "fold_operand", "token_operand", "fp4_operand", "expand_fp4", "e4m3_bytes", "e4m3_values", "pow2_f32", "nvfp4_fold_exact",
            "kp_fp8"]
 
 FOLD_MIN, FOLD_MAX = -8, 6
@@ -175,6 +175,34 @@ def fold_operand(q: QuantizedTensor, group: int, kp: int,
         codes = e4m3_bytes((vb * pow2_f32(d).unsqueeze(-1)).reshape(rp, kp))
     scales = pow2_f32(base).t().contiguous()
     return Fp8Operand(codes.contiguous(), scales, r, group)
+
+
+def token_operand(x: torch.Tensor, group: int, kp: int,
+                  row_multiple: int = ROW_MULTIPLE) -> Fp8Operand:
+    """The W4A8 activations: x [R, K] float -> Fp8Operand of E4M3 values with one FP32 scale
+    per token (formats.fp8_rowwise_quant), the scale repeated for every promotion group
+    (scales [kp / (32 group), R_pad]; padding rows and columns zero). The kernel then computes
+    sum_g part_g * (s_t * sw[c, g]) = the W4A8 product (resgen.reference.linear_w4a8), with
+    one difference: E4M3 x E2M1 products have up to 6 significant bits and a k32 block's sum
+    is not exact in Hopper's reduced-precision FP8 accumulator (module docstring), so W4A8 is
+    checked against the reference with a tolerance, never bit for bit."""
+    from ..formats import fp8_rowwise_quant
+
+    if group not in (1, 2, 4):
+        raise ValueError(f"group={group} (1, 2 or 4 k32 blocks)")
+    if x.dim() != 2:
+        raise ValueError(f"activations must be 2-D, got {tuple(x.shape)}")
+    r, k = x.shape
+    if kp < k or kp % (K_BLOCK * group):
+        raise ValueError(f"Kp={kp} must be >= K={k} and a multiple of {K_BLOCK * group}")
+    rp = -(-max(r, 1) // row_multiple) * row_multiple
+    x8, s = fp8_rowwise_quant(x)
+    codes = torch.zeros(rp, kp, dtype=torch.uint8, device=x.device)
+    codes[:r, :k] = x8.view(torch.uint8)
+    ng = kp // (K_BLOCK * group)
+    scales = torch.zeros(ng, rp, dtype=torch.float32, device=x.device)
+    scales[:, :r] = s.reshape(1, r)
+    return Fp8Operand(codes, scales, r, group)
 
 
 def _check_mxfp4(q: QuantizedTensor) -> None:

@@ -80,7 +80,7 @@ def report_main(argv: list[str] | None = None) -> int:
                    help="paper: the foundation grid (15 runs); full: + error-aware selection, "
                         "weight-side methods and planner budgets (36 runs); extended: + more; "
                         "hopper: the Hopper-native numerics (W4A16, the pre-summed fold "
-                        "against the exact one; 11 runs)")
+                        "against the exact one, W4A8; 13 runs)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--resume", action="store_true", help="append each finished method to "
                    "<out>/<stem>.partial.jsonl and skip those already there")

@@ -13,6 +13,8 @@ Method semantics (paper Eq. 5-6):
     ratio   K-Ext                 y = X_hat W_hat^T + R_hat_S W_hat_S^T, where W_S is the
                                   selected weight columns quantized in the extended layout
     "w4a16" FP4 weights only      y = bf16(X) W_hat^T (resgen.reference.linear_w4a16)
+    "w4a8"  FP8 activations       y = fp8_rowwise(X) W_hat^T: E4M3 with one scale per token
+                                  (resgen.reference.linear_w4a8)
 fold="presum" (resgen.reference.linear's fold): y = fp16(X_hat + R_hat) W_hat^T, one product,
     the sum rounded by resgen.formats.presum_fp16 (K-Ext: the selected residues added onto
     their base channels; the extension weight unused).
@@ -29,7 +31,7 @@ from ..calibrate import QLinearWeight
 __all__ = ["qdq", "qdq_with_residue", "FakeQuantLinear", "COMPENSATIONS_EXTRA"]
 
 # Compensation values of the study beyond resgen.reference.Compensation (no activation FP4).
-COMPENSATIONS_EXTRA: tuple[str, ...] = ("w4a16",)
+COMPENSATIONS_EXTRA: tuple[str, ...] = ("w4a16", "w4a8")
 
 _BLOCK = {"nvfp4": 16, "mxfp4": 32}
 
@@ -131,6 +133,10 @@ class FakeQuantLinear(torch.nn.Module):
         xf = x.reshape(-1, self.in_features).to(torch.float32)
         if self.compensation == "w4a16":
             y = F.linear(xf.to(torch.bfloat16).to(torch.float32), self.w_base, self.bias)
+            return y.reshape(*lead, -1).to(x.dtype)
+        if self.compensation == "w4a8":
+            x8, s = formats.fp8_rowwise_quant(xf)
+            y = F.linear(x8.to(torch.float32) * s, self.w_base, self.bias)
             return y.reshape(*lead, -1).to(x.dtype)
         alpha = None
         if self.fmt == "nvfp4":

@@ -11,7 +11,8 @@ Suites
          K-Ext and with a plan (not part of the committed results: CPU time).
   hopper the Hopper-native numerics (issue 20): FP32 reference; per format W4A4, full
          residue with the exact fold and with the pre-summed fold (fold=presum: base +
-         residue rounded once to FP16, one product), W4A16; NVFP4 K-Ext 0.25 with both folds.
+         residue rounded once to FP16, one product), W4A16, W4A8 (FP8 E4M3 per-token
+         activations, what FP8 tensor cores would take); NVFP4 K-Ext 0.25 with both folds.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def methods_for(suite: str) -> list[Method]:
     if suite == "hopper":
         for fmt in formats.FORMATS:
             ms += [Method(fmt, "none"), Method(fmt, "full"), Method(fmt, "full", fold="presum"),
-                   Method(fmt, "w4a16")]
+                   Method(fmt, "w4a16"), Method(fmt, "w4a8")]
         return ms + [Method("nvfp4", 0.25), Method("nvfp4", 0.25, fold="presum")]
     for fmt in formats.FORMATS:
         ms += [Method(fmt, "none"), Method(fmt, "full"), Method(fmt, "w4a16")]
@@ -203,6 +204,8 @@ def _document(config, suite, results, total_tokens, split_info, n_layers, timing
             "full": "X_hat W_hat^T + R_hat W_hat^T, separate products added in FP32",
             "w4a16": "bf16(X) W_hat^T: FP4 weights, activations rounded to BF16 and never "
                      "quantized (resgen.reference.linear_w4a16); effective bits 16",
+            "w4a8": "fp8(X) W_hat^T: FP4 weights, activations E4M3 with one FP32 scale per "
+                    "token (resgen.reference.linear_w4a8); effective bits 8",
             "k_ext": "block-local selection, exactly 8*ratio channels per 8-channel group",
             "layer_nmse": "pooled over the captured held-out inputs of each layer vs the "
                           "unquantized FP32 layer (weight + activation error)",
@@ -470,13 +473,14 @@ def _per_layer(doc: dict) -> list[str]:
     for fmt in formats.FORMATS:
         cols = [r for r in doc["results"]
                 if r["method"]["fmt"] == fmt
-                and r["method"]["comp"] in ("none", "full", "w4a16", 0.125, 0.25, 0.5)
+                and r["method"]["comp"] in ("none", "full", "w4a16", "w4a8", 0.125, 0.25, 0.5)
                 and r["method"]["weights"] == "amax" and r["method"]["score"] == "mean_abs"
                 and r["method"]["input_scale"] == "dynamic"]
         if not cols:
             continue
         names = list(cols[0]["layer_nmse"])
-        heads = [str(c["method"]["comp"]) for c in cols]
+        heads = [str(c["method"]["comp"]) + (f" {c['method']['fold']}" if c["method"].get("fold")
+                                            else "") for c in cols]
         lines += ["", f"## Per-layer output NMSE, {fmt.upper()} (x1e-3; mean |x| selection)", "",
                   "| layer | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(cols)]
         for n in names:

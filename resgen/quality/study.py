@@ -58,10 +58,11 @@ class Method:
             formats.block_size(self.fmt)
         if (self.comp not in ("ref", "none", "full", "plan", *COMPENSATIONS_EXTRA)
                 and self.comp not in PLAN_RATIOS[1:-1]):
-            raise ValueError(f"comp must be ref/none/full/plan/w4a16 or a K-Ext ratio, got "
+            raise ValueError(f"comp must be ref/none/full/plan/w4a16/w4a8 or a K-Ext ratio, got "
                              f"{self.comp!r}")
-        if self.comp == "w4a16" and self.input_scale != "dynamic":
-            raise ValueError("W4A16 does not quantize activations: no activation scale mode")
+        if self.comp in COMPENSATIONS_EXTRA and self.input_scale != "dynamic":
+            raise ValueError(f"{self.comp} has no FP4 activation scale: no activation scale "
+                             f"mode")
         if (self.comp == "plan") != (self.budget is not None):
             raise ValueError("a budget is given exactly when comp == 'plan'")
         if self.input_scale not in ("dynamic", "static"):
@@ -73,18 +74,19 @@ class Method:
         from ..reference import FOLDS
         if self.fold not in FOLDS:
             raise ValueError(f"fold must be one of {FOLDS}, got {self.fold!r}")
-        if self.fold != "exact" and self.comp in ("ref", "none", "w4a16", "plan"):
+        if self.fold != "exact" and self.comp in ("ref", "none", "plan", *COMPENSATIONS_EXTRA):
             raise ValueError(f"fold={self.fold!r} needs a residue: comp 'full' or a K-Ext ratio, "
                              f"got {self.comp!r}")
 
     def label(self) -> str:
         if self.comp == "ref":
             return "FP32 reference"
-        comp = {"none": "W4A4", "full": "full residue", "w4a16": "W4A16"}.get(self.comp)
+        comp = {"none": "W4A4", "full": "full residue", "w4a16": "W4A16",
+                "w4a8": "W4A8 (FP8 E4M3 per-token activations)"}.get(self.comp)
         if comp is None:
             comp = f"plan {self.budget} bits" if self.comp == "plan" else f"ratio {self.comp}"
         parts = [self.fmt.upper(), comp]
-        if self.comp not in ("none", "full", "w4a16"):
+        if self.comp not in ("none", "full", *COMPENSATIONS_EXTRA):
             parts.append(f"sel={self.score}")
         if self.weights != "amax":
             parts.append(f"w={self.weights}")
@@ -215,7 +217,8 @@ class Study:
     def module(self, name: str, m: Method, ratio) -> FakeQuantLinear:
         comp = {0.0: "none", 1.0: "full"}.get(ratio, ratio)
         return FakeQuantLinear(self.qweight(name, m, comp), comp, self.bias.get(name),
-                               fold=m.fold if comp not in ("none", "w4a16") else "exact")
+                               fold=m.fold if comp not in ("none", *COMPENSATIONS_EXTRA)
+                               else "exact")
 
     def ratios(self, m: Method) -> dict[str, float | str]:
         """Layer -> compensation for method m (solving the plan when m.comp == 'plan')."""
@@ -279,9 +282,9 @@ class Study:
             res.update(perplexity(self.model, self.split.eval, batch=self.config.batch))
         finally:
             replace_linears(self.model, old)
-        if m.comp == "w4a16":
-            # activation operand bits, as the plan counts them: BF16, never quantized
-            res["effective_bits"] = 16.0
+        if m.comp in COMPENSATIONS_EXTRA:
+            # activation operand bits, as the plan counts them: BF16 never quantized, or FP8
+            res["effective_bits"] = 16.0 if m.comp == "w4a16" else 8.0
             res["seconds"] = time.time() - t0
             return res
         plan_r = {n: {"none": 0.0, "full": 1.0}.get(r, r) for n, r in ratios.items()}

@@ -149,7 +149,12 @@ class KernelFamilyBase:
 
     # ------------------------------------------------------------------ hooks
     def problem_invalid(self, problem: ProblemBase) -> str | None:
-        """Why no variant of this family can run `problem` (None: some may)."""
+        """Why no variant of this family can run `problem` (None: some may). The default
+        refuses W4A8 linear problems (FP8 activations), which only the FP8 tensor-core family
+        (linear_sm90_fp8, which overrides this) computes."""
+        if isinstance(problem, LinearProblem) and problem.compensation == "w4a8":
+            return (f"{self.NAME} has no W4A8 (FP8-activation) kernels: W4A8 runs on "
+                    f"linear_sm90_fp8 only")
         return None
 
     def working_set_bytes(self, variant: VariantBase, problem: ProblemBase) -> int:

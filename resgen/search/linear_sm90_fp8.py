@@ -124,8 +124,9 @@ class LinearSm90Fp8Family(KernelFamilyBase):
         if problem.fmt != "mxfp4":
             return (f"{NAME} runs MXFP4 only (power-of-two block scales); NVFP4 has no exact "
                     "form on the FP8 tensor cores (resgen.kernels.linear_sm90_fp8_operand)")
-        if problem.compensation != "none":
-            return f"{NAME} runs plain W4A4 only (compensation 'none'), not {problem.compensation}"
+        if problem.compensation not in ("none", "w4a8"):
+            return (f"{NAME} runs plain W4A4 and W4A8 only (compensation 'none' / 'w4a8'), "
+                    f"not {problem.compensation}")
         if problem.n % 64:
             return f"N={problem.n} is not a multiple of 64"
         return None
@@ -167,15 +168,17 @@ class LinearSm90Fp8Family(KernelFamilyBase):
         """The models' MXFP4 plain layers at the M buckets from 64 on (prefill: the tiles
         are 64 or 128 tokens); none unless opted in, so `resgen tune` without
         RESGEN_EXPERIMENTAL plans nothing for this family."""
-        if not enabled() or "mxfp4" not in formats or "none" not in compensations:
+        comps = [c for c in ("none", "w4a8") if c in compensations]
+        if not enabled() or "mxfp4" not in formats or not comps:
             return []
         out: list[LinearProblem] = []
         for spec in models:
             for sh in spec.linear_shapes(tp):
-                for m in m_buckets:
-                    p = LinearProblem("mxfp4", "none", int(m), int(sh.n), int(sh.k), True)
-                    if p.m >= 64 and p not in out and self.problem_invalid(p) is None:
-                        out.append(p)
+                for c in comps:
+                    for m in m_buckets:
+                        p = LinearProblem("mxfp4", c, int(m), int(sh.n), int(sh.k), True)
+                        if p.m >= 64 and p not in out and self.problem_invalid(p) is None:
+                            out.append(p)
         return out
 
     # ------------------------------------------------------------------ space
@@ -236,7 +239,8 @@ class LinearSm90Fp8Family(KernelFamilyBase):
 
     def compile_key(self, variant: LinearSm90Fp8Variant, problem: LinearProblem
                     ) -> LinearProblem:
-        """M, N and K are run-time: one compile per variant."""
+        """M, N and K are run-time: one compile per variant (W4A8 runs the same kernel: only
+        the activation operand differs, E4M3 values with per-token scales)."""
         return LinearProblem("mxfp4", "none", 1, 4096, 4096, True)
 
     def compile_args(self, variant: LinearSm90Fp8Variant, problem: LinearProblem
@@ -333,7 +337,8 @@ class Fp8Binding:
         from ..kernels.linear_sm90_fp8 import Fp8ActivationStage
 
         self.launcher, self.problem, self.weight = launcher, problem, weight
-        self.stage = Fp8ActivationStage(problem.k, weight.kp, weight.group)
+        self.stage = Fp8ActivationStage(problem.k, weight.kp, weight.group,
+                                        problem.compensation)
 
     def __call__(self, xb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return self.launcher(self.weight, self.stage(xb), xb.shape[0], out)
@@ -359,7 +364,7 @@ class Fp8Runner:
         self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.qweight = random_layer(problem, self.device, gen)
         w0 = family.layout(self.qweight, variant.group, variant.wload)
-        stage = Fp8ActivationStage(problem.k, w0.kp, variant.group)
+        stage = Fp8ActivationStage(problem.k, w0.kp, variant.group, problem.compensation)
         self.sets = []
         for i in range(max(1, n_sets)):
             w = w0 if i == 0 else _clone_operand(w0)
@@ -378,7 +383,7 @@ class Fp8Runner:
         return self.launcher(w, x, self.problem.m, self.out)
 
     def check(self) -> CheckResult:
-        from ..reference import linear
+        from ..reference import linear, linear_w4a8
 
         xb = (torch.randn(self.problem.m, self.problem.k, generator=self.gen,
                           device=self.device) * 3).to(torch.bfloat16)
@@ -387,7 +392,9 @@ class Fp8Runner:
         self.binding(xb, out)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return compare(out, linear(xb.float(), self.qweight, "none"), TOLERANCE)
+        ref = (linear_w4a8(xb.float(), self.qweight) if self.problem.compensation == "w4a8"
+               else linear(xb.float(), self.qweight, "none"))
+        return compare(out, ref, TOLERANCE)
 
 
 def _clone_operand(op: Any) -> Any:

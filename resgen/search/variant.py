@@ -196,7 +196,9 @@ class LinearProblem(ProblemBase):
 
     compensation: "none" | "full" | "0.125" | "0.25" | "0.5" | "1.0" (K-Ext ratios as strings so
     keys stay exact) | "w4a16" (FP4 weights, BF16 activations never quantized:
-    resgen.reference.linear_w4a16). m is the real token count; the database stores buckets
+    resgen.reference.linear_w4a16) | "w4a8" (FP4 weights, FP8 E4M3 activations with one scale
+    per token: resgen.reference.linear_w4a8; the FP8 tensor-core family only, experimental).
+    m is the real token count; the database stores buckets
     (see runtime).
     static_scale: NVFP4 activation tensor scale given (calibrated) rather than computed (W4A16
     has no activation scale: its workloads are keyed static, like MXFP4's).
@@ -206,7 +208,7 @@ class LinearProblem(ProblemBase):
     fmt: str = dataclasses.field(default="nvfp4", metadata={"allowed": ("nvfp4", "mxfp4")})
     compensation: str = dataclasses.field(
         default="none", metadata={"allowed": ("none", "full", "0.125", "0.25", "0.5", "1.0",
-                                              "w4a16")})
+                                              "w4a16", "w4a8")})
     m: int = dataclasses.field(default=1, metadata={"range": IntRange(1, 1 << 20)})
     n: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
     k: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
@@ -214,7 +216,7 @@ class LinearProblem(ProblemBase):
 
     @property
     def ratio(self) -> float | None:
-        return (None if self.compensation in ("none", "full", "w4a16")
+        return (None if self.compensation in ("none", "full", "w4a16", "w4a8")
                 else float(self.compensation))
 
     @property

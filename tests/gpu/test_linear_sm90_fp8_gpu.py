@@ -80,7 +80,7 @@ def check_variant(v, p: LinearProblem, seed: int = 0) -> dict:
     assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{v.name()}: reruns differ"
     sim = simulate(x, w, p.m).to(torch.bfloat16)
     mismatch = float((a.view(torch.int16) != sim.view(torch.int16)).float().mean())
-    if v.group == 1:
+    if v.group == 1 and p.compensation == "none":    # W4A8's partials are not exact
         assert mismatch == 0.0, (f"{v.name()} m={p.m}: {mismatch:.2e} of the outputs differ "
                                  "from the exact-partial emulation")
     return {"rel_err": res.rel_err, "sim_mismatch": mismatch}
@@ -133,6 +133,21 @@ def test_qwen3_8b_shapes(n, k, m, wload):
         out = check_variant(v, p, seed=m)
         print(f"{v.name()} {n}x{k} m={m}: rel {out['rel_err']:.2e}, "
               f"emulation mismatch {out['sim_mismatch']:.2e}")
+
+
+@pytest.mark.parametrize("n, k", QWEN[:2])
+@pytest.mark.parametrize("m", [1, 64, 128, 2048])
+def test_w4a8_qwen3_8b_shapes(n, k, m):
+    """W4A8 (E4M3 per-token activations): the same kernels, checked (twice, NaN-poisoned
+    output) against resgen.reference.linear_w4a8 within the family's tolerance, reruns bit
+    for bit; the fraction of outputs that differ from the exact-partial emulation is printed
+    (Hopper's FP8 accumulator rounds these partials), not asserted."""
+    p = LinearProblem("mxfp4", "w4a8", m, n, k)
+    for v in _qwen_variants():
+        if v.wload.value == "e4m3":
+            out = check_variant(v, p, seed=m + 1)
+            print(f"w4a8 {v.name()} {n}x{k} m={m}: rel {out['rel_err']:.2e}, "
+                  f"emulation mismatch {out['sim_mismatch']:.2e}")
 
 
 def _fp4_variants():
