@@ -39,7 +39,7 @@ COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
 # Every linear mode a LinearProblem takes: the above and W4A16 (BF16 activations, the
 # Hopper-native mode; tuned on request with --compensations w4a16; the shipped H200 table
 # covers it at the decode and prefill buckets, tests/test_tuned_table.py).
-LINEAR_MODES: tuple[str, ...] = COMPENSATIONS + ("w4a16",)
+LINEAR_MODES: tuple[str, ...] = COMPENSATIONS + ("w4a16", "w4a8")
 
 
 @dataclass(frozen=True)

@@ -73,11 +73,11 @@ def test_problem_key_and_fields():
     p = LinearProblem("nvfp4", "w4a16", 3, 128, 512)
     assert p.w4a16 and p.ratio is None and p.rows == 3 and p.k_ext(16) == 512
     keys = {LinearProblem("nvfp4", c, 3, 128, 512).key()
-            for c in ("none", "full", "0.125", "0.25", "0.5", "1.0", "w4a16")}
-    assert len(keys) == 7                       # its own DB key
+            for c in ("none", "full", "0.125", "0.25", "0.5", "1.0", "w4a16", "w4a8")}
+    assert len(keys) == 8                       # its own DB key
     assert LinearProblem.from_key(p.key()) == p
     with pytest.raises(ValueError, match="compensation"):
-        LinearProblem("nvfp4", "w4a8", 3, 128, 512)
+        LinearProblem("nvfp4", "w8a8", 3, 128, 512)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

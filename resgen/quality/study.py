@@ -61,8 +61,8 @@ class Method:
             raise ValueError(f"comp must be ref/none/full/plan/w4a16/w4a8 or a K-Ext ratio, got "
                              f"{self.comp!r}")
         if self.comp in COMPENSATIONS_EXTRA and self.input_scale != "dynamic":
-            raise ValueError(f"{self.comp} has no FP4 activation scale: no activation scale "
-                             f"mode")
+            raise ValueError(f"{self.comp.upper()} does not quantize activations to FP4: no "
+                             f"activation scale mode")
         if (self.comp == "plan") != (self.budget is not None):
             raise ValueError("a budget is given exactly when comp == 'plan'")
         if self.input_scale not in ("dynamic", "static"):
