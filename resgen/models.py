@@ -36,9 +36,10 @@ _MAX_HEAD_DIM = 1024             # AttentionProblem's head_dim range
 # The W4A4 compensation modes (Blackwell-parity numerics): `resgen tune`'s default and what the
 # shipped table must cover (tests/test_tuned_table.py).
 COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
-# Every linear mode a LinearProblem takes: the above and W4A16 (BF16 activations, the
+# Every linear mode a LinearProblem takes: the above, W4A16 (BF16 activations, the
 # Hopper-native mode; tuned on request with --compensations w4a16; the shipped H200 table
-# covers it at the decode and prefill buckets, tests/test_tuned_table.py).
+# covers it at the decode and prefill buckets, tests/test_tuned_table.py) and W4A8 (FP8
+# activations; only the experimental linear_sm90_fp8 family serves it, MXFP4, M >= 64).
 LINEAR_MODES: tuple[str, ...] = COMPENSATIONS + ("w4a16", "w4a8")
 
 
