@@ -41,7 +41,7 @@ __all__ = ["HBM_BYTES_PER_S", "floor_us", "nvfp4_weight_bytes", "mxfp4_weight_by
            "marlin_fp4",
            "MarlinUnavailable", "TRITON_AVAILABLE", "TRITON_FORMS"]
 
-E4M3_MAX = 448.0
+E4M3_MAX = formats.E4M3_MAX
 INV_E4M3_MAX = 1.0 / E4M3_MAX    # scales are amax * fp32(1/448) in both quantizers
 
 
@@ -106,11 +106,8 @@ def fp8_tensor_quant(x: torch.Tensor, scale: torch.Tensor | None = None
     torch reference of fp8_tensor_quant_triton and the quantizer of the per-tensor forms."""
     _check_2d_float(x, "fp8_tensor_quant input")
     xf = x.float()
-    if scale is None:
-        scale = (xf.abs().amax() * INV_E4M3_MAX).clamp(min=1e-12)
-    scale = scale.reshape(()).float()
-    x8 = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return x8, scale
+    scale = formats.fp8_scale(xf.abs().amax()) if scale is None else scale.reshape(()).float()
+    return formats.fp8_cast(xf, scale), scale
 
 
 def _check_2d_float(x: torch.Tensor, what: str) -> None:

@@ -47,6 +47,8 @@ __all__ = [
     "e2m1_decode",
     "e2m1_round",
     "e4m3_round",
+    "fp8_scale",
+    "fp8_cast",
     "fp8_rowwise_quant",
     "pack_fp4",
     "unpack_fp4",
@@ -206,6 +208,17 @@ def e4m3_round(v: torch.Tensor) -> torch.Tensor:
     return torch.clamp(v, max=E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The FP8 E4M3 scale of a row's (or a tensor's) amax: max(amax * fp32(1 / 448), 1e-12)."""
+    return (amax * (1.0 / E4M3_MAX)).clamp(min=1e-12)
+
+
+def fp8_cast(xf: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 xf / scale (IEEE division, scale broadcast) clamped to +-448, rounded to E4M3
+    (nearest even): the cast of every FP8 quantizer here (per row, per tensor, static)."""
+    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def fp8_rowwise_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row FP8 E4M3 quantization, the activations of FP8 W8A8 (the baselines) and of the
     W4A8 study mode: x [R, K] (any float dtype) -> (E4M3 [R, K], float32 scales [R, 1]) with
@@ -215,9 +228,8 @@ def fp8_rowwise_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Dequantized: x8.float() * scale."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) * (1.0 / E4M3_MAX)).clamp(min=1e-12)
-    x8 = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return x8, scale
+    scale = fp8_scale(xf.abs().amax(dim=-1, keepdim=True))
+    return fp8_cast(xf, scale), scale
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

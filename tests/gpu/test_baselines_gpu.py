@@ -83,24 +83,30 @@ def test_fused_fp8_quantizer_is_bit_exact_to_its_reference(m, k):
     assert torch.equal(x8.view(torch.uint8), r8.view(torch.uint8))
 
 
-@pytest.mark.parametrize("form", ["prequant", "fused"])
-@pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("name,n,k", SHAPES)
-def test_fp8_rowwise_forms_match_their_operands(form, m, name, n, k):
+def _check_fp8_form(form, make, quant, m, name, n, k):
+    """An FP8 form (make) against the FP32 product of its own E4M3 operands (quant: the form's
+    quantizer), M padded to 16 rows as `resgen bench` pads it."""
     m16 = -(-m // 16) * 16
     x = torch.nn.functional.pad(torch.randn(m, k, device="cuda").to(torch.bfloat16),
                                 (0, 0, 0, m16 - m))
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
-    make = B.cublas_fp8_prequant if form == "prequant" else B.cublas_fp8_fused
     fn = make(x, w)
-    x8, xs = B.fp8_rowwise_quant(x)
-    w8, ws = B.fp8_rowwise_quant(w)
+    x8, xs = quant(x)
+    w8, ws = quant(w)
     ref = (x8.float() * xs) @ (w8.float() * ws).T
     out = fn()
     rel = _rel(out[:m], ref[:m])
     assert rel <= FP8_TOL, f"{form} {name} M={m}: rel err {rel:.3g}"
     # and the FP8 error against the bf16 product stays an FP8 error (not a wrong layout)
     assert _rel(out[:m], (x.float() @ w.float().T)[:m]) < 0.1
+
+
+@pytest.mark.parametrize("form", ["prequant", "fused"])
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("name,n,k", SHAPES)
+def test_fp8_rowwise_forms_match_their_operands(form, m, name, n, k):
+    make = B.cublas_fp8_prequant if form == "prequant" else B.cublas_fp8_fused
+    _check_fp8_form(form, make, B.fp8_rowwise_quant, m, name, n, k)
 
 
 @pytest.mark.parametrize("k", sorted({k for _, _, k in SHAPES}))
@@ -119,19 +125,8 @@ def test_static_fp8_cast_is_bit_exact_to_its_reference(k):
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("name,n,k", SHAPES)
 def test_fp8_per_tensor_forms_match_their_operands(form, m, name, n, k):
-    m16 = -(-m // 16) * 16
-    x = torch.nn.functional.pad(torch.randn(m, k, device="cuda").to(torch.bfloat16),
-                                (0, 0, 0, m16 - m))
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
     make = B.cublas_fp8_tensor_prequant if form == "tensor_prequant" else B.cublas_fp8_static
-    fn = make(x, w)
-    x8, xs = B.fp8_tensor_quant(x)
-    w8, ws = B.fp8_tensor_quant(w)
-    ref = (x8.float() * xs) @ (w8.float() * ws).T
-    out = fn()
-    rel = _rel(out[:m], ref[:m])
-    assert rel <= FP8_TOL, f"{form} {name} M={m}: rel err {rel:.3g}"
-    assert _rel(out[:m], (x.float() @ w.float().T)[:m]) < 0.1
+    _check_fp8_form(form, make, B.fp8_tensor_quant, m, name, n, k)
 
 
 def test_marlin_library_is_the_built_one():
