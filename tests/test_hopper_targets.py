@@ -68,3 +68,13 @@ def test_the_committed_table_is_the_scripts_output(tmp_path):
     assert HT.main(["--out", str(out)]) == 0
     assert out.read_text() == (ROOT / "bench" / "results" / "h200" / "hopper_targets.md"
                                ).read_text()
+
+
+def test_a_missing_or_damaged_report_is_one_line(tmp_path, capsys):
+    assert HT.main(["--results", str(tmp_path), "--out", str(tmp_path / "t.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hopper_targets: ") and len(err.strip().splitlines()) == 1
+    for name in HT.REPORTS["qwen3-8b"]:
+        (tmp_path / name).write_bytes(b"not xz")
+    assert HT.main(["--results", str(tmp_path), "--out", str(tmp_path / "t.md")]) == 2
+    assert not (tmp_path / "t.md").exists()

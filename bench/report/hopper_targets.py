@@ -24,6 +24,7 @@ the BF16 MMA work at BF16_MMA_FLOPS), the issue's limit column.
 from __future__ import annotations
 
 import argparse
+import lzma
 import sys
 from pathlib import Path
 
@@ -156,8 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "hopper_targets.md")
     a = ap.parse_args(argv)
     rows: list[Row] = []
-    for model, names in REPORTS.items():
-        rows += targets(model, Reports(names, a.results))
+    try:
+        for model, names in REPORTS.items():
+            rows += targets(model, Reports(names, a.results))
+    except (OSError, ValueError, KeyError, TypeError, lzma.LZMAError) as e:  # one line
+        print(f"hopper_targets: {e}", file=sys.stderr)
+        return 2
     text = render(rows)
     a.out.write_text(text)
     print(text, end="")
