@@ -117,7 +117,8 @@ def _sim_compile(fam: Any, v: Any, p: Any, arch: str) -> Any:
 
     if fam.NAME != "linear_sm90_wgmma":
         raise ValueError(f"the sim backend simulates linear_sm90_wgmma, not {fam.NAME}")
-    return SimulatedKernel(LW.geometry_of(v, p))
+    return SimulatedKernel(LW.geometry_of(v, p),
+                           torch.float16 if v.presum else torch.bfloat16)
 
 
 def _empty_dispatcher() -> Any:

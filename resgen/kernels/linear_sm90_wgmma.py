@@ -28,8 +28,10 @@ _GRID_Y_MAX = 65535
 
 
 def check_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows: int,
-                 alpha_x: torch.Tensor | None, out: torch.Tensor) -> None:
-    """Raise ValueError/TypeError unless these tensors fit the compiled variant."""
+                 alpha_x: torch.Tensor | None, out: torch.Tensor,
+                 xop_dtype: torch.dtype = torch.bfloat16) -> None:
+    """Raise ValueError/TypeError unless these tensors fit the compiled variant (xop_dtype:
+    bfloat16, or float16 for a presum variant)."""
     if wt.fmt != geom.fmt or wt.packing != geom.packing:
         raise ValueError(f"weight is {wt.fmt}/{wt.packing}, the kernel {geom.fmt}/{geom.packing}")
     n = wt.out_features
@@ -40,8 +42,9 @@ def check_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows
     if not geom.split_ok(wt.nk):
         raise ValueError(f"{wt.nk} K chunks do not divide into {geom.split_k} slices of whole "
                          "chunk pairs")
-    if xop.dtype != torch.bfloat16 or xop.dim() != 2 or xop.shape[1] != wt.kp:
-        raise TypeError(f"xop must be bf16 [rows, {wt.kp}], got {xop.dtype} {tuple(xop.shape)}")
+    if xop.dtype != xop_dtype or xop.dim() != 2 or xop.shape[1] != wt.kp:
+        raise TypeError(f"xop must be {xop_dtype} [rows, {wt.kp}], got {xop.dtype} "
+                        f"{tuple(xop.shape)}")
     if not xop.is_contiguous() or not out.is_contiguous():
         raise ValueError("xop and out must be contiguous")
     if not 1 <= rows <= xop.shape[0]:
@@ -68,11 +71,17 @@ class WgmmaLauncher:
     """A compiled linear_sm90_wgmma variant launched on torch CUDA tensors (current stream).
 
     The compiled entry takes (records, xop, out, alpha_x, alpha_w, workspace, semaphores, m,
-    rows, N, nk, stream) as raw device pointers and ints."""
+    rows, N, nk, stream) as raw device pointers and ints. xop_dtype: the operand's type,
+    bfloat16 (exact unit values or W4A16's activations) or float16 (a presum variant: the
+    layer quantizer's fp16(X_hat + R_hat) rows, resgen.kernels.linear_sm90_wgmma_presum)."""
 
-    def __init__(self, compiled: Any, geom: WgGeometry, device: torch.device | str):
+    def __init__(self, compiled: Any, geom: WgGeometry, device: torch.device | str,
+                 xop_dtype: torch.dtype = torch.bfloat16):
+        if xop_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"xop_dtype must be bfloat16 or float16, got {xop_dtype}")
         self.compiled = compiled
         self.geom = geom
+        self.xop_dtype = xop_dtype
         self.one = torch.ones(1, dtype=torch.float32, device=device)
         self.ws = torch.zeros(4, dtype=torch.float32, device=device)
         self.sem = torch.zeros(1, dtype=torch.int32, device=device)
@@ -105,7 +114,7 @@ class WgmmaLauncher:
             from cutlass.cute.runtime import make_ptr
 
             dt = {torch.int32: cutlass.Int32, torch.bfloat16: cutlass.BFloat16,
-                  torch.float32: cutlass.Float32}[t.dtype]
+                  torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}[t.dtype]
             if t.data_ptr() % align:
                 raise ValueError(f"a {t.dtype} buffer is not {align}-byte aligned")
             p = make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
@@ -114,8 +123,9 @@ class WgmmaLauncher:
 
     def __call__(self, wt: WgWeight, xop: torch.Tensor, m: int, rows: int,
                  alpha_x: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """out: bf16 [>= m, N], rows 0..m-1 written; xop: bf16 [>= rows, Kp] contiguous."""
-        check_launch(self.geom, wt, xop, m, rows, alpha_x, out)
+        """out: bf16 [>= m, N], rows 0..m-1 written; xop: bf16 (presum: fp16) [>= rows, Kp]
+        contiguous."""
+        check_launch(self.geom, wt, xop, m, rows, alpha_x, out, self.xop_dtype)
         self._reserve(rows, wt.out_features)
         ax = alpha_x if alpha_x is not None else self.one
         import cuda.bindings.driver as cuda

@@ -78,14 +78,21 @@ def _dense_block(frag_mb: torch.Tensor, kp: int) -> torch.Tensor:
 
 
 def simulate_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows: int,
-                    alpha_x: torch.Tensor | None) -> torch.Tensor:
+                    alpha_x: torch.Tensor | None, presum: bool = False) -> torch.Tensor:
     """bf16 [m, N]: what one launch writes (NaN where nothing is written), on the CPU.
 
-    xop: bf16 [>= rows, Kp]; rows = m (plain / K-Ext) or 2 m (M-Ext row pairs)."""
+    xop: bf16 (presum: fp16, read as its values like any operand) [>= rows, Kp]; rows = m
+    (plain / K-Ext / presum) or 2 m (M-Ext row pairs). presum: the A registers from the FP16
+    decode (linear_sm90_wgmma_presum.fragment_values_f16) instead of the BF16 one."""
     if wt.packing != geom.packing or wt.fmt != geom.fmt:
         raise ValueError("weight packing/format does not match the geometry")
     n, kp = wt.out_features, wt.kp
-    frag = fragment_values(wt.to("cpu"))
+    if presum:
+        from .linear_sm90_wgmma_presum import fragment_values_f16
+
+        frag = fragment_values_f16(wt.to("cpu"))
+    else:
+        frag = fragment_values(wt.to("cpu"))
     x = torch.zeros(-(-rows // geom.bn) * geom.bn, kp, dtype=torch.float64)
     x[:rows] = xop[:rows].to("cpu").double()               # TMA: rows >= `rows` read as zero
     fac = epilogue_factor(geom.fmt, None if alpha_x is None else alpha_x.cpu(),
@@ -144,8 +151,9 @@ def simulate_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, r
 class SimulatedKernel:
     """A compiled linear_sm90_wgmma entry's stand-in on the CPU (see the module docstring)."""
 
-    def __init__(self, geom: WgGeometry):
+    def __init__(self, geom: WgGeometry, xop_dtype: torch.dtype = torch.bfloat16):
         self.geom = geom
+        self.xop_dtype = xop_dtype          # float16 for a presum variant's operand
         self.calls: list[tuple[int, int, int, int]] = []
 
     @staticmethod
@@ -175,12 +183,13 @@ class SimulatedKernel:
         rec = record_bytes(g.fmt)
         records = self._view(wp, n // 64 * nk * rec, torch.int32, 16).reshape(n // 64, nk,
                                                                                rec // 4)
-        xop = self._view(xp, rows * nk * 128, torch.bfloat16, 16).reshape(rows, nk * 64)
+        xop = self._view(xp, rows * nk * 128, self.xop_dtype, 16).reshape(rows, nk * 64)
         out = self._view(yp, m * n * 2, torch.bfloat16, 16).reshape(m, n)
         ax = self._view(axp, 4, torch.float32, 4).clone()
         aw = self._view(awp, 4, torch.float32, 4).clone()
         wt = WgWeight(g.fmt, g.packing, n, 0, nk * 64, records.clone(), aw)
-        out.copy_(simulate_launch(g, wt, xop.clone(), m, rows, ax if g.nv else None))
+        kw = {"presum": True} if self.xop_dtype == torch.float16 else {}
+        out.copy_(simulate_launch(g, wt, xop.clone(), m, rows, ax if g.nv else None, **kw))
 
 
 # ----------------------------------------------------------------------------- pipeline

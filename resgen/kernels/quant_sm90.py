@@ -22,6 +22,10 @@ Rows (`layout`), token j = 0..m-1:
     plain    (compensation none / K-Ext): row j = token j
     row_pair  (M-Ext): row 2j = base of token j, row 2j + 1 = its residue
     tile8    (M-Ext): per 16 rows, 8 base rows (tokens 8b..8b+7) then their 8 residue rows
+    presum   (M-Ext, NVFP4, xop only): row j = fp16(X_hat + R_hat) of token j, the pre-summed
+             fold's operand (resgen.formats.presum_fp16: the two unit values added in FP32 and
+             rounded once to FP16): xop is float16 [T_pad, KP], no codes or scales (issue 20
+             section 1; linear_sm90_wgmma's fold="presum" variants read it)
 T_pad = the rows the layout needs (m, 2m, 16 * ceil(m / 8)) rounded up to a multiple of
 lcm(row_multiple, granule) (granule 1 / 2 / 16). Rows past the real tokens are all zero (codes,
 scales and xop): the kernel writes them as the quantization of a zero token.
@@ -50,7 +54,8 @@ from ..calibrate import GROUP, Selection
 from .quant_inputs import INPUT_KINDS, make_inputs, random_masks
 
 __all__ = [
-    "COMPENSATIONS", "LAYOUTS", "ALPHA_MODES", "KP_ALIGNS", "TEMPLATE", "FAMILY", "AMAX_CTAS",
+    "COMPENSATIONS", "LAYOUTS", "MEXT_LAYOUTS", "ALPHA_MODES", "KP_ALIGNS", "TEMPLATE",
+    "FAMILY", "AMAX_CTAS", "xop_dtype",
     "mode_of", "ksel_of", "OperandShape", "operand_shape", "row_map",
     "QuantOperand", "operand_reference", "xop_reference", "split_operand",
     "INPUT_KINDS", "make_inputs", "random_masks",
@@ -59,14 +64,16 @@ __all__ = [
 ]
 
 COMPENSATIONS: tuple[str, ...] = ("none", "full", "0.125", "0.25", "0.5", "1.0")
-LAYOUTS: tuple[str, ...] = ("plain", "row_pair", "tile8")
+LAYOUTS: tuple[str, ...] = ("plain", "row_pair", "tile8", "presum")
 ALPHA_MODES: tuple[str, ...] = ("static", "dynamic", "none")
 TEMPLATE = "quant_sm90.py.j2"
 FAMILY = "quant_sm90"
 AMAX_CTAS = 128          # CTAs of the dynamic-alpha reduction kernel (= partial maxima)
 AMAX_THREADS = 256
 KP_ALIGNS: tuple[int, ...] = (64, 128, 256)   # xop column granularities a GEMM may ask for
-_GRANULE = {"plain": 1, "row_pair": 2, "tile8": 16}
+_GRANULE = {"plain": 1, "row_pair": 2, "tile8": 16, "presum": 1}
+# layouts whose rows hold one token's base AND residue (M-Ext)
+MEXT_LAYOUTS: tuple[str, ...] = ("row_pair", "tile8", "presum")
 
 
 def mode_of(compensation: str) -> str:
@@ -125,11 +132,11 @@ class OperandShape:
 
     @property
     def rows_per_slot(self) -> int:
-        return 2 if self.mode == "mext" else 1
+        return 2 if self.layout in ("row_pair", "tile8") else 1
 
     @property
     def t_pad(self) -> int:
-        need = {"plain": self.m, "row_pair": 2 * self.m,
+        need = {"plain": self.m, "row_pair": 2 * self.m, "presum": self.m,
                 "tile8": 16 * -(-self.m // 8)}[self.layout]
         mult = math.lcm(self.row_multiple, _GRANULE[self.layout])
         return -(-need // mult) * mult
@@ -147,9 +154,13 @@ def operand_shape(fmt: str, compensation: str, k: int, m: int, layout: str = "pl
     mode = mode_of(compensation)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if (mode == "mext") != (layout in ("row_pair", "tile8")):
+    if (mode == "mext") != (layout in MEXT_LAYOUTS):
         raise ValueError(f"layout {layout!r} does not fit compensation {compensation!r}: M-Ext "
-                         f"(full) uses row_pair or tile8, everything else plain")
+                         f"(full) uses row_pair, tile8 or presum, everything else plain")
+    if layout == "presum" and fmt != "nvfp4":
+        raise ValueError("layout 'presum' is NVFP4 only: MXFP4 presum needs each row's "
+                         "power-of-two shift from max |X_hat + R_hat| over all of K "
+                         "(formats.presum_fp16), which a warp tile of one row does not see")
     if not isinstance(k, int) or k <= 0 or k % formats.block_size(fmt) or k % GROUP:
         raise ValueError(f"K={k} must be a positive multiple of {formats.block_size(fmt)} "
                          f"(the {fmt} block) and of {GROUP}")
@@ -163,9 +174,10 @@ def operand_shape(fmt: str, compensation: str, k: int, m: int, layout: str = "pl
 
 
 def row_map(m: int, layout: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(base rows, residue rows) int64 [m] of tokens 0..m-1; residue rows None for "plain"."""
+    """(base rows, residue rows) int64 [m] of tokens 0..m-1; residue rows None for "plain"
+    and "presum" (one summed row per token)."""
     j = torch.arange(m, dtype=torch.int64)
-    if layout == "plain":
+    if layout in ("plain", "presum"):
         return j, None
     if layout == "row_pair":
         return 2 * j, 2 * j + 1
@@ -227,6 +239,15 @@ def operand_reference(x: torch.Tensor, fmt: str = "nvfp4", compensation: str = "
         sel = None if mk is None else Selection(mk.cpu(), float(compensation))
         base, res = formats.quantize_with_residue(x, fmt, channels=sel, global_scale=global_scale)
     t, bs = shape.t_pad, shape.block
+    if layout == "presum":
+        # one FP16 row per token: the unit base + residue values summed in FP32, rounded once
+        s = (formats.dequantize(base, apply_global_scale=False).float()
+             + formats.dequantize(res, apply_global_scale=False).float())
+        xop16 = torch.zeros(t, shape.kp, dtype=torch.float16, device=dev)
+        xop16[: shape.m, : shape.k] = formats.presum_fp16(s, fmt).to(torch.float16)
+        none = torch.zeros(t, 0, dtype=torch.uint8, device=dev)
+        return QuantOperand(shape, none, none.view(torch.float8_e4m3fn), xop16,
+                            base.global_scale.reshape(1).clone())
     codes = torch.zeros(t, shape.kq // 2, dtype=torch.uint8, device=dev)
     scales = torch.zeros(t, shape.kq // bs, dtype=torch.uint8, device=dev)
     xop = torch.zeros(t, shape.kp, dtype=torch.bfloat16, device=dev)
@@ -267,6 +288,9 @@ def split_operand(op: QuantOperand) -> tuple[formats.QuantizedTensor,
     """(base [m, K], residue [m, K] (M-Ext) / [m, ext] (K-Ext) / None) as formats tensors,
     read back from the operand's codes and scales (the inverse of the layout)."""
     s = op.shape
+    if s.layout == "presum":
+        raise ValueError("a presum operand holds fp16(X_hat + R_hat) only: no codes or scales "
+                         "to split")
     bs = s.block
     gs = None if op.alpha is None else op.alpha.reshape(())
     sc = op.scales
@@ -338,6 +362,8 @@ class QuantConfig:
             return f"unroll={self.unroll} must be 1, 2 or 4"
         if not (self.write_codes or self.write_xop):
             return "writes nothing: enable codes or xop"
+        if self.layout == "presum" and (self.write_codes or not self.write_xop):
+            return "layout 'presum' writes the fp16 xop only (no codes / scales)"
         want = ("none",) if self.fmt == "mxfp4" else ("static", "dynamic")
         if self.alpha not in want:
             return f"alpha={self.alpha!r} does not fit {self.fmt} (allowed: {want})"
@@ -359,6 +385,12 @@ class QuantConfig:
             "amax_ctas": AMAX_CTAS, "amax_threads": AMAX_THREADS,
             "device_digest": _device_digest(),
         }
+
+
+def xop_dtype(layout: str) -> torch.dtype:
+    """The xop's element type: float16 for "presum" (fp16(X_hat + R_hat)), else bfloat16 (the
+    exact unit values)."""
+    return torch.float16 if layout == "presum" else torch.bfloat16
 
 
 def _device_digest() -> str:
@@ -492,7 +524,7 @@ class QuantKernel:
                   if c.write_codes else dummy[:0])
         if c.fmt == "nvfp4":
             scales = scales.view(torch.float8_e4m3fn)
-        xop = (torch.empty(s.t_pad, s.kp, dtype=torch.bfloat16, device=dev)
+        xop = (torch.empty(s.t_pad, s.kp, dtype=xop_dtype(c.layout), device=dev)
                if c.write_xop else dummy[:0].view(torch.bfloat16))
         alpha = torch.ones(1, dtype=torch.float32, device=dev) if c.fmt == "nvfp4" else None
         ws = torch.zeros(WORKSPACE_FLOATS, dtype=torch.float32, device=dev)

@@ -3,6 +3,8 @@ writes on the GPU and both Hopper linear families read (layout: resgen.kernels.s
 "Activation operand").
 
 - make_xop(x, qweight, compensation): x [M, K] quantized into the exact-BF16 operand rows;
+- make_presum_xop(x, qweight): NVFP4 M-Ext's pre-summed operand, fp16(X_hat + R_hat) per token
+  (quant_sm90's layout "presum", read by linear_sm90_wgmma's presum variants);
 - operand_values(codes, scales, fmt): code value x block scale, the operand's values;
 - xop_layout_for(compensation): the row layout a compensation mode uses.
 """
@@ -15,7 +17,7 @@ from .. import formats
 from ..calibrate import QLinearWeight
 from .sm90_fp4_layout import K_ALIGN, Sm90Weight, pad_to
 
-__all__ = ["make_xop", "xop_layout_for", "operand_values"]
+__all__ = ["make_xop", "make_presum_xop", "xop_layout_for", "operand_values"]
 
 
 def xop_layout_for(compensation) -> str:
@@ -89,3 +91,22 @@ def make_xop(x: torch.Tensor, qweight: QLinearWeight | Sm90Weight, compensation=
     xop[: rows.shape[0], : rows.shape[1]] = rows.to(torch.bfloat16)
     a = None if alpha is None else alpha.reshape(1).to(torch.float32)
     return xop, a
+
+
+def make_presum_xop(x: torch.Tensor, qweight: QLinearWeight | Sm90Weight, t_multiple: int = 8
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 M-Ext's pre-summed operand in torch: x [M, K] float -> (xop float16 [T_pad, Kp],
+    alpha_x float32 [1]), row j = resgen.formats.presum_fp16(X_hat + R_hat) of token j (the
+    unit values of make_xop's row pair, added in FP32 and rounded once to FP16), zero rows and
+    columns past M and K. What quant_sm90 writes in layout "presum"."""
+    if qweight.fmt != "nvfp4":
+        raise ValueError(f"the presum operand is NVFP4 only (MXFP4 presum needs a per-row "
+                         f"shift the quantizer does not emit), got {qweight.fmt}")
+    pair, alpha = make_xop(x, qweight, "full", t_multiple=1)
+    m, k = x.shape
+    s = pair[0:2 * m:2, :k].float() + pair[1:2 * m:2, :k].float()
+    kp = pad_to(k, K_ALIGN)
+    xop = torch.zeros(pad_to(max(m, 1), t_multiple), kp, dtype=torch.float16, device=x.device)
+    xop[:m, :k] = formats.presum_fp16(s, "nvfp4").to(torch.float16)
+    assert alpha is not None
+    return xop, alpha

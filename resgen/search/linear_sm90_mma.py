@@ -69,8 +69,9 @@ import torch
 
 from ..calibrate import QLinearWeight
 from .family import register
-from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily, cached_weight_sets, compare,
-                          kp_of, layer_quantizer, pow2_ceil, random_layer)
+from .sm90_linear import (PRESUM_MEXT_ONLY, TOLERANCE, Fold, Packing, Sm90LinearFamily,
+                          cached_weight_sets, compare, kp_of, layer_quantizer, pow2_ceil,
+                          random_layer)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Packing", "Pipeline", "Reduction", "Act", "Fold", "PRESUM_MEXT_ONLY",
@@ -99,18 +100,7 @@ class Act(Choice):
     FUSED = "fused"
 
 
-class Fold(Choice):
-    """How M-Ext's base and residue products meet (see the module docstring)."""
-
-    EXACT = "exact"
-    PRESUM = "presum"
-
-
-# Where presum cannot run, and why (why_invalid returns these).
-PRESUM_MEXT_ONLY = ("presum sums the M-Ext residue rows into the base: it needs compensation "
-                    "'full' (plain W4A4 / W4A16 have no residue; K-Ext presum adds residues onto "
-                    "base channels, which moves the output by 3-6e-3, beyond the exact fold's "
-                    "3e-3 check: docs/hopper_native.md)")
+# Where presum cannot run, and why (why_invalid returns these; PRESUM_MEXT_ONLY: sm90_linear).
 PRESUM_NVFP4_ONLY = ("MXFP4 presum needs each token row's power-of-two shift (formats."
                      "presum_fp16: from max |X_hat + R_hat| over ALL of K) before its first MMA;"
                      " a CTA of this kernel sees only its K range and the quantizer does not "

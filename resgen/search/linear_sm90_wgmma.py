@@ -19,6 +19,15 @@ The variant axes (LinearSm90WgmmaVariant) and what they change in the kernel
                 sums them in split order (deterministic, one launch)
     pdl         programmatic dependent launch behind the layer quantizer: weight copies of the
                 first stages before griddepcontrol.wait, activation boxes after it
+    fold        how M-Ext's base and residue meet: "exact" (row pairs as extra B rows, folded
+                in the epilogue: Blackwell's numerics, twice the MMAs) or "presum" (the layer
+                quantizer writes fp16(X_hat + R_hat), one row per token, quant_sm90 layout
+                "presum"; the GEMM is the plain kernel in FP16, the weight decoded exactly in
+                FP16: resgen.kernels.linear_sm90_wgmma_presum). NVFP4 M-Ext only. Checked
+                against reference.linear(fold="presum") AND within the family tolerance of the
+                exact fold's reference, so it serves the "full" workload and the tuner picks
+                whichever is faster. An exact variant's key has no "fold" field (the keys of
+                every variant stored before the axis are unchanged)
 The epilogue stores 32-bit BF16 channel pairs straight from registers after a lane exchange
 (no field: an smem + TMA store path is not implemented, so no key pretends otherwise).
 N, K(+ext) and M are run-time arguments: one compile per (format, M-Ext or not, variant).
@@ -34,12 +43,13 @@ import torch
 
 from ..calibrate import QLinearWeight
 from .family import register
-from .sm90_linear import (TOLERANCE, Packing, Sm90LinearFamily, cached_weight_sets, compare,
-                          kp_of, pow2_ceil)
+from .sm90_linear import (PRESUM_MEXT_ONLY, TOLERANCE, Fold, Packing, Sm90LinearFamily,
+                          cached_weight_sets, compare, kp_of, pow2_ceil)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
-__all__ = ["Raster", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily", "FAMILY",
-           "TOLERANCE", "compare", "geometry_of", "kp_of", "compile_once"]
+__all__ = ["Raster", "Fold", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily", "FAMILY",
+           "TOLERANCE", "compare", "geometry_of", "gemm_rows", "kp_of", "compile_once",
+           "PRESUM_MEXT_ONLY", "PRESUM_NVFP4_ONLY"]
 
 _SMEM_MAX = 227 * 1024
 # consumer registers: accumulators + two A register sets + about 40 for addresses, scales,
@@ -55,6 +65,11 @@ class Raster(Choice):
     CH = "ch"
 
 
+PRESUM_NVFP4_ONLY = ("MXFP4 presum needs each token row's power-of-two shift (formats."
+                     "presum_fp16: from max |X_hat + R_hat| over ALL of K) before the row is "
+                     "written; the layer quantizer's warp tiles each see a slice of the row")
+
+
 @dataclass(frozen=True, slots=True)
 class LinearSm90WgmmaVariant(VariantBase):
     FAMILY: ClassVar[str] = "linear_sm90_wgmma"
@@ -66,16 +81,50 @@ class LinearSm90WgmmaVariant(VariantBase):
     packing: Packing = field(default=Packing.SPLIT, metadata={"short": "pk"})
     split_k: int = field(default=1, metadata={"range": IntRange(1, 16), "short": "sk"})
     pdl: bool = field(default=False, metadata={"short": "pdl"})
+    fold: Fold = field(default=Fold.EXACT, metadata={"short": "fd"})
 
     @property
     def deterministic(self) -> bool:
         return True         # split-K partials are summed in split order by the last CTA
 
+    @property
+    def presum(self) -> bool:
+        return self.fold == Fold.PRESUM
+
+    # The fold is keyed only where it is not the default (as linear_sm90_mma's): the keys,
+    # digests and stored rows of every exact variant are the ones they had before the axis.
+    def as_dict(self) -> dict[str, Any]:
+        d = VariantBase.as_dict(self)
+        if self.fold == Fold.EXACT:
+            del d["fold"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "LinearSm90WgmmaVariant":
+        """VariantBase.from_dict; a dict without "fold" is the exact fold."""
+        if isinstance(d, dict) and "fold" not in d:
+            d = {**d, "fold": Fold.EXACT.value}
+        return VariantBase.from_dict.__func__(cls, d)  # type: ignore[attr-defined]
+
+    def name(self) -> str:
+        """VariantBase.name, without the fold for exact variants (as before the axis)."""
+        n = VariantBase.name(self)
+        return n if self.presum else n.removesuffix("_fdexact")
+
+
+def gemm_rows(variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
+    """The operand rows the GEMM reads: problem.rows (2 M for exact M-Ext), M for presum (one
+    summed row per token)."""
+    return problem.m if variant.presum else problem.rows
+
 
 def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
+    """The kernel's WgGeometry. Presum is the plain geometry (mext False: rows = tokens); its
+    FP16 types and decode are the render's (template_params)."""
     from ..kernels.linear_sm90_wgmma_geom import WgGeometry
 
-    return WgGeometry(fmt=problem.fmt, mext=problem.compensation == "full",
+    mext = problem.compensation == "full" and not variant.presum
+    return WgGeometry(fmt=problem.fmt, mext=mext,
                       packing=variant.packing.value, consumers=variant.consumers,
                       m_wg=variant.m_wg, bn=variant.bn, stages=variant.stages,
                       raster=variant.raster.value, split_k=variant.split_k,
@@ -89,7 +138,7 @@ def _wave_cost(v: LinearSm90WgmmaVariant, p: LinearProblem) -> float:
     SMs; past one wave, 1.5 x the idle share of the last wave; plus 0.15 per doubling of the
     split (workspace traffic)."""
     g = geometry_of(v, p)
-    gx, gy = g.grid(p.rows, p.n)
+    gx, gy = g.grid(gemm_rows(v, p), p.n)
     per_sm = 1 if v.consumers == 2 or g.smem_bytes > 113 * 1024 else 2
     waves = gx * gy * v.split_k / (_SMS * per_sm)
     idle = 1.2 * (1.0 - waves) if waves <= 1 else 1.5 * (1.0 - waves / math.ceil(waves))
@@ -123,6 +172,11 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
             return f"linear_sm90_wgmma runs on {self.ARCHS}, not {arch}"
         if not isinstance(v, LinearSm90WgmmaVariant) or not isinstance(p, LinearProblem):
             return "not a LinearSm90WgmmaVariant / LinearProblem"
+        if v.presum:
+            if p.compensation != "full":
+                return PRESUM_MEXT_ONLY
+            if p.fmt != "nvfp4":
+                return PRESUM_NVFP4_ONLY
         bm = 64 * v.consumers * v.m_wg
         if p.n % bm:
             return f"N={p.n} is not a multiple of the CTA's 64 * consumers * m_wg = {bm} channels"
@@ -142,9 +196,9 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
             return (f"{nk} K chunks do not divide into {v.split_k} slices of whole chunk pairs")
         if v.stages > nk // v.split_k:
             return f"{v.stages} stages for {nk // v.split_k} K chunks per slice"
-        if g.ws_floats(p.rows, p.n) * 4 > _WS_MAX:
-            return f"split-K workspace of {g.ws_floats(p.rows, p.n) * 4} bytes (at most {_WS_MAX})"
-        rows = p.rows
+        rows = gemm_rows(v, p)
+        if g.ws_floats(rows, p.n) * 4 > _WS_MAX:
+            return f"split-K workspace of {g.ws_floats(rows, p.n) * 4} bytes (at most {_WS_MAX})"
         if v.raster == Raster.CH and -(-rows // v.bn) > 65535:
             return "raster 'ch' puts the token tiles on grid y (at most 65535)"
         if p.n // bm > 65535 and v.raster == Raster.TOK:
@@ -165,8 +219,20 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         for decode-sized M, only where the rows fill at most 4 of them), 6 / 4 / 8 / 3 stages
         (a stage is released one chunk after its wgmmas were issued, so S stages keep S - 2
         chunks of copies in flight), both rasters and packings, split-K 1 / 2 / 4 / 8 / 3 / 6
-        where the split CTAs stay within 4 per SM, and PDL off / on."""
-        rows = problem.rows
+        where the split CTAs stay within 4 per SM, and PDL off / on; then, for NVFP4 M-Ext, the
+        same enumeration of presum variants (whose GEMM reads M rows, not 2 M), after the
+        exact ones: the exact variants keep their space indices."""
+        out = self._enumerate(problem, arch, Fold.EXACT)
+        if problem.compensation == "full" and problem.fmt == "nvfp4":
+            out += self._enumerate(problem, arch, Fold.PRESUM)
+        if not out:
+            out.append(self.default(problem, arch))
+        return out
+
+    def _enumerate(self, problem: LinearProblem, arch: str, fold: Fold
+                   ) -> list[LinearSm90WgmmaVariant]:
+        """space()'s enumeration for one fold (its token tiles sized to that fold's rows)."""
+        rows = gemm_rows(LinearSm90WgmmaVariant(fold=fold), problem)
         out = []
         for packing in (Packing.SPLIT, Packing.NIB):
             for c, mw, bn in self._TILES:
@@ -174,8 +240,8 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                     continue
                 if bn < 64 and 4 * bn < rows:      # narrow token tiles only for few rows
                     continue
-                gx, gy = geometry_of(LinearSm90WgmmaVariant(c, mw, bn), problem).grid(
-                    rows, problem.n)
+                gx, gy = geometry_of(LinearSm90WgmmaVariant(c, mw, bn, fold=fold),
+                                     problem).grid(rows, problem.n)
                 tiles = gx * gy
                 for sk in _SPLITS:
                     if sk > 1 and tiles * sk > 4 * _SMS:
@@ -186,11 +252,9 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                         for raster in (Raster.TOK, Raster.CH):
                             for pdl in (False, True):
                                 v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing, sk,
-                                                           pdl)
+                                                           pdl, fold)
                                 if self.why_invalid(v, problem, arch) is None:
                                     out.append(v)
-        if not out:
-            out.append(self.default(problem, arch))
         return out
 
     def prior(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> float:
@@ -200,7 +264,7 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         raster "tok", the split packing, and a grid that fills the SMs without a ragged last
         wave (_wave_cost): what won on the H200 at prefill sizes and in the split-K study."""
         v, p = variant, problem
-        want = min(128, max(16, pow2_ceil(p.rows)))
+        want = min(128, max(16, pow2_ceil(gemm_rows(v, p))))
         s = abs(math.log2(v.bn) - math.log2(want))
         # narrow token tiles (<= 32): one consumer warpgroup (two CTAs per SM) won in the
         # split-K study; wide ones (>= 128): two; at 64 it went either way (tune6)
@@ -217,6 +281,10 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         # geometric mean 1.00, workload dependent: PDL is tried right after its twin
         s += 0.15 if v.pdl else 0.0
         s += _wave_cost(v, p)
+        if v.presum:
+            # NOT measured yet: presum halves M-Ext's MMAs and rows (the GEMM is the plain
+            # one) for about 0.5-1.5 us more quantizer per layer: ahead of its exact twin
+            s -= 0.3
         return s
 
     def default(self, problem: LinearProblem, arch: str) -> LinearSm90WgmmaVariant:
@@ -234,10 +302,13 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
     # ------------------------------------------------------------------ codegen
     def template_params(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> dict:
         g = geometry_of(variant, problem)
+        presum = variant.presum
         return {"fmt": g.fmt, "mext": bool(g.mext), "packing": g.packing,
                 "consumers": int(g.consumers), "m_wg": int(g.m_wg), "bn": int(g.bn),
                 "stages": int(g.stages), "raster": g.raster, "store": g.store,
-                "split_k": int(g.split_k), "pdl": bool(g.pdl)}
+                "split_k": int(g.split_k), "pdl": bool(g.pdl),
+                "fold": variant.fold.value, "a_type": "Float16" if presum else "BFloat16",
+                "decode": "DP.decode_chunk_f16" if presum else "D.decode_chunk"}
 
     def compile_key(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem
                     ) -> LinearProblem:
@@ -255,7 +326,8 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         from cutlass.cute.runtime import make_ptr
 
         gm = cute.AddressSpace.gmem
-        return [make_ptr(cutlass.Int32, 0, gm, 16), make_ptr(cutlass.BFloat16, 0, gm, 16),
+        xdt = cutlass.Float16 if variant.presum else cutlass.BFloat16
+        return [make_ptr(cutlass.Int32, 0, gm, 16), make_ptr(xdt, 0, gm, 16),
                 make_ptr(cutlass.BFloat16, 0, gm, 16), make_ptr(cutlass.Float32, 0, gm, 4),
                 make_ptr(cutlass.Float32, 0, gm, 4), make_ptr(cutlass.Float32, 0, gm, 16),
                 make_ptr(cutlass.Int32, 0, gm, 4), cutlass.Int32(1), cutlass.Int32(1),
@@ -289,7 +361,7 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         from ..kernels.linear_sm90_wgmma_geom import record_bytes
 
         kp = kp_of(problem)
-        rows = -(-problem.rows // 8) * 8                     # make_xop pads to 8 rows
+        rows = -(-gemm_rows(variant, problem) // 8) * 8      # make_xop pads to 8 rows
         return int(problem.n // 64 * kp // 64 * record_bytes(problem.fmt) + 4
                    + rows * kp * 2 + problem.m * problem.n * 2)
 
@@ -314,9 +386,30 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         `problem` reserved now (not at the first, perhaps captured, call)."""
         from ..kernels.linear_sm90_wgmma import WgmmaLauncher
 
-        launch = WgmmaLauncher(compiled, geometry_of(variant, problem), device)
-        launch.reserve(problem.rows, problem.n)
+        launch = WgmmaLauncher(compiled, geometry_of(variant, problem), device,
+                               xop_dtype=torch.float16 if variant.presum else torch.bfloat16)
+        launch.reserve(gemm_rows(variant, problem), problem.n)
         return launch
+
+    def gemm_rows(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
+        return gemm_rows(variant, problem)
+
+    def quantizer_layout(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> str:
+        """Presum reads quant_sm90's "presum" rows (fp16(X_hat + R_hat), one per token)."""
+        if variant.presum:
+            return "presum"
+        return Sm90LinearFamily.quantizer_layout(self, variant, problem)
+
+    def torch_operand(self, variant: LinearSm90WgmmaVariant, x: torch.Tensor,
+                      qweight: QLinearWeight, compensation: Any, t_multiple: int
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """make_xop, or for presum make_presum_xop (the quantizer's "presum" rows in torch)."""
+        if variant.presum:
+            from ..kernels.sm90_operand import make_presum_xop
+
+            return make_presum_xop(x, qweight, t_multiple=t_multiple)
+        return Sm90LinearFamily.torch_operand(self, variant, x, qweight, compensation,
+                                              t_multiple)
 
     def weight_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
                     seed: int) -> list:

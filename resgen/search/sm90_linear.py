@@ -48,7 +48,7 @@ from .family import CheckResult, KernelFamilyBase
 from .family import compare as family_compare
 from .variant import Choice, LinearProblem, VariantBase
 
-__all__ = ["Packing", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensation_of",
+__all__ = ["Packing", "Fold", "PRESUM_MEXT_ONLY", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensation_of",
            "quantizer_k", "QUANT_K_ALIGN", "reference_output", "fold_of", "check_folds",
            "bf16_operand",
            "W4A16Operand", "layer_quantizer", "random_layer",
@@ -61,6 +61,21 @@ TOLERANCE = 3e-3          # BF16 output rounding
 def pow2_ceil(v: int) -> int:
     """The smallest power of two >= v (v >= 1)."""
     return 1 << max(0, int(v) - 1).bit_length()
+
+
+class Fold(Choice):
+    """How M-Ext's base and residue products meet: "exact" (two products folded in FP32:
+    Blackwell's numerics) or "presum" (X_hat + R_hat rounded once to FP16, one product:
+    resgen.reference.linear(fold="presum")). A variant axis of both Hopper linear families."""
+
+    EXACT = "exact"
+    PRESUM = "presum"
+
+
+PRESUM_MEXT_ONLY = ("presum sums the M-Ext residue rows into the base: it needs compensation "
+                    "'full' (plain W4A4 / W4A16 have no residue; K-Ext presum adds residues onto "
+                    "base channels, which moves the output by 3-6e-3, beyond the exact fold's "
+                    "3e-3 check: docs/hopper_native.md)")
 
 
 class Packing(Choice):
@@ -207,12 +222,14 @@ class W4A16Operand:
 _LAYER_QUANT: dict[tuple, Any] = {}
 
 
-def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a") -> Any:
+def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a", layout: str | None = None
+                    ) -> Any:
     """The quant_sm90 kernel a whole layer puts in front of a GEMM that reads the exact BF16
     operand (xop, kp_align 256): the quantizer's default configuration, row-pair rows for
-    M-Ext, the K-Ext extension for a ratio, the problem's alpha (static NVFP4, dynamic NVFP4:
-    amax pass + quantizer, MXFP4: none). Compiled once per process per (fmt, compensation, K,
-    alpha, arch) (about 0.1-0.7 s on a CPU)."""
+    M-Ext (or `layout`: "presum", the FP16 sum rows linear_sm90_wgmma's presum variants read),
+    the K-Ext extension for a ratio, the problem's alpha (static NVFP4, dynamic NVFP4: amax
+    pass + quantizer, MXFP4: none). Compiled once per process per (fmt, compensation, K,
+    alpha, layout, arch) (about 0.1-0.7 s on a CPU)."""
     from ..kernels.quant_sm90 import QuantConfig, compile_config
 
     comp = problem.compensation
@@ -222,10 +239,11 @@ def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a") -> Any:
     alpha = "none" if problem.fmt == "mxfp4" else ("static" if problem.static_scale
                                                    else "dynamic")
     kq = quantizer_k(problem)
-    key = (problem.fmt, comp, kq, alpha, arch)
+    if layout is None:
+        layout = "row_pair" if comp == "full" else "plain"
+    key = (problem.fmt, comp, kq, alpha, layout, arch)
     if key not in _LAYER_QUANT:
-        cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=kq,
-                          layout="row_pair" if comp == "full" else "plain",
+        cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=kq, layout=layout,
                           write_codes=False, write_xop=True, alpha=alpha, kp_align=256)
         _LAYER_QUANT[key] = compile_config(cfg, arch)[0]
     return _LAYER_QUANT[key]
@@ -318,9 +336,10 @@ class LinearBinding:
     def __init__(self, launcher: Any, problem: LinearProblem, weight: Any,
                  device: torch.device, *, fused: bool, quantizer: Any, row_multiple: int,
                  alpha: torch.Tensor | None, masks: torch.Tensor | None,
-                 reads_past_rows: bool = True) -> None:
+                 reads_past_rows: bool = True, rows: int | None = None) -> None:
         self.launcher, self.problem, self.weight = launcher, problem, weight
-        self.m, self.rows = problem.m, problem.rows
+        # the GEMM's operand rows (problem.rows unless the family says otherwise: presum)
+        self.m, self.rows = problem.m, problem.rows if rows is None else rows
         self.fused, self.masks = fused, masks
         self.xpad: torch.Tensor | None = None
         self.stage: W4A16Operand | None = None
@@ -406,6 +425,23 @@ class Sm90LinearFamily(KernelFamilyBase):
         """The operand's rows are padded to this multiple (the GEMM reads whole tiles)."""
         raise NotImplementedError
 
+    def gemm_rows(self, variant: VariantBase, problem: LinearProblem) -> int:
+        """The operand rows the GEMM launch reads (problem.rows: 2 M for M-Ext row pairs)."""
+        return problem.rows
+
+    def quantizer_layout(self, variant: VariantBase, problem: LinearProblem) -> str:
+        """The quant_sm90 row layout the variant reads: row pairs for M-Ext, else plain."""
+        return "row_pair" if problem.compensation == "full" else "plain"
+
+    def torch_operand(self, variant: VariantBase, x: torch.Tensor, qweight: QLinearWeight,
+                      compensation: Any, t_multiple: int
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(xop, alpha_x): the operand quantizer_layout's quantizer writes, built in torch
+        (resgen.kernels.sm90_operand.make_xop)."""
+        from ..kernels.sm90_operand import make_xop
+
+        return make_xop(x, qweight, compensation, t_multiple=t_multiple)
+
     def reads_past_rows(self, variant: VariantBase) -> bool:
         """Whether the GEMM loads operand rows past the real ones (up to xop_row_multiple):
         then a W4A16 operand needs those rows allocated. True (the safe answer) unless the
@@ -422,16 +458,20 @@ class Sm90LinearFamily(KernelFamilyBase):
         """`problem` at the K the layer quantizer runs at (quantizer_k)."""
         return replace(problem, k=quantizer_k(problem))
 
-    def default_quantizer(self, problem: LinearProblem) -> Any:
+    def default_quantizer(self, problem: LinearProblem, variant: VariantBase | None = None
+                          ) -> Any:
         """The layer quantizer `bind` puts in front when given none (layer_quantizer for this
-        family's arch)."""
-        return layer_quantizer(problem, self.ARCHS[0])
+        family's arch, in the layout `variant` reads: quantizer_layout)."""
+        layout = None if variant is None else self.quantizer_layout(variant, problem)
+        if layout in (None, "row_pair" if problem.compensation == "full" else "plain"):
+            return layer_quantizer(problem, self.ARCHS[0])
+        return layer_quantizer(problem, self.ARCHS[0], layout)
 
     def warm(self, variant: VariantBase, problem: LinearProblem) -> None:
         """The tuner's pre-lock hook: compile the layer quantizer the runner will bind (none
         for W4A16)."""
         if self.needs_quantizer(variant) and not problem.w4a16:
-            self.default_quantizer(problem)
+            self.default_quantizer(problem, variant)
 
     def bind(self, compiled: Any, variant: VariantBase, problem: LinearProblem, weight: Any,
              device: torch.device | str, *, quantizer: Any = None,
@@ -454,14 +494,15 @@ class Sm90LinearFamily(KernelFamilyBase):
         device = torch.device(device)
         fused = not self.needs_quantizer(variant)
         if not fused and quantizer is None and not problem.w4a16:
-            quantizer = self.default_quantizer(problem)
+            quantizer = self.default_quantizer(problem, variant)
         if launcher is None:
             launcher = self.launcher(compiled, variant, problem, device)
         return LinearBinding(launcher, problem, weight, device, fused=fused,
                              quantizer=quantizer,
                              row_multiple=self.xop_row_multiple(variant, problem),
                              alpha=None if problem.w4a16 else alpha, masks=masks,
-                             reads_past_rows=self.reads_past_rows(variant))
+                             reads_past_rows=self.reads_past_rows(variant),
+                             rows=self.gemm_rows(variant, problem))
 
     def input_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
                    seed: int, fused: bool = False) -> list:
@@ -518,7 +559,7 @@ class Sm90LinearRunner:
         self.gen = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.comp = compensation_of(problem)
         self.fold = fold_of(variant)
-        self.m, self.rows = problem.m, problem.rows
+        self.m, self.rows = problem.m, family.gemm_rows(variant, problem)
         self.fused = not family.needs_quantizer(variant)
         self.w4a16 = problem.w4a16
         self.launcher = family.launcher(compiled, variant, problem, self.device)
@@ -573,7 +614,7 @@ class Sm90LinearRunner:
         read a prepared operand; fused variants are bound already). The tuner calls it before
         the check, so the quantizer's compile is not timed as part of the check."""
         if self.bindings is None:
-            self.attach_quantizer(self.family.default_quantizer(self.problem))
+            self.attach_quantizer(self.family.default_quantizer(self.problem, self.variant))
 
     def _bound(self) -> list[LinearBinding]:
         if self.bindings is None:
@@ -638,7 +679,7 @@ class Sm90LinearRunner:
         m = x.shape[0]
         out = torch.full((m, self.problem.n), float("nan"), dtype=torch.bfloat16,
                          device=self.device)
-        rows = 2 * m if self.comp == "full" else m
+        rows = self.family.gemm_rows(self.variant, dataclasses.replace(self.problem, m=m))
         if self.fused:
             xb = x.to(torch.bfloat16).contiguous()
             ax = (_w4a16_alpha(self.problem, self.device) if self.w4a16
@@ -656,9 +697,7 @@ class Sm90LinearRunner:
         if self.w4a16:
             return (bf16_operand(x, kp_of(self.problem), self.xop_multiple),
                     _w4a16_alpha(self.problem, x.device))
-        from ..kernels.sm90_operand import make_xop
-
-        return make_xop(x, qw, self.comp, t_multiple=self.xop_multiple)
+        return self.family.torch_operand(self.variant, x, qw, self.comp, self.xop_multiple)
 
     def operand(self, i: int) -> tuple[torch.Tensor, Any]:
         """(xop, alpha_x) of input set i, built by make_xop on first use (fused: x as bf16
