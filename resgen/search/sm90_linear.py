@@ -48,7 +48,8 @@ from .family import CheckResult, KernelFamilyBase
 from .family import compare as family_compare
 from .variant import Choice, LinearProblem, VariantBase
 
-__all__ = ["Packing", "Fold", "PRESUM_MEXT_ONLY", "TOLERANCE", "compare", "kp_of", "pow2_ceil", "compensation_of",
+__all__ = ["Packing", "Fold", "PRESUM_MEXT_ONLY", "TOLERANCE", "compare", "kp_of", "pow2_ceil",
+           "compensation_of",
            "quantizer_k", "QUANT_K_ALIGN", "reference_output", "fold_of", "check_folds",
            "bf16_operand",
            "W4A16Operand", "layer_quantizer", "random_layer",
