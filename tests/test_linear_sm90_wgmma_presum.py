@@ -252,3 +252,29 @@ def test_presum_check_catches_an_exact_fold_kernel():
     good = reference.linear(x, qw, "full", fold="presum")
     assert check_folds(good.to(torch.bfloat16), x, qw, "full", "presum").ok
     assert p.rows == 2 * m
+
+
+def test_warm_start_offers_the_plain_winners_presum_twins():
+    """An M-Ext workload's warm start interleaves the presum twins of its plain twin's fastest
+    rows (presum's GEMM is the plain GEMM) with its own exact-fold rows, presum first; MXFP4
+    (no presum) keeps only its own rows."""
+    from resgen.search.warmstart import WarmStart
+
+    full = LinearProblem("nvfp4", "full", 128, 4096, 4096)
+    plain = dataclasses.replace(full, compensation="none")
+    pv = [LinearSm90WgmmaVariant(2, 1, 128, 6), LinearSm90WgmmaVariant(2, 1, 64, 4)]
+    fv = LinearSm90WgmmaVariant(2, 1, 256, 6, Raster.CH)
+    rows = [{"family": FAMILY.NAME, "workload_digest": plain.digest(), "median_us": t,
+             "variant_key": v.key()} for t, v in ((5.0, pv[0]), (6.0, pv[1]))]
+    rows.append({"family": FAMILY.NAME, "workload_digest": full.digest(), "median_us": 9.0,
+                 "variant_key": fv.key()})
+    ws = WarmStart("table", "NVIDIA H200", lambda path, gpu: rows)
+    twins = [dataclasses.replace(v, fold=Fold.PRESUM) for v in pv]
+    assert ws.candidates(FAMILY, full, ARCH, 4) == [twins[0], fv, twins[1]]
+    assert ws.candidates(FAMILY, full, ARCH, 2) == [twins[0], fv]
+    assert ws.candidates(FAMILY, plain, ARCH, 4) == pv
+    mx = LinearProblem("mxfp4", "full", 128, 4096, 4096)
+    rows += [{**r, "workload_digest": mx.digest() if r["variant_key"] == fv.key()
+              else dataclasses.replace(mx, compensation="none").digest()} for r in list(rows)]
+    ws = WarmStart("table", "NVIDIA H200", lambda path, gpu: rows)
+    assert ws.candidates(FAMILY, mx, ARCH, 4) == [fv]

@@ -18,7 +18,10 @@ unvalidated.
 A W4A16 linear workload (compensation "w4a16") runs the plain kernels on the BF16 activations
 (fused variants: the same tiles with a copy prologue), so where the table has no rows for it,
 the rows of its plain W4A4 twin (same shape, M and format) are the hint: xop and fused variants
-alike, each still checked by `why_invalid` for W4A16.
+alike, each still checked by `why_invalid` for W4A16. Likewise an M-Ext workload ("full") of a
+family with a fold axis: presum's GEMM is the plain GEMM (linear_sm90_wgmma: the same kernel in
+FP16), so the plain twin's winners with fold "presum" are interleaved with the workload's own
+rows (presum twin of plain's best first), each checked by `why_invalid` (NVFP4 only).
 
 This layer does not open databases (resgen.db sits above it): the table's rows come from a
 `reader(path, gpu_name) -> rows` the caller passes (resgen.db.warm_start_rows; the CLI sets
@@ -96,10 +99,24 @@ class WarmStart:
         if not found and getattr(problem, "compensation", None) == "w4a16":
             twin = dataclasses.replace(problem, compensation="none")  # type: ignore[type-var]
             found = rows.get((family.NAME, twin.digest()), [])
-        for _, key in found:
+        keys: list[tuple[str, str | None]] = [(key, None) for _, key in found]
+        if (getattr(problem, "compensation", None) == "full"
+                and "fold" in {f.name for f in dataclasses.fields(family.VARIANT)}):
+            # presum's GEMM is the plain one: the plain twin's winners with fold "presum"
+            # interleaved with the M-Ext workload's own (its exact-fold winners)
+            twin = dataclasses.replace(problem, compensation="none")  # type: ignore[type-var]
+            plain = [(key, "presum") for _, key in rows.get((family.NAME, twin.digest()), [])]
+            keys = [k for pair in zip(plain, keys) for k in pair] + \
+                plain[len(keys):] + keys[len(plain):]
+        for key, fold in keys:
             if len(out) >= limit:
                 break
             v = lenient_variant(family.VARIANT, key)
+            if v is not None and fold is not None:
+                try:
+                    v = dataclasses.replace(v, fold=type(getattr(v, "fold"))(fold))
+                except Exception:
+                    continue
             if v is None or v.key() in seen:
                 continue
             try:
