@@ -278,3 +278,22 @@ def test_warm_start_offers_the_plain_winners_presum_twins():
               else dataclasses.replace(mx, compensation="none").digest()} for r in list(rows)]
     ws = WarmStart("table", "NVIDIA H200", lambda path, gpu: rows)
     assert ws.candidates(FAMILY, mx, ARCH, 4) == [fv]
+
+
+def test_ops_linear_serves_a_pinned_presum_variant_through_the_sim_backend():
+    """resgen.ops.Linear with a presum variant pinned, on the CPU stand-ins the engine's sim
+    backend uses: the plan asks the quantizer stand-in for the "presum" layout, the simulated
+    FP16 GEMM reads M rows, and the layer matches both folds' references."""
+    from resgen.engine.backend import _empty_dispatcher, _sim_compile, _sim_quantizer
+    from resgen.ops import Linear
+
+    qw = _qweight(128, 512, seed=5)
+    v = LinearSm90WgmmaVariant(1, 1, 32, 3, Raster.TOK, Packing.SPLIT, fold=Fold.PRESUM)
+    layer = Linear(qw, "full", device="cpu", family="linear_sm90_wgmma", variant=v,
+                   dispatcher=_empty_dispatcher(), compile_fn=_sim_compile,
+                   quantizer_fn=_sim_quantizer)
+    x = (torch.randn(6, 512) * 3).to(torch.bfloat16)
+    y = layer(x)
+    plan = layer.plan(6)
+    assert plan.variant == v and plan.run.quantizer.layout == "presum"
+    assert check_folds(y, x.float(), qw, "full", "presum").ok

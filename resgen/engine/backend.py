@@ -87,9 +87,11 @@ class _QuantizerStandIn:
         def __init__(self, xop: torch.Tensor, alpha: torch.Tensor) -> None:
             self.xop, self.alpha = xop, alpha
 
-    def __init__(self, fmt: str, compensation: str, alpha_mode: str) -> None:
+    def __init__(self, fmt: str, compensation: str, alpha_mode: str,
+                 layout: str | None = None) -> None:
         self.fmt, self.compensation = fmt, compensation
-        self.config = type("QuantConfig", (), {"alpha": alpha_mode})()
+        self.layout = layout or ("row_pair" if compensation == "full" else "plain")
+        self.config = type("QuantConfig", (), {"alpha": alpha_mode, "layout": self.layout})()
 
     def outputs(self, m: int, row_multiple: int = 1, device: Any = "cpu") -> dict:
         return {"row_multiple": row_multiple}
@@ -100,15 +102,14 @@ class _QuantizerStandIn:
 
         if x.dtype != torch.bfloat16 or not x.is_contiguous():
             raise AssertionError("the quantizer takes contiguous bf16 activations")
-        layout = "row_pair" if self.compensation == "full" else "plain"
-        op = operand_reference(x, self.fmt, self.compensation, layout, outs["row_multiple"],
+        op = operand_reference(x, self.fmt, self.compensation, self.layout, outs["row_multiple"],
                                None if alpha is None else alpha.reshape(()), masks, 256)
         return self._Operand(op.xop, op.alpha)
 
 
-def _sim_quantizer(p: Any, arch: str) -> _QuantizerStandIn:
+def _sim_quantizer(p: Any, arch: str, layout: str | None = None) -> _QuantizerStandIn:
     alpha = "none" if p.fmt == "mxfp4" else ("static" if p.static_scale else "dynamic")
-    return _QuantizerStandIn(p.fmt, p.compensation, alpha)
+    return _QuantizerStandIn(p.fmt, p.compensation, alpha, layout)
 
 
 def _sim_compile(fam: Any, v: Any, p: Any, arch: str) -> Any:

@@ -183,8 +183,15 @@ class Linear:
         compiled = self._compile(fam, v, p, self.arch)
         quantizer = None
         if self._quantizer is not None and fam.needs_quantizer(v) and not p.w4a16:
-            # at the quantizer's K (rounded up to its tiling where needed: the family pads)
-            quantizer = self._quantizer(fam.quantizer_problem(p), self.arch)
+            # at the quantizer's K (rounded up to its tiling where needed: the family pads),
+            # in the row layout the variant reads (a presum variant: "presum", passed only
+            # then, so a stand-in of the (problem, arch) form serves every other variant)
+            qp = fam.quantizer_problem(p)
+            layout = fam.quantizer_layout(v, p) if hasattr(fam, "quantizer_layout") else None
+            if layout in (None, "row_pair" if p.compensation == "full" else "plain"):
+                quantizer = self._quantizer(qp, self.arch)
+            else:
+                quantizer = self._quantizer(qp, self.arch, layout=layout)
         run = fam.bind(compiled, v, p, self._weight(fam, v), self.device, quantizer=quantizer,
                        alpha=self.alpha, masks=self.masks if p.ratio is not None else None)
         if self.k != self.k_in:          # a padded K-Ext layer (see __init__)

@@ -114,7 +114,7 @@ class WarmStart:
             v = lenient_variant(family.VARIANT, key)
             if v is not None and fold is not None:
                 try:
-                    v = dataclasses.replace(v, fold=type(getattr(v, "fold"))(fold))
+                    v = dataclasses.replace(v, fold=type(v.fold)(fold))  # type: ignore[attr-defined,type-var]
                 except Exception:
                     continue
             if v is None or v.key() in seen:
