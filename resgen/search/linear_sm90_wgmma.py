@@ -307,8 +307,12 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                 "consumers": int(g.consumers), "m_wg": int(g.m_wg), "bn": int(g.bn),
                 "stages": int(g.stages), "raster": g.raster, "store": g.store,
                 "split_k": int(g.split_k), "pdl": bool(g.pdl),
-                "fold": variant.fold.value, "a_type": "Float16" if presum else "BFloat16",
-                "decode": "DP.decode_chunk_f16" if presum else "D.decode_chunk"}
+                # presum (the template substitutes only; an exact render is what it was before
+                # the axis): the FP16 operand / A type, the FP16 decode and its module's import
+                "fold": variant.fold.value,
+                "a_type": "cutlass.Float16" if presum else "BFloat16",
+                "decode": "DP.decode_chunk_f16" if presum else "D.decode_chunk",
+                "presum_import": ", linear_sm90_wgmma_presum as DP" if presum else ""}
 
     def compile_key(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem
                     ) -> LinearProblem:
