@@ -8,6 +8,7 @@ KernelFamilyBase and the one place the compile target comes from (resgen.setting
 from __future__ import annotations
 
 import ast
+import re
 import math
 from pathlib import Path
 
@@ -137,9 +138,31 @@ def _modules() -> dict[str, tuple[str, str]]:
         for path in sorted((ROOT / d).glob("*.py")):
             out[f"{d}/{path.stem}"] = (path.read_text(), f"resgen.{d}")
     for path in sorted((ROOT / "templates").glob("*.j2")):
-        src = "\n".join(m.group(0).strip() for m in _IMPORT_LINE.finditer(path.read_text()))
+        # a substituted import clause (linear_sm90_wgmma's presum module) is blanked here and
+        # checked in the renders that carry it (test_substituted_imports_follow_the_rule)
+        text = re.sub(r"\{\{[^}]*\}\}", "", path.read_text())
+        src = "\n".join(m.group(0).strip() for m in _IMPORT_LINE.finditer(text))
         out[f"templates/{path.name}"] = (src, "resgen.kernels")
     return out
+
+
+def test_substituted_imports_follow_the_rule():
+    """The presum render of linear_sm90_wgmma imports, through its substituted clause, its own
+    family's modules and shared ones only (as the template's static imports must)."""
+    from resgen.kernels import codegen
+
+    F.families()            # every family registered in its usual order before the import below
+    from resgen.search.linear_sm90_wgmma import FAMILY, Fold, LinearSm90WgmmaVariant
+    from resgen.search.variant import LinearProblem
+
+    p = LinearProblem("nvfp4", "full", 64, 256, 512)
+    src = codegen._env().get_template(FAMILY.TEMPLATE).render(
+        **FAMILY.template_params(LinearSm90WgmmaVariant(fold=Fold.PRESUM), p))
+    deps = _imports("\n".join(m.group(0).strip() for m in _IMPORT_LINE.finditer(src)),
+                    "resgen.kernels")
+    assert "kernels/linear_sm90_wgmma_presum" in deps
+    bad = [d for d in deps if _owner_of(d) not in (None, "linear_sm90_wgmma")]
+    assert not bad, bad
 
 
 def _owner_of(module: str) -> str | None:
