@@ -939,8 +939,8 @@ def test_as_layer_puts_the_quantizer_in_front_of_xop_variants_only(act, monkeypa
     r = FAMILY.runner(_SimulatedKernel(geometry_of(v, p), registry), v, p, "cpu", n_sets=3)
     made = []
 
-    def fake_layer_quantizer(problem, arch="sm_90a"):
-        assert problem == p
+    def fake_layer_quantizer(problem, arch="sm_90a", layout=None):
+        assert problem == p and layout in (None, "row_pair")
         made.append(_TorchQuantizer(r.sets[0][0], "full", "static"))
         return made[-1]
 

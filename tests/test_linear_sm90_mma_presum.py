@@ -469,7 +469,8 @@ def test_the_runtime_serves_a_presum_row_and_it_is_the_tuned_call(tmp_path, monk
     def compile_fn(fam, var, p, arch):
         return _SimKernel(geometry_of(var, p), registry)
 
-    def quantizer(problem, arch="sm_90a"):
+    def quantizer(problem, arch="sm_90a", layout=None):
+        assert layout in (None, "row_pair")
         return _ReferenceQuantizer("nvfp4", "full", "static")
 
     monkeypatch.setattr(SL, "layer_quantizer", quantizer)

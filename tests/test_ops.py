@@ -408,8 +408,9 @@ def test_served_linear_is_the_tuned_call_bit_for_bit(fam_name, v, fmt, comp, mon
     assert fam.why_invalid(v, p, ARCH) is None, fam.why_invalid(v, p, ARCH)
     made = []
 
-    def quantizer(problem, arch="sm_90a"):
+    def quantizer(problem, arch="sm_90a", layout=None):
         assert problem == p and arch == ARCH
+        assert layout in (None, "row_pair" if p.compensation == "full" else "plain")
         alpha = "none" if fmt == "mxfp4" else "static"
         made.append(_ReferenceQuantizer(fmt, comp, alpha))
         return made[-1]

@@ -697,7 +697,8 @@ def test_linear_families_warm_the_layer_quantizer(monkeypatch):
     from resgen.search import sm90_linear
 
     made = []
-    monkeypatch.setattr(sm90_linear, "layer_quantizer", lambda p, arch="sm_90a": made.append(p))
+    monkeypatch.setattr(sm90_linear, "layer_quantizer",
+                        lambda p, arch="sm_90a", layout=None: made.append(p))
     p = LinearProblem("nvfp4", "full", 1, 4096, 4096)
     L.FAMILY.warm(L.LinearSm90Variant(), p)
     L.FAMILY.warm(L.LinearSm90Variant(act=L.Act.FUSED), p)       # quantizes in its prologue

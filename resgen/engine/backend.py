@@ -90,7 +90,9 @@ class _QuantizerStandIn:
     def __init__(self, fmt: str, compensation: str, alpha_mode: str,
                  layout: str | None = None) -> None:
         self.fmt, self.compensation = fmt, compensation
-        self.layout = layout or ("row_pair" if compensation == "full" else "plain")
+        from ..kernels.sm90_operand import xop_layout_for
+
+        self.layout = layout or xop_layout_for(compensation)
         self.config = type("QuantConfig", (), {"alpha": alpha_mode, "layout": self.layout})()
 
     def outputs(self, m: int, row_multiple: int = 1, device: Any = "cpu") -> dict:

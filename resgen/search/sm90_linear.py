@@ -44,6 +44,7 @@ import torch
 
 from ..calibrate import QLinearWeight, static_alpha
 from ..kernels.sm90_fp4_layout import K_ALIGN, pad_to
+from ..kernels.sm90_operand import xop_layout_for
 from .family import CheckResult, KernelFamilyBase
 from .family import compare as family_compare
 from .variant import Choice, LinearProblem, VariantBase
@@ -241,7 +242,7 @@ def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a", layout: str | 
                                                    else "dynamic")
     kq = quantizer_k(problem)
     if layout is None:
-        layout = "row_pair" if comp == "full" else "plain"
+        layout = xop_layout_for(comp)
     key = (problem.fmt, comp, kq, alpha, layout, arch)
     if key not in _LAYER_QUANT:
         cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=kq, layout=layout,
@@ -432,7 +433,7 @@ class Sm90LinearFamily(KernelFamilyBase):
 
     def quantizer_layout(self, variant: VariantBase, problem: LinearProblem) -> str:
         """The quant_sm90 row layout the variant reads: row pairs for M-Ext, else plain."""
-        return "row_pair" if problem.compensation == "full" else "plain"
+        return xop_layout_for(problem.compensation)
 
     def torch_operand(self, variant: VariantBase, x: torch.Tensor, qweight: QLinearWeight,
                       compensation: Any, t_multiple: int
@@ -464,8 +465,6 @@ class Sm90LinearFamily(KernelFamilyBase):
         """The layer quantizer `bind` puts in front when given none (layer_quantizer for this
         family's arch, in the layout `variant` reads: quantizer_layout)."""
         layout = None if variant is None else self.quantizer_layout(variant, problem)
-        if layout in (None, "row_pair" if problem.compensation == "full" else "plain"):
-            return layer_quantizer(problem, self.ARCHS[0])
         return layer_quantizer(problem, self.ARCHS[0], layout)
 
     def warm(self, variant: VariantBase, problem: LinearProblem) -> None:
