@@ -45,7 +45,6 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..calibrate import QLinearWeight, pad_in_features, static_alpha
-from ..kernels.sm90_operand import xop_layout_for
 from ..search.family import KernelFamily, LinearFamily
 from ..search.variant import LinearProblem
 from . import common
@@ -189,7 +188,7 @@ class Linear:
             # then, so a stand-in of the (problem, arch) form serves every other variant)
             qp = fam.quantizer_problem(p)
             layout = fam.quantizer_layout(v, p) if hasattr(fam, "quantizer_layout") else None
-            if layout in (None, xop_layout_for(p.compensation)):
+            if layout in (None, "row_pair" if p.compensation == "full" else "plain"):
                 quantizer = self._quantizer(qp, self.arch)
             else:
                 quantizer = self._quantizer(qp, self.arch, layout=layout)
