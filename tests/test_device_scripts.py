@@ -83,6 +83,19 @@ def test_one_gpu_runs_one_tune(tmp_path):
     assert any(" resgen db export " in c for c in calls)
 
 
+def test_a_second_call_on_the_work_database_still_warm_starts(tmp_path):
+    """Session 31's prefill call ran on the warm machine's existing work database and lost
+    its warm start: the seed is re-read and --warm-start passed whenever RESUME_FROM is set,
+    and the work database is not re-seeded (merged into) a second time."""
+    (tmp_path / "work.sqlite").write_text("")
+    calls, r = _run(tmp_path, 1)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tunes = [c for c in calls if " resgen tune " in c]
+    assert len(tunes) == 1 and f"--warm-start {tmp_path / 'work-seed.sqlite'}" in tunes[0]
+    assert not any(" resgen db merge " in c for c in calls)
+    assert (tmp_path / "work-seed.sqlite").read_bytes() == b"seed"
+
+
 def test_two_gpus_run_one_shard_each_then_merge(tmp_path):
     calls, r = _run(tmp_path, 2)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -39,17 +39,22 @@ T0=$(date +%s)
 # its FRESH results (`resgen db merge --fresh-only`: variants that parse and were tuned with the
 # current templates, kernel modules and versions), so those are reused, not re-timed, and
 # results of changed templates are dropped (the exported table must hold no stale row).
-if [ -n "${RESGEN_TUNE_RESUME_FROM:-}" ] && [ ! -f "$WORK" ]; then
+# The warm start is passed on every call that names RESGEN_TUNE_RESUME_FROM, also when the
+# work database exists already (a second call on a warm machine: session 31's prefill call
+# lost its warm start that way, 'warm_started': 0 in tune_s31_presum_prefill.json).
+if [ -n "${RESGEN_TUNE_RESUME_FROM:-}" ]; then
     SEED=${WORK%.sqlite}-seed.sqlite
     rm -f "$SEED"
     case "$RESGEN_TUNE_RESUME_FROM" in
         *.xz) xz -dc "$RESGEN_TUNE_RESUME_FROM" > "$SEED" || exit 2 ;;
         *) cp "$RESGEN_TUNE_RESUME_FROM" "$SEED" || exit 2 ;;
     esac
-    python3 -m resgen db merge "$SEED" --into "$WORK" --fresh-only || { rm -f "$WORK"; exit 2; }
+    if [ ! -f "$WORK" ]; then
+        python3 -m resgen db merge "$SEED" --into "$WORK" --fresh-only || { rm -f "$WORK"; exit 2; }
+        echo "resuming from $RESGEN_TUNE_RESUME_FROM"
+    fi
     # its stale rows still say which variants won: tried first (re-checked, re-timed)
     WARM_ARGS="--warm-start $SEED"
-    echo "resuming from $RESGEN_TUNE_RESUME_FROM"
 fi
 
 # 1. Tune every workload of Qwen3-4B, 8B and 32B once (shared shapes tuned once): a cover
