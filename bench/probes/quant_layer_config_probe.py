@@ -154,8 +154,8 @@ def main() -> int:
            "rows": rows, "summary": summary(rows)}
     path.write_text(json.dumps(doc, indent=1))
     for s in doc["summary"]:
-        print(f"{s['layout']:6s} M={s['m']:<5d} default {s['default_us']:8.2f}  best {s['best']:14s} "
-              f"{s['best_us']:8.2f}  ({s['best_over_default']:.3f})")
+        print(f"{s['layout']:6s} M={s['m']:<5d} default {s['default_us']:8.2f}  "
+              f"best {s['best']:14s} {s['best_us']:8.2f}  ({s['best_over_default']:.3f})")
     return rc
 
 
