@@ -11,7 +11,10 @@ bench/probe_and_test.sh: the probe on GPU 0 and the GPU tests on GPU 1 of a two-
 (both on GPU 0 otherwise), then memcheck.
 
 bench/gpu_tests_all.sh: every test file at once, each under its time limit, its JUnit XML and
-log named after the tag and the file, and the exit status of a failing file reported."""
+log named after the tag and the file, and the exit status of a failing file reported.
+
+bench/presum_quant_h200.sh: the split probe, then the quantizer-configuration probe (presum
+layout by default), each with its own log; a failing first probe does not stop the second."""
 
 from __future__ import annotations
 
@@ -172,3 +175,17 @@ def test_gpu_tests_all_wants_a_tag_and_a_file(tmp_path):
     r = subprocess.run(["bash", str(repo / "bench" / "gpu_tests_all.sh"), "s9"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_presum_quant_runs_both_probes_even_when_the_first_fails(tmp_path):
+    repo, env = _fake_repo(tmp_path, "bench/presum_quant_h200.sh")
+    env["FAKE_FAIL"] = "presum_split_probe"
+    r = subprocess.run(["bash", str(repo / "bench" / "presum_quant_h200.sh")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert [c.split()[1] for c in calls] == ["bench/probes/presum_split_probe.py",
+                                             "bench/probes/quant_layer_config_probe.py"]
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} == {"presum_split_probe.log",
+                                               "quant_layer_config_probe.log"}

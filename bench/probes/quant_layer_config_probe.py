@@ -12,6 +12,9 @@ inputs into a 0xFF-poisoned operand, then timed under the tuner's policy
     source .devcache/device/env.sh && RESGEN_CACHE_DIR=/tmp/resgen-cache \\
         timeout -k 5 -s INT 300 python3 bench/probes/quant_layer_config_probe.py
 
+A whole run needs about 250 s of device time; QLC_LAYOUTS (e.g. "presum") and QLC_MS (e.g.
+"512,2048") restrict it (the summary then covers what was run).
+
 $OUT/quant_layer_config_probe.json: rows {layout, k, m, config, ok, us}, rewritten after each
 configuration, then "summary": per (layout, M) the default's and the best single
 configuration's sum over Qwen3-8B's four layers (K = 4096 three times, 12288 once)."""
@@ -34,8 +37,10 @@ from resgen.search.timing import DEFAULT_POLICY, measure  # noqa: E402
 
 ARCH = "sm_90a"
 LAYOUTS = {"plain": "none", "presum": "full"}        # layout -> compensation
+LAYOUTS = {k: v for k, v in LAYOUTS.items()
+           if k in os.environ.get("QLC_LAYOUTS", ",".join(LAYOUTS)).split(",")}
 KS = (4096, 12288)
-MS = (64, 128, 512, 2048)
+MS = tuple(int(m) for m in os.environ.get("QLC_MS", "64,128,512,2048").split(","))
 LAYER_KS = (4096, 4096, 4096, 12288)                 # Qwen3-8B: qkv, o, gate_up, down
 DEV = torch.device("cuda")
 
