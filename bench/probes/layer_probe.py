@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -47,6 +47,29 @@ def table_xop_winners(family: Any) -> dict[str, Any]:
     return {w: v for w, (_, v) in best.items()}
 
 
+def mext_plain_pairs(family: Any, ms: Iterable[int], shapes: Iterable[tuple[int, int]],
+                     winners: dict | None = None
+                     ) -> Iterator[tuple[int, int, int, LinearProblem, LinearProblem, Any, Any]]:
+    """Per M of `ms` and (N, K) of `shapes`: (m, n, k, full, plain, full's winner, plain's
+    winner), the NVFP4 M-Ext and plain problems and the shipped table's xop winners of
+    `family` for them (None where it has none; `winners`: table_xop_winners' map)."""
+    winners = table_xop_winners(family) if winners is None else winners
+    for m in ms:
+        for n, k in shapes:
+            full = LinearProblem("nvfp4", "full", m, n, k)
+            plain = LinearProblem("nvfp4", "none", m, n, k)
+            yield m, n, k, full, plain, winners.get(full.key()), winners.get(plain.key())
+
+
+def write_rows(path: Path, rows: list[dict], **extra: Any) -> dict:
+    """Write a probe's JSON: the GPU, the timing policy, `rows` and `extra` (e.g. summary=);
+    returns the document."""
+    doc = {"gpu": torch.cuda.get_device_name(0), "policy": DEFAULT_POLICY.as_dict(),
+           "rows": rows, **extra}
+    path.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
 def check_and_time(fam: Any, v: Any, p: Any, cache: dict) -> dict:
     """One variant: {"invalid": why} or {ok, rel_err, us, detail} (checked first, then timed
     as the whole layer) or {error, trace}; `cache` memoizes compiles across calls."""
@@ -79,9 +102,7 @@ def probe(name: str, cases: Iterable[Case],
               + (f"{us:7.2f} us rel {rec['rel_err']:.1e}" if us else
                  str(rec.get("invalid") or rec.get("error") or rec.get("detail"))[:160]),
               flush=True)
-        (out / f"{name}.json").write_text(json.dumps(
-            {"gpu": torch.cuda.get_device_name(0), "policy": DEFAULT_POLICY.as_dict(),
-             "rows": rows}, indent=1))
+        write_rows(out / f"{name}.json", rows)
     return 0
 
 

@@ -23,7 +23,6 @@ gemm_us} rewritten after each, then "summary": per (config, M) the four shapes' 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import traceback
@@ -34,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import layer_probe  # noqa: E402
-import torch  # noqa: E402
 
 from resgen.search.build import compile_variant  # noqa: E402
 from resgen.search.linear_sm90_wgmma import FAMILY, Fold  # noqa: E402
@@ -104,20 +102,16 @@ def split(v: Any, p: LinearProblem, cache: dict) -> dict:
 
 def cases(winners: dict | None = None):
     """(problem, variant, record fields) per (M, shape, configuration)."""
-    winners = layer_probe.table_xop_winners(FAMILY) if winners is None else winners
-    for m in MS:
-        for n, k in SHAPES:
-            full = LinearProblem("nvfp4", "full", m, n, k)
-            plain = LinearProblem("nvfp4", "none", m, n, k)
-            fw, pw = winners.get(full.key()), winners.get(plain.key())
-            out = []
-            if pw is not None:
-                out += [(plain, pw, "plain"),
-                        (full, dataclasses.replace(pw, fold=Fold.PRESUM), "plain_twin")]
-            if fw is not None:
-                out.insert(1, (full, fw, "full"))
-            for p, v, name in out:
-                yield p, v, {"m": m, "n": n, "k": k, "config": name}
+    for m, n, k, full, plain, fw, pw in layer_probe.mext_plain_pairs(FAMILY, MS, SHAPES,
+                                                                     winners):
+        out = []
+        if pw is not None:
+            out += [(plain, pw, "plain"),
+                    (full, dataclasses.replace(pw, fold=Fold.PRESUM), "plain_twin")]
+        if fw is not None:
+            out.insert(1, (full, fw, "full"))
+        for p, v, name in out:
+            yield p, v, {"m": m, "n": n, "k": k, "config": name}
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -156,15 +150,11 @@ def main(tag: Callable[[dict], str] = lambda r: f"m{r['m']:<5d} {r['config']:10s
                      if rec.get("ok") else str(rec.get("invalid") or rec.get("error")
                                                or rec.get("detail"))[:160])
             print(f"{tag(rec)} {p.n}x{p.k} {v.name()[:64]:64s} {cells}", flush=True)
-            path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0),
-                                        "policy": DEFAULT_POLICY.as_dict(), "rows": rows},
-                                       indent=1))
+            layer_probe.write_rows(path, rows)
     except KeyboardInterrupt:
         print("presum_split_probe: interrupted, summarizing the rows so far", flush=True)
         rc = 124
-    doc = {"gpu": torch.cuda.get_device_name(0), "policy": DEFAULT_POLICY.as_dict(),
-           "rows": rows, "summary": summary(rows)}
-    path.write_text(json.dumps(doc, indent=1))
+    doc = layer_probe.write_rows(path, rows, summary=summary(rows))
     for s in doc["summary"]:
         for c, parts in s["sums_us"].items():
             ratio = s.get("over_plain", {}).get(c)

@@ -21,14 +21,15 @@ configuration's sum over Qwen3-8B's four layers (K = 4096 three times, 12288 onc
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import layer_probe  # noqa: E402
 import torch  # noqa: E402
 
 from resgen import formats  # noqa: E402
@@ -149,15 +150,11 @@ def main() -> int:
                         print(f"{layout:6s} K={k:<6d} M={m:<5d} {cname:14s} "
                               + (f"{rec['us']:8.2f} us" if rec.get("ok") else
                                  str(rec.get("detail") or rec.get("error"))[:120]), flush=True)
-                    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0),
-                                                "policy": DEFAULT_POLICY.as_dict(),
-                                                "rows": rows}, indent=1))
+                    layer_probe.write_rows(path, rows)
     except KeyboardInterrupt:
         print("quant_layer_config_probe: interrupted, summarizing the rows so far", flush=True)
         rc = 124
-    doc = {"gpu": torch.cuda.get_device_name(0), "policy": DEFAULT_POLICY.as_dict(),
-           "rows": rows, "summary": summary(rows)}
-    path.write_text(json.dumps(doc, indent=1))
+    doc = layer_probe.write_rows(path, rows, summary=summary(rows))
     for s in doc["summary"]:
         print(f"{s['layout']:6s} M={s['m']:<5d} default {s['default_us']:8.2f}  "
               f"best {s['best']:14s} {s['best_us']:8.2f}  ({s['best_over_default']:.3f})")

@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import layer_probe  # noqa: E402
 from resgen.search.linear_sm90_wgmma import FAMILY, Fold  # noqa: E402
-from resgen.search.variant import LinearProblem  # noqa: E402
 
 ARCH = "sm_90a"
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]   # Qwen3-8B, TP1
@@ -40,23 +39,19 @@ CONFIGS = ("full_table", "full_same", "plain_table", "plain_twin", "prior")
 
 def cases(winners: dict | None = None):
     """layer_probe cases per (M, shape): the five configurations (those that exist)."""
-    winners = layer_probe.table_xop_winners(FAMILY) if winners is None else winners
-    for m in MS:
-        for n, k in SHAPES:
-            full = LinearProblem("nvfp4", "full", m, n, k)
-            plain = LinearProblem("nvfp4", "none", m, n, k)
-            out = []
-            fw, pw = winners.get(full.key()), winners.get(plain.key())
-            if fw is not None:
-                out += [(full, fw, "full_table"),
-                        (full, dataclasses.replace(fw, fold=Fold.PRESUM), "full_same")]
-            if pw is not None:
-                out += [(plain, pw, "plain_table"),
-                        (full, dataclasses.replace(pw, fold=Fold.PRESUM), "plain_twin")]
-            pres = [v for v in FAMILY.space(full, ARCH) if v.presum]
-            out.append((full, min(pres, key=lambda v: FAMILY.prior(v, full)), "prior"))
-            for p, v, name in out:
-                yield p, FAMILY, v, {"m": m, "config": name}
+    for m, _n, _k, full, plain, fw, pw in layer_probe.mext_plain_pairs(FAMILY, MS, SHAPES,
+                                                                       winners):
+        out = []
+        if fw is not None:
+            out += [(full, fw, "full_table"),
+                    (full, dataclasses.replace(fw, fold=Fold.PRESUM), "full_same")]
+        if pw is not None:
+            out += [(plain, pw, "plain_table"),
+                    (full, dataclasses.replace(pw, fold=Fold.PRESUM), "plain_twin")]
+        pres = [v for v in FAMILY.space(full, ARCH) if v.presum]
+        out.append((full, min(pres, key=lambda v: FAMILY.prior(v, full)), "prior"))
+        for p, v, name in out:
+            yield p, FAMILY, v, {"m": m, "config": name}
 
 
 def summary(rows: list[dict]) -> list[dict]:
