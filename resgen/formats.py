@@ -55,6 +55,7 @@ __all__ = [
     "nvfp4_global_scale",
     "presum_fp16",
     "presum_weight",
+    "residue_on_channels",
     "E2M1_MAX",
     "E4M3_MAX",
     "PRESUM_TOP",
@@ -476,6 +477,23 @@ def _pow2_shift(amax: torch.Tensor) -> torch.Tensor:
     exp = torch.frexp(amax).exponent.to(torch.int32) - 1
     t = torch.where(amax > 0, exp - PRESUM_TOP, torch.zeros_like(exp))
     return t.clamp(-100, 100)
+
+
+def residue_on_channels(r: torch.Tensor, idx: torch.Tensor, k: int) -> torch.Tensor:
+    """K-Ext residues moved back onto the channels they were taken from, for the presum fold.
+
+    r: [..., E] the extension's values (the selected channels' residues in selection order,
+    then the zero padding to the block: E >= len(idx)); idx: int64 [S] those channels
+    (calibrate.Selection.indices). Returns [..., K] in r's dtype: r[..., i] at channel idx[i],
+    zero elsewhere. The one definition of where a K-Ext residue lands in X_hat + R_hat
+    (resgen.reference.linear, the quality study's fake-quant layers and quant_sm90's presum
+    operand use it)."""
+    idx = idx.to(device=r.device, dtype=torch.int64)
+    if r.shape[-1] < idx.numel():
+        raise ValueError(f"{r.shape[-1]} extension values for {idx.numel()} selected channels")
+    out = torch.zeros(*r.shape[:-1], k, dtype=r.dtype, device=r.device)
+    out[..., idx] = r[..., : idx.numel()]
+    return out
 
 
 def presum_fp16(s: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -108,10 +108,7 @@ def linear(x: torch.Tensor, qweight: QLinearWeight, compensation: Compensation =
         if compensation == "full":
             s = s + _unit(res).float()
         elif compensation != "none":         # K-Ext: the residues back onto their channels
-            idx = channels.indices.to(x.device)
-            r = torch.zeros_like(s)
-            r[:, idx] = _unit(res).float()[:, : idx.numel()]
-            s = s + r
+            s = s + formats.residue_on_channels(_unit(res).float(), channels.indices, k)
         s16 = formats.presum_fp16(s, fmt).double()
         w16 = formats.presum_weight(wb, fmt).double()
         y = (s16 @ w16.T).float() * ab

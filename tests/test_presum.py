@@ -174,3 +174,50 @@ def test_fakequant_presum_matches_the_reference(fmt, comp):
     assert _rel(mod(x), R.linear(x, qw, comp, fold="presum")) <= 1e-5
     with pytest.raises(ValueError, match="residue"):
         FakeQuantLinear(qw, "w4a16", fold="presum")
+
+
+# ----------------------------------------------------------------------------- K-Ext operand
+
+
+def test_residue_on_channels_puts_each_residue_back_on_its_channel():
+    r = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 6.0, 0.0]])    # 3 selected + padding
+    out = F.residue_on_channels(r, torch.tensor([5, 0, 2]), 8)
+    assert torch.equal(out, torch.tensor([[2.0, 0, 3.0, 0, 0, 1.0, 0, 0],
+                                          [5.0, 0, 6.0, 0, 0, 4.0, 0, 0]]))
+    with pytest.raises(ValueError, match="2 extension values for 3 selected"):
+        F.residue_on_channels(r[:, :2], torch.tensor([5, 0, 2]), 8)
+
+
+@pytest.mark.parametrize("ratio", [0.125, 0.25, 0.5, 1.0])
+def test_kext_presum_operand_times_the_base_weight_is_the_reference(ratio):
+    """quant_sm90's K-Ext "presum" operand (what the kernel writes, defined in torch) times
+    the FP16-exact base weight gives reference.linear(ratio, fold="presum"): the quantizer's
+    layout and the reference are the same numerics."""
+    from resgen.kernels import quant_sm90 as Q
+
+    qw = _qweight("nvfp4", ratio=ratio)
+    k = qw.in_features
+    x = _x(m=21).to(torch.bfloat16)
+    op = Q.operand_reference(x, "nvfp4", str(ratio), "presum", 8, None, qw.selection.masks, 256)
+    m = x.shape[0]
+    assert op.xop.dtype == torch.float16 and op.xop.shape == (24, k)     # rows to 8
+    assert not op.xop[m:].any() and op.codes.numel() == 0
+    w16 = F.presum_weight(F.dequantize(qw.q, apply_global_scale=False)[:, :k], "nvfp4")
+    y = (op.xop[:m].double() @ w16.double().T) * float(op.alpha) * float(qw.q.global_scale)
+    want = R.linear(x.float(), qw, ratio, fold="presum")
+    assert _rel(y, want) <= 1e-6
+    # and independently of reference.linear: the formula above
+    assert _rel(y, _presum_formula(x.float(), qw, ratio)) <= 1e-6
+
+
+def test_kext_presum_layout_is_validated():
+    from resgen.kernels import quant_sm90 as Q
+
+    assert Q.operand_shape("nvfp4", "0.25", 512, 3, "presum").kq == 512
+    assert Q.operand_shape("nvfp4", "0.25", 512, 3, "plain").kq == 512 + 128
+    with pytest.raises(ValueError, match="K-Ext plain or presum"):
+        Q.operand_shape("nvfp4", "0.25", 512, 3, "row_pair")
+    with pytest.raises(ValueError, match="NVFP4 only"):
+        Q.operand_shape("mxfp4", "0.25", 512, 3, "presum")
+    cfg = Q.QuantConfig("nvfp4", "0.25", 512, "presum", write_codes=True)
+    assert "fp16 xop only" in cfg.why_invalid()

@@ -17,15 +17,19 @@ KP's granularity kp_align (64, 128 or 256) is the consuming GEMM's choice (64 in
 linear_sm90_mma uses 256, resgen.kernels.sm90_fp4_layout.K_ALIGN).
 Columns: KQ = K for plain and M-Ext; K-Ext: KQ = K + ext, the base channels then the selected
 residue channels (block-local masks, group order, ascending inside a group) zero-padded to the
-block size (formats.extension_length): codes/scales[:, :KQ] is formats.cat([base, res]).
+block size (formats.extension_length): codes/scales[:, :KQ] is formats.cat([base, res]); K-Ext
+in layout presum: KQ = K, the residues added onto their base channels.
 Rows (`layout`), token j = 0..m-1:
     plain    (compensation none / K-Ext): row j = token j
     row_pair  (M-Ext): row 2j = base of token j, row 2j + 1 = its residue
     tile8    (M-Ext): per 16 rows, 8 base rows (tokens 8b..8b+7) then their 8 residue rows
-    presum   (M-Ext, NVFP4, xop only): row j = fp16(X_hat + R_hat) of token j, the pre-summed
-             fold's operand (resgen.formats.presum_fp16: the two unit values added in FP32 and
-             rounded once to FP16): xop is float16 [T_pad, KP], no codes or scales (issue 20
-             section 1; linear_sm90_wgmma's fold="presum" variants read it)
+    presum   (M-Ext or K-Ext, NVFP4, xop only): row j = fp16(X_hat + R_hat) of token j, the
+             pre-summed fold's operand (resgen.formats.presum_fp16: the two unit values added
+             in FP32 and rounded once to FP16; K-Ext: R_hat is the selected channels'
+             residues on their channels, formats.residue_on_channels): xop is float16
+             [T_pad, KP], no codes or scales (issue 20 section 1; linear_sm90_wgmma's
+             fold="presum" variants read the M-Ext form; the K-Ext form is the operand of
+             reference.linear(ratio, fold="presum"), whose GEMM is not built yet)
 T_pad = the rows the layout needs (m, 2m, 16 * ceil(m / 8)) rounded up to a multiple of
 lcm(row_multiple, granule) (granule 1 / 2 / 16). Rows past the real tokens are all zero (codes,
 scales and xop): the kernel writes them as the quantization of a zero token.
@@ -124,7 +128,9 @@ class OperandShape:
 
     @property
     def kq(self) -> int:
-        return self.k + self.ext
+        """Operand channels: K + ext for K-Ext's appended residues, K otherwise (also K-Ext
+        "presum", whose residues are added onto their base channels)."""
+        return self.k + (0 if self.layout == "presum" else self.ext)
 
     @property
     def kp(self) -> int:
@@ -154,9 +160,11 @@ def operand_shape(fmt: str, compensation: str, k: int, m: int, layout: str = "pl
     mode = mode_of(compensation)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if (mode == "mext") != (layout in MEXT_LAYOUTS):
+    fits = {"plain": ("plain",), "mext": MEXT_LAYOUTS, "kext": ("plain", "presum")}[mode]
+    if layout not in fits:
         raise ValueError(f"layout {layout!r} does not fit compensation {compensation!r}: M-Ext "
-                         f"(full) uses row_pair, tile8 or presum, everything else plain")
+                         f"(full) uses row_pair, tile8 or presum, K-Ext plain or presum, W4A4 "
+                         f"plain")
     if layout == "presum" and fmt != "nvfp4":
         raise ValueError("layout 'presum' is NVFP4 only: MXFP4 presum needs each row's "
                          "power-of-two shift from max |X_hat + R_hat| over all of K "
@@ -241,8 +249,12 @@ def operand_reference(x: torch.Tensor, fmt: str = "nvfp4", compensation: str = "
     t, bs = shape.t_pad, shape.block
     if layout == "presum":
         # one FP16 row per token: the unit base + residue values summed in FP32, rounded once
-        s = (formats.dequantize(base, apply_global_scale=False).float()
-             + formats.dequantize(res, apply_global_scale=False).float())
+        # (K-Ext: each selected channel's residue added onto its base channel)
+        r = formats.dequantize(res, apply_global_scale=False).float()
+        if shape.mode == "kext":
+            assert sel is not None
+            r = formats.residue_on_channels(r, sel.indices, shape.k)
+        s = formats.dequantize(base, apply_global_scale=False).float() + r
         xop16 = torch.zeros(t, shape.kp, dtype=torch.float16, device=dev)
         xop16[: shape.m, : shape.k] = formats.presum_fp16(s, fmt).to(torch.float16)
         none = torch.zeros(t, 0, dtype=torch.uint8, device=dev)

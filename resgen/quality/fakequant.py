@@ -162,9 +162,7 @@ class FakeQuantLinear(torch.nn.Module):
         """fp16(X_hat + R_hat) as float32 [M, K] (formats.presum_fp16 on the unit values:
         NVFP4 divided by alpha, multiplied back after the rounding)."""
         if self.idx is not None:             # K-Ext: the residues back onto their channels
-            r = torch.zeros_like(x_hat)
-            r[:, self.idx] = r_hat[:, : self.idx.numel()]
-            r_hat = r
+            r_hat = formats.residue_on_channels(r_hat, self.idx, x_hat.shape[-1])
         if self.fmt == "nvfp4":
             a = torch.as_tensor(alpha, dtype=torch.float32, device=x_hat.device).reshape(())
             return formats.presum_fp16(x_hat / a + r_hat / a, "nvfp4") * a

@@ -1,7 +1,8 @@
 """linear_sm90_wgmma's presum fold on an H200 (issue 20 section 1).
 
-- quant_sm90's layout "presum" is bit-exact against its torch definition
-  (quant_sm90.operand_reference: fp16(X_hat + R_hat) per token, formats.presum_fp16) on every
+- quant_sm90's layout "presum" (M-Ext, and K-Ext at every ratio) is bit-exact against its
+  torch definition (quant_sm90.operand_reference: fp16(X_hat + R_hat) per token,
+  formats.presum_fp16; K-Ext: formats.residue_on_channels) on every
   input kind, static and dynamic alpha, pack8 and pack16, one-shot and persistent grids, into
   NaN-poisoned (0xFF) buffers;
 - presum variants (the space's first by the prior, and the presum twins of the default and of
@@ -80,6 +81,36 @@ def test_presum_quantizer_is_bit_exact(cfg):
             assert torch.equal(got.xop.view(torch.int16), ref.xop.view(torch.int16)), \
                 f"{kind} m={m} alpha={alpha}: {(got.xop != ref.xop).sum()} values differ"
             assert torch.equal(got.alpha, ref.alpha.to(DEV))
+
+
+def _kext_qconfigs():
+    for comp, (ept, warps, unroll, persist) in itertools.product(
+            ("0.125", "0.25", "0.5", "1.0"), ((8, 4, 2, False), (16, 4, 1, True))):
+        yield Q.QuantConfig("nvfp4", comp, 1024, "presum", ept=ept, warps=warps,
+                            unroll=unroll, persist=persist, write_codes=False, write_xop=True,
+                            alpha="static", kp_align=256)
+
+
+@pytest.mark.parametrize("cfg", list(_kext_qconfigs()), ids=lambda c: (
+    f"{c.compensation}-e{c.ept}w{c.warps}u{c.unroll}{'p' if c.persist else ''}"))
+def test_kext_presum_quantizer_is_bit_exact(cfg):
+    """K-Ext in layout presum (each selected channel's quantized residue added onto its base
+    channel, rounded once to FP16) against operand_reference, two mask draws."""
+    if cfg not in _QCACHE:
+        _QCACHE[cfg] = Q.compile_config(cfg, ARCH)[0]
+    kern = _QCACHE[cfg]
+    for (kind, m), seed in itertools.product(itertools.product(Q.INPUT_KINDS, (1, 37)), (3, 4)):
+        x = Q.make_inputs(kind, m, cfg.k, seed=m * 7 + len(kind) + seed, device=DEV)
+        masks = Q.random_masks(cfg.k, cfg.compensation, seed=seed, device=DEV)
+        alpha = formats.nvfp4_global_scale(x.float()).reshape(1).to(DEV, torch.float32)
+        out = kern.outputs(m, 8, DEV)
+        out.operand.xop.view(torch.uint8).fill_(0xFF)            # NaN: every byte written
+        got = kern(x, out, alpha=alpha, masks=masks)
+        torch.cuda.synchronize()
+        ref = Q.operand_reference(x, "nvfp4", cfg.compensation, "presum", 8, alpha, masks, 256)
+        assert got.xop.dtype == torch.float16 and got.xop.shape == ref.xop.shape
+        assert torch.equal(got.xop.view(torch.int16), ref.xop.view(torch.int16)), \
+            f"{kind} m={m} seed={seed}: {(got.xop != ref.xop).sum()} values differ"
 
 
 # ----------------------------------------------------------------------------- GEMM
