@@ -22,13 +22,13 @@ from resgen import reference as R
 from resgen.kernels import codegen
 from resgen.kernels import sm90_fp4_layout as L
 from resgen.kernels import linear_sm90_mma_presum as PS
-from resgen.kernels.sm90_operand import make_xop
 from resgen.kernels.linear_sm90_mma_sim import _f16_halves, _f16_mul, _scale, simulate_kernel
 from resgen.search.linear_sm90_mma import (FAMILY, PRESUM_MEXT_ONLY, PRESUM_NVFP4_ONLY,
                                            PRESUM_XOP_ONLY, Act, Fold, LinearSm90Variant, Packing,
                                            Pipeline, Reduction, compare, geometry_of)
 from resgen.search.variant import LinearProblem
-from test_linear_sm90_mma import _record_launcher_pointers, _TorchQuantizer
+from test_linear_sm90_mma import _record_launcher_pointers
+from test_linear_sm90_wgmma_presum import _PresumReferenceQuantizer
 
 ARCH = "sm_90a"
 FIXTURE = Path(__file__).parent / "fixtures" / "linear_sm90_mma_renders.json.xz"
@@ -178,25 +178,23 @@ def test_f16_weight_is_exact_for_every_code_and_scale_byte():
             assert torch.equal(got, F.e2m1_values().double() * s_w * 2.0 ** -7)
 
 
-def test_presum_b_words_are_formats_presum_fp16():
-    """The sim's B words (FP32 add of the row pair, one RNE to FP16) are formats.presum_fp16
-    of X_hat + R_hat (unit values), for make_xop's operand of random activations."""
-    from resgen.kernels.linear_sm90_mma_sim import _presum_words
+def test_presum_b_words_are_the_presum_rows_words():
+    """The B load of a presum variant is plain's: the lane's two 16-byte loads of the token's
+    presum row, its FP16 words as they are (the quantizer already summed and rounded); the
+    geometry's res_off is 0 and anything else is refused."""
+    loads = []
 
-    _, qw = _layer(64, 512, seed=3)
-    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4)) * 3
-    xop, _ = make_xop(x, qw, "full")
+    def load(a):
+        loads.append(a)
+        return tuple(range(a, a + 4))
 
-    def words(rows):
-        bits = rows.view(torch.int16).to(torch.int64) & 0xFFFF
-        return [bits[:, 2 * i] | (bits[:, 2 * i + 1] << 16) for i in range(256)]
-
-    got = torch.stack(_presum_words(words(xop[0:10:2]), words(xop[1:10:2])), dim=1)
-    vals = _f16_halves(got).reshape(5, 512).float()
-    base, res = F.quantize_with_residue(x, "nvfp4", global_scale=None)
-    unit_sum = (F.dequantize(base, apply_global_scale=False)
-                + F.dequantize(res, apply_global_scale=False))
-    assert torch.equal(vals, F.presum_fp16(unit_sum, "nvfp4"))
+    assert PS.presum_b_words(load, 100, 0) == list(range(100, 104)) + list(range(116, 120))
+    assert loads == [100, 116]
+    with pytest.raises(ValueError, match="res_off must be 0"):
+        PS.presum_b_words(load, 100, 64)
+    p = LinearProblem("nvfp4", "full", 5, 64, 1024)
+    g = geometry_of(LinearSm90Variant(warps_m=2, warps_k=2, stages=3, **PRESUM), p)
+    assert g.res_off == 0 and g.xop_rows_per_token == 1 and g.xb_row(7) == 7
 
 
 # ----------------------------------------------------------------------------- simulation
@@ -236,7 +234,8 @@ def test_presum_simulation_matches_both_references(m, k, fields):
     geom = geometry_of(v, p)
     assert isinstance(geom, PS.PresumGeometry) and not geom.mext
     wt = L.prepare_sm90_weight(qw, v.packing.value)
-    xop, ax = make_xop(x, qw, "full", t_multiple=FAMILY.xop_row_multiple(v, p))
+    xop, ax = FAMILY.torch_operand(v, x, qw, "full", FAMILY.xop_row_multiple(v, p))
+    assert xop.dtype == torch.float16 and xop.shape[0] % geom.tok == 0   # the presum rows
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
     gx, gy, gz = geom.grid(m)
     order = [(a, b, z) for a in range(gx) for b in range(gy) for z in range(gz)]
@@ -252,24 +251,27 @@ def test_presum_simulation_matches_both_references(m, k, fields):
         assert bool((ws == 0).all())
 
 
-def test_presum_rounding_is_what_the_kernel_computes():
-    """A case only the single FP16 rounding explains: token 0's operand is (1 + 2^-12, -1) on
-    a weight of equal values, so the exact fold gives c 2^-12 and presum gives 0 (1 + 2^-12
-    rounds to 1 in FP16). The simulation gives 0 exactly; the exact emulator does not."""
+def test_presum_reads_the_fp16_rows_exactly():
+    """The GEMM takes the quantizer's FP16 sums as they are: token 0's operand (1 + 2^-10, -1)
+    is exact in FP16 but not in BF16, so on a weight of equal values the kernel gives c 2^-10
+    (reading it as BF16 would give 0); token 1 checks an ordinary value. Against the float64
+    product of the same operand and the FP16-exact weight."""
     n, k = 64, 256
     qw = C.prepare_weight(torch.ones(n, k), "nvfp4")
     p = LinearProblem("nvfp4", "full", 2, n, k)
     v = LinearSm90Variant(warps_m=4, warps_k=1, **_DI, **PRESUM)
-    xop = torch.zeros(16, L.pad_to(k, 256), dtype=torch.bfloat16)
-    xop[0, 0], xop[0, 1], xop[1, 0] = 1.0, -1.0, 2.0 ** -12     # token 0: base, residue
-    xop[2, 5], xop[3, 5] = 1.0, 2.0 ** -9                         # token 1: exact in FP16
+    geom = geometry_of(v, p)
+    xop = torch.zeros(geom.tok, L.pad_to(k, 256), dtype=torch.float16)
+    xop[0, 0], xop[0, 1] = 1.0 + 2.0 ** -10, -1.0                # token 0
+    xop[1, 5] = 1.0 + 2.0 ** -9                                   # token 1
     ax = torch.ones(1)
     wt = L.prepare_sm90_weight(qw, "split")
     out = torch.full((2, n), float("nan"), dtype=torch.bfloat16)
-    simulate_kernel(geometry_of(v, p), wt, xop, 2, 2, ax, out)
-    emu = L.emulate_linear_sm90_mma(xop, wt, 2, "row_pair", ax)
-    assert bool((out[0] == 0).all()) and bool((emu[0] != 0).all())
-    assert torch.equal(out[1].float(), emu[1].to(torch.bfloat16).float())
+    simulate_kernel(geom, wt, xop, 2, 2, ax, out)
+    w16 = F.presum_weight(F.dequantize(qw.q, apply_global_scale=False), "nvfp4").double()
+    want = (xop[:2, :k].double() @ w16.T) * float(qw.q.global_scale)
+    assert torch.equal(out.float(), want.to(torch.bfloat16).float())
+    assert bool((out[0] != 0).all())
 
 
 # ----------------------------------------------------------------------------- runner
@@ -277,11 +279,11 @@ def test_presum_rounding_is_what_the_kernel_computes():
 
 class _SimKernel:
     """A compiled presum variant's stand-in (tests/test_linear_sm90_mma.py's _SimulatedKernel
-    idea): maps the launcher's pointers back to tensors and runs the simulation; drop_residue
-    zeroes the residue rows first (a wrong kernel the checks must catch)."""
+    idea): maps the launcher's pointers back to tensors and runs the simulation; drop_odd
+    zeroes every other token's operand row first (a wrong kernel the checks must catch)."""
 
-    def __init__(self, geom, registry, drop_residue=False):
-        self.geom, self.registry, self.drop = geom, registry, drop_residue
+    def __init__(self, geom, registry, drop_odd=False):
+        self.geom, self.registry, self.drop = geom, registry, drop_odd
 
     def __call__(self, wp, sp, xp, yp, axp, awp, wsp, semp, mp, m, rows, stream):
         t = {name: self.registry[ptr._pointer] for name, ptr in
@@ -307,8 +309,8 @@ def test_runner_checks_presum_against_both_folds(drop, monkeypatch):
                           stages=2, **PRESUM)
     assert FAMILY.why_invalid(v, p, ARCH) is None
     r = FAMILY.runner(_SimKernel(geometry_of(v, p), registry, drop), v, p, "cpu", n_sets=1)
-    assert r.fold == "presum" and r.xop_multiple == 16
-    r.attach_quantizer(_TorchQuantizer(r.sets[0][0], "full", "static"))
+    assert r.fold == "presum" and r.xop_multiple == 8
+    r.attach_quantizer(_PresumReferenceQuantizer("static"))
     res = r.check()
     assert res.ok != drop, res.detail
     if not drop:
@@ -316,7 +318,7 @@ def test_runner_checks_presum_against_both_folds(drop, monkeypatch):
         assert bool(y.isfinite().all())
 
 
-def test_launcher_refuses_rows_that_are_not_row_pairs():
+def test_launcher_refuses_rows_that_are_not_tokens():
     from resgen.kernels.linear_sm90_mma import LinearSm90Launcher
 
     p = LinearProblem("nvfp4", "full", 3, 64, 1024)
@@ -324,13 +326,16 @@ def test_launcher_refuses_rows_that_are_not_row_pairs():
     g = geometry_of(v, p)
     _, qw = _layer(64, 1024, 0)
     wt = L.prepare_sm90_weight(qw, "split")
-    xop = torch.zeros(16, 1024, dtype=torch.bfloat16)
+    xop = torch.zeros(g.tok, 1024, dtype=torch.float16)
     out = torch.zeros(3, 64, dtype=torch.bfloat16)
     la = LinearSm90Launcher(lambda *a: None, g, 4, 1, "cpu")
-    with pytest.raises(ValueError, match="rows must be 2 \\* m"):
-        la(wt, xop, 3, 3, torch.ones(1), out)
-    with pytest.raises(ValueError, match="hold 16 rows"):
-        la(wt, xop[:8], 3, 6, torch.ones(1), out)
+    with pytest.raises(ValueError, match="rows must be m = 3"):
+        la(wt, xop, 3, 6, torch.ones(1), out)
+    with pytest.raises(ValueError, match="xop must be float16"):
+        la(wt, xop.to(torch.bfloat16), 3, 3, torch.ones(1), out)
+    with pytest.raises(ValueError, match=f"hold {g.tok} rows"):
+        la(wt, xop[:2], 3, 3, torch.ones(1), out)
+    la(wt, xop, 3, 3, torch.ones(1), out)
 
 
 # ----------------------------------------------------------------------------- sm_90a compiles
@@ -361,8 +366,8 @@ def test_presum_compiles_for_sm90a_without_spills(p, v, tmp_path):
     assert n_mma and n_mma % (16 * v.m_tiles * v.n_tiles) == 0
     assert ".bf16.bf16" not in ptx and "mul.rn.bf16x2" not in ptx
     assert "mul.rn.f16x2" in ptx and "ftz" not in ptx
-    # one FP16 rounding per B word: 8 per (chunk, n8 tile), as many as the MMAs' B pairs
-    assert ptx.count("cvt.rn.f16x2.f32") == 2 * n_mma // v.m_tiles
+    # no rounding in the GEMM: it reads the quantizer's FP16 sums as they are
+    assert "cvt.rn.f16x2.f32" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert res.spill_bytes == 0 and res.registers is not None and res.registers <= 255
 
@@ -470,7 +475,9 @@ def test_the_runtime_serves_a_presum_row_and_it_is_the_tuned_call(tmp_path, monk
         return _SimKernel(geometry_of(var, p), registry)
 
     def quantizer(problem, arch="sm_90a", layout=None):
-        assert layout in (None, "row_pair")
+        assert layout in (None, "row_pair", "presum")
+        if layout == "presum":
+            return _PresumReferenceQuantizer("static")
         return _ReferenceQuantizer("nvfp4", "full", "static")
 
     monkeypatch.setattr(SL, "layer_quantizer", quantizer)

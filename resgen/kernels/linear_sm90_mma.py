@@ -61,7 +61,8 @@ class LinearSm90Launcher:
         """out: bf16 [>= m, N], rows 0..m-1 written.
 
         xop variants: xop bf16 [>= rows rounded up to the token tile, Kp] contiguous (make_xop
-        and quant_sm90 pad to it), alpha_x the operand's NVFP4 scale.
+        and quant_sm90 pad to it), alpha_x the operand's NVFP4 scale; presum: float16, rows = m
+        (quant_sm90's "presum" rows, sm90_operand.make_presum_xop).
         fused variants: xop is x itself, bf16 [m, K] contiguous; alpha_x the STATIC NVFP4
         activation scale (float32 [1]); masks uint8 [K / 8] for K-Ext."""
         import cuda.bindings.driver as cuda
@@ -69,13 +70,13 @@ class LinearSm90Launcher:
         g = self.geom
         if wt.kp != g.kp or wt.out_features != g.n or wt.packing != g.packing:
             raise ValueError("weight does not match the compiled variant (N, Kp, packing)")
-        # presum (resgen.kernels.linear_sm90_mma_presum): the operand is M-Ext's row pairs, the
-        # kernel's rows are the tokens
+        # presum (resgen.kernels.linear_sm90_mma_presum): the operand is quant_sm90's "presum"
+        # rows, float16, one per token
         presum = getattr(g, "fold", "exact") == "presum"
-        if presum and rows != 2 * m:
-            raise ValueError(f"a presum variant reads the M-Ext row pairs: rows must be 2 * m "
-                             f"= {2 * m}, got {rows}")
-        krows = m if presum else rows
+        if presum and rows != m:
+            raise ValueError(f"a presum variant reads one summed row per token: rows must be "
+                             f"m = {m}, got {rows}")
+        krows = rows
         if g.fused:
             if xop.dtype != torch.bfloat16 or xop.dim() != 2 or xop.shape != (m, g.k):
                 raise ValueError(f"a fused variant takes x: bf16 [{m}, {g.k}]")
@@ -92,9 +93,11 @@ class LinearSm90Launcher:
             elif masks is not None:
                 raise ValueError("masks are only used by fused K-Ext variants")
         else:
-            if xop.dtype != torch.bfloat16 or xop.dim() != 2 or xop.shape[1] != g.kp:
-                raise ValueError(f"xop must be bf16 [rows, {g.kp}]")
-            t_pad = -(-krows // g.tok) * g.tok * (2 if presum else 1)
+            want = torch.float16 if presum else torch.bfloat16
+            if xop.dtype != want or xop.dim() != 2 or xop.shape[1] != g.kp:
+                raise ValueError(f"xop must be {str(want).removeprefix('torch.')} "
+                                 f"[rows, {g.kp}]")
+            t_pad = -(-krows // g.tok) * g.tok
             if xop.shape[0] < t_pad:
                 raise ValueError(f"xop must hold {t_pad} rows (the rows rounded up to the "
                                  f"token tile of {g.tok}: the kernel reads whole tiles)")
@@ -111,7 +114,10 @@ class LinearSm90Launcher:
         # CPU tensors only reach here in tests that stand a simulation in for the kernel
         stream = cuda.CUstream(torch.cuda.current_stream(xop.device).cuda_stream
                                if xop.is_cuda else 0)
-        self.compiled(self._ptr(wt.words, 16), self._ptr(wt.scales, 16), self._ptr(xop, 16),
+        # presum's FP16 rows travel as the same bytes behind the kernel's bf16 operand pointer
+        # (the kernel loads words: the element type is only the signature's)
+        xbits = xop.view(torch.bfloat16) if presum else xop
+        self.compiled(self._ptr(wt.words, 16), self._ptr(wt.scales, 16), self._ptr(xbits, 16),
                       self._ptr(out, 16), self._ptr(ax, 4), self._ptr(wt.alpha, 4),
                       self._ptr(self.ws, 16), self._ptr(self.sem, 4), self._ptr(mk, 4),
                       int(m), int(krows), stream)

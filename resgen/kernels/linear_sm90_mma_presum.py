@@ -4,16 +4,19 @@ resgen.reference.linear(..., fold="presum")).
 
 M-Ext with the exact fold runs the residue rows R_hat as extra MMA rows (xop "row_pair": row
 2j the base of token j, 2j + 1 its residue) and folds c0 + c1 in the epilogue: twice the BF16
-MMAs. Presum reads the same operand but sums each token's two rows in FP32 and rounds ONCE to
-FP16 in the B-fragment load, then runs ONE FP16 mma.sync against the weight decoded exactly
-in FP16; the accumulator columns are tokens, so the epilogue is the plain one (no fold).
+MMAs. Presum reads quant_sm90's layout "presum" instead: one FP16 row per token,
+fp16(X_hat + R_hat), the two unit values summed in FP32 and rounded ONCE by the quantizer
+(what linear_sm90_wgmma's presum variants read). Its B fragments load like plain's (the same
+bytes, FP16 words in place of BF16) and feed ONE FP16 mma.sync against the weight decoded
+exactly in FP16; the accumulator columns are tokens, so the epilogue is the plain one (no fold).
+(Until session 33 these variants read the row pair and summed it in the B load: slower than the
+exact fold on the H200, docs/linear_sm90_mma.md.)
 
 Every linear_sm90_mma render imports this module (the template substitutes only); its PRESUM
 constant (template parameter fold) picks these functions at trace time.
 
 Per 64-column chunk and n8 tile (lane g, t; token r = row0 + 8 nt + g):
-    base row 2r, residue row 2r + 1: 2 x two 16-byte loads   = 16 + 16 BF16 values
-    bf16 -> f32 (exact), add.f32, cvt.rn.f16x2.f32          = 8 f16x2 B words (RNE, once)
+    presum row r: two 16-byte loads                          = 8 f16x2 B words
 Per chunk and m16 tile:
     scale word -> 2 x PRMT (b | b << 16) -> 2 x IMAD        = S16(r0), S16(r1) f16x2
     4 words -> pair decode to E2M1 x 2^-14 (f16x2 bits) -> 16 x mul.rn.f16x2
@@ -28,13 +31,12 @@ alpha_x alpha_w 2^7 is the same):
   - scale: byte b = ((E' + 9) << 3) | f for s_w = 2^E' (1 + f/8) (resgen.kernels.sm90_fp4_layout), and
     s_w x 2^7 in FP16 has exponent field E' + 22 and mantissa f << 7, i.e. the bits
     b * 128 + 0x3400 (at most 143 * 128 + 0x3400 = 0x7B80 < 0x7C00: never Inf);
-  - activation: the operand values are unit values (no alpha) exact in BF16; their FP32 sum
-    is resgen.reference's FP32 sum, and cvt.rn.f16x2.f32 is formats.presum_fp16's NVFP4
-    rounding (fp16 RNE of the FP32 sum, no scale factoring: t = 0).
+  - activation: the quantizer's FP16 row is formats.presum_fp16 (NVFP4: fp16 RNE of the FP32
+    sum of the unit values, no alpha, no scale factoring: t = 0), read as it is.
 MXFP4 presum needs each token row's power-of-two shift t = floor(log2 max |X_hat + R_hat|) - 11
 over ALL of K (formats.presum_fp16) before its first MMA; a CTA sees only its K range, so the
 family refuses it (resgen.search.linear_sm90_mma), as it does fused presum (the fused prologue
-writes the row pair).
+writes the exact operand).
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ from typing import Any, Callable, Sequence
 
 from cutlass import Uint32
 
-from . import fp4_device as fd
 from . import sm90_ptx as P
 from .sm90_fp4_decode import byte_sel
 from .linear_sm90_mma_geom import Geometry
@@ -94,8 +95,8 @@ F16_DECODERS = {"nib": decode_nib_f16, "split": decode_split_f16}
 @dataclass(frozen=True)
 class PresumGeometry(Geometry):
     """Geometry of a presum kernel: Geometry's index math with mext False (accumulator columns,
-    token tiles, grid z, workspace and stores count tokens: TOK = 8 NT tokens per CTA), plus
-    where a token's two operand rows live in the M-Ext row-pair xop [2 T_pad, Kp]."""
+    token tiles, grid z, workspace and stores count tokens: TOK = 8 NT tokens per CTA), read
+    from quant_sm90's "presum" operand, float16 [T_pad, Kp], one row per token."""
 
     fold: str = "presum"
 
@@ -104,24 +105,25 @@ class PresumGeometry(Geometry):
         if self.fold != "presum":
             raise ValueError(f"PresumGeometry of fold {self.fold!r}")
         if self.mext:
-            raise ValueError("presum: the GEMM rows are tokens (mext False), the row pairs are "
-                             "summed in the B loads")
+            raise ValueError("presum: the GEMM rows are tokens (mext False), one summed operand "
+                             "row per token")
         if self.fused or self.fmt != "nvfp4":
             raise ValueError("presum runs NVFP4 xop variants only (see the module docstring)")
 
     @property
     def xop_rows_per_token(self) -> int:
-        """Operand rows per token in the xop (base + residue)."""
-        return 2
+        """Operand rows per token in the xop: one (the sum)."""
+        return 1
 
     def xb_row(self, tok: Any) -> Any:
-        """xop row of token tok's base (its residue is the next row)."""
-        return 2 * tok
+        """xop row of token tok."""
+        return tok
 
     @property
     def res_off(self) -> int:
-        """Bytes from a base-row address to the same columns of the residue row."""
-        return self.kp * 2
+        """0: the operand holds the sums, there is no second row to read (the template's
+        presum_b_words call, shared by every render, passes it)."""
+        return 0
 
 
 def presum_geometry(g: Geometry) -> PresumGeometry:
@@ -144,17 +146,12 @@ def scale_pair_f16(sw: Any, i: int, fmt: str) -> tuple:
 
 
 def presum_b_words(load: Callable[[Any], tuple], a: Any, res_off: int) -> list:
-    """The lane's 8 f16x2 B words of one chunk and n8 tile: its 16 columns of the base row at
-    address a and of the residue row at a + res_off (two 16-byte loads each, `load`), summed in
-    FP32 and rounded once to FP16 (RNE): fp16(X_hat + R_hat), formats.presum_fp16 (NVFP4)."""
-    base = load(a) + load(a + 16)
-    res = load(a + res_off) + load(a + res_off + 16)
-    out = []
-    for bw, rw in zip(base, res):
-        b_lo, b_hi = fd.bf16x2_to_f32(bw)
-        r_lo, r_hi = fd.bf16x2_to_f32(rw)
-        out.append(P.cvt_f16x2(b_lo + r_lo, b_hi + r_hi))
-    return out
+    """The lane's 8 f16x2 B words of one chunk and n8 tile: its 16 columns of the token's
+    presum row (fp16(X_hat + R_hat), formats.presum_fp16) at address a, two 16-byte loads
+    (`load`), plain's B load. res_off: PresumGeometry.res_off, 0 (the operand holds the sums)."""
+    if res_off != 0:
+        raise ValueError("presum reads quant_sm90's presum rows: res_off must be 0")
+    return list(load(a) + load(a + 16))
 
 
 def chunk_mma_f16(words: Sequence[Sequence[Any]], scales: Sequence[tuple],

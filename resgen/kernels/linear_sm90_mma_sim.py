@@ -13,8 +13,8 @@ A wrong stride, fragment slot or fold in the index math shows up as a mismatch a
 resgen.reference.linear, without a GPU.
 
 Presum variants (fold "presum", resgen.kernels.linear_sm90_mma_presum.PresumGeometry): the B
-fragment of token r is the base row 2r plus the residue row 2r + 1 of the row-pair xop, added
-in FP32 and rounded once to FP16 (cvt.rn.f16x2.f32), the weight pairs decode to FP16 bits
+fragment of token r is row r of quant_sm90's "presum" operand (float16, fp16(X_hat + R_hat),
+read as plain reads its BF16 row), the weight pairs decode to FP16 bits
 (the module's decoders, shared with the device code) times the FP16 scale (mul.rn.f16x2), the
 MMA takes FP16 halves, and the epilogue is the plain one (tokens in the accumulator columns).
 
@@ -96,16 +96,6 @@ def _f16_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     p = _f16_halves(a).double() * _f16_halves(b).double()
     h = _f16_bits(p)
     return h[..., 0] | (h[..., 1] << 16)
-
-
-def _presum_words(base: list[torch.Tensor], res: list[torch.Tensor]) -> list[torch.Tensor]:
-    """cvt.rn.f16x2.f32 of the FP32 sums of two rows' bf16 pairs (presum B words)."""
-    out = []
-    for bw, rw in zip(base, res):
-        s = _bf16_halves(bw).float() + _bf16_halves(rw).float()     # add.f32
-        h = _f16_bits(s)
-        out.append(h[..., 0] | (h[..., 1] << 16))
-    return out
 
 
 def _mma(a: list[torch.Tensor], b: list[torch.Tensor], c: list[torch.Tensor],
@@ -346,11 +336,9 @@ def simulate_kernel(geom: Geometry, wt: Sm90Weight, xop: torch.Tensor, m: int, r
                                 rloc = (8 * nt + g) % G.tok
                                 a = G.xs_row(rloc) + G.xs_col(wk, it, u, i, t)
                                 mem = tmem
-                            elif presum:
+                            elif presum:        # the quantizer's FP16 presum row
                                 a = G.x_off(G.xb_row(r), grp * 4 + i, t)
-                                xw.append(_presum_words(xmem.words(a, 8),
-                                                        xmem.words(a + G.res_off, 8)))
-                                continue
+                                mem = xmem
                             else:
                                 a = G.x_off(r, grp * 4 + i, t)
                                 mem = xmem

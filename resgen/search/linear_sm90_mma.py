@@ -42,9 +42,10 @@ The variant axes (LinearSm90Variant) and what they change in the kernel
                        previous kernel before reading activations or writing anything
     fold               how M-Ext's base and residue meet: "exact" (the residue rows ride as
                        extra MMA rows, the epilogue folds row pairs: Blackwell's numerics, twice
-                       the MMAs) or "presum" (each token's base + residue summed in FP32 in the
-                       B load, rounded once to FP16, ONE FP16 MMA against the weight decoded
-                       exactly in FP16, no fold: resgen.kernels.linear_sm90_mma_presum). Presum is
+                       the MMAs) or "presum" (each token's base + residue summed in FP32 and
+                       rounded once to FP16 by the layer quantizer, quant_sm90's layout
+                       "presum"; ONE FP16 MMA against the weight decoded exactly in FP16, no
+                       fold: resgen.kernels.linear_sm90_mma_presum). Presum is
                        valid for compensation "full" (M-Ext), NVFP4, xop variants only (PRESUM_*
                        below say why not elsewhere); it is a kernel choice of the "full"
                        workload, checked against reference.linear(fold="presum") AND within
@@ -105,8 +106,8 @@ PRESUM_NVFP4_ONLY = ("MXFP4 presum needs each token row's power-of-two shift (fo
                      "presum_fp16: from max |X_hat + R_hat| over ALL of K) before its first MMA;"
                      " a CTA of this kernel sees only its K range and the quantizer does not "
                      "emit the shift")
-PRESUM_XOP_ONLY = ("presum reads the quantizer's row-pair operand; the fused prologue writes "
-                   "the BF16 row pair (fused presum is not built)")
+PRESUM_XOP_ONLY = ("presum reads the quantizer's presum rows (fp16(X_hat + R_hat)); the fused "
+                   "prologue writes the exact BF16 operand (fused presum is not built)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -562,7 +563,8 @@ class LinearSm90Family(Sm90LinearFamily):
         """Bytes of one input set (weights + scales + activation operand + output)."""
         kp = kp_of(problem)
         per_w = 0.5 + (1 / 16 if problem.fmt == "nvfp4" else 1 / 32)
-        t_pad = -(-problem.rows // (8 * variant.n_tiles)) * 8 * variant.n_tiles
+        rows = self.gemm_rows(variant, problem)
+        t_pad = -(-rows // (8 * variant.n_tiles)) * 8 * variant.n_tiles
         return int(problem.n * kp * per_w + t_pad * kp * 2 + problem.m * problem.n * 2)
 
     # ------------------------------------------------------------------ launch (bind)
@@ -577,10 +579,9 @@ class LinearSm90Family(Sm90LinearFamily):
         return not variant.fused
 
     def xop_row_multiple(self, variant: LinearSm90Variant, problem: LinearProblem) -> int:
-        """Operand rows are padded to whole token tiles (presum: TOK tokens = 2 TOK row-pair
-        rows)."""
-        g = geometry_of(variant, problem)
-        return g.tok * (2 if variant.presum else 1)
+        """Operand rows are padded to whole token tiles (presum: TOK tokens, one summed row
+        each)."""
+        return geometry_of(variant, problem).tok
 
     def launcher(self, compiled: Any, variant: LinearSm90Variant, problem: LinearProblem,
                  device: torch.device | str) -> Any:
@@ -598,7 +599,7 @@ class LinearSm90Family(Sm90LinearFamily):
             # compiled for one token was run with three).
             raise ValueError(f"{variant.name()} was compiled for {made_for}, not for {want}")
         g = geometry_of(variant, problem)
-        grows = problem.m if variant.presum else problem.rows    # the GEMM's rows: tokens
+        grows = self.gemm_rows(variant, problem)          # the GEMM's rows (presum: tokens)
         return LinearSm90Launcher(compiled, g, ws_floats=g.ws_floats(grows, problem.m),
                                   sem_count=g.sem_count(grows), device=device)
 

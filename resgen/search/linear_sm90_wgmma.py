@@ -395,26 +395,6 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         launch.reserve(gemm_rows(variant, problem), problem.n)
         return launch
 
-    def gemm_rows(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
-        return gemm_rows(variant, problem)
-
-    def quantizer_layout(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> str:
-        """Presum reads quant_sm90's "presum" rows (fp16(X_hat + R_hat), one per token)."""
-        if variant.presum:
-            return "presum"
-        return Sm90LinearFamily.quantizer_layout(self, variant, problem)
-
-    def torch_operand(self, variant: LinearSm90WgmmaVariant, x: torch.Tensor,
-                      qweight: QLinearWeight, compensation: Any, t_multiple: int
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """make_xop, or for presum make_presum_xop (the quantizer's "presum" rows in torch)."""
-        if variant.presum:
-            from ..kernels.sm90_operand import make_presum_xop
-
-            return make_presum_xop(x, qweight, t_multiple=t_multiple)
-        return Sm90LinearFamily.torch_operand(self, variant, x, qweight, compensation,
-                                              t_multiple)
-
     def weight_sets(self, problem: LinearProblem, packing: str, device: Any, n_sets: int,
                     seed: int) -> list:
         return _weights(problem, packing, device, n_sets, seed)

@@ -399,6 +399,12 @@ class LinearBinding:
         return self.launcher(self.weight, op.xop, self.m, self.rows, op.alpha, out)
 
 
+def _presum(variant: VariantBase) -> bool:
+    """Whether the variant runs the presum fold (both Hopper linear families' variants have a
+    `fold` axis; other variants, none)."""
+    return getattr(variant, "fold", Fold.EXACT) == Fold.PRESUM
+
+
 class Sm90LinearFamily(KernelFamilyBase):
     """The run-time half of a Hopper linear family (see the module docstring); the search
     half (variant, space, predicate, codegen) is each family's own."""
@@ -428,18 +434,26 @@ class Sm90LinearFamily(KernelFamilyBase):
         raise NotImplementedError
 
     def gemm_rows(self, variant: VariantBase, problem: LinearProblem) -> int:
-        """The operand rows the GEMM launch reads (problem.rows: 2 M for M-Ext row pairs)."""
-        return problem.rows
+        """The operand rows the GEMM launch reads: problem.rows (2 M for M-Ext row pairs), M
+        for a presum variant (one summed row per token)."""
+        return problem.m if _presum(variant) else problem.rows
 
     def quantizer_layout(self, variant: VariantBase, problem: LinearProblem) -> str:
-        """The quant_sm90 row layout the variant reads: row pairs for M-Ext, else plain."""
+        """The quant_sm90 row layout the variant reads: row pairs for M-Ext, "presum" for a
+        presum variant (fp16(X_hat + R_hat), one row per token), else plain."""
+        if _presum(variant):
+            return "presum"
         return xop_layout_for(problem.compensation)
 
     def torch_operand(self, variant: VariantBase, x: torch.Tensor, qweight: QLinearWeight,
                       compensation: Any, t_multiple: int
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(xop, alpha_x): the operand quantizer_layout's quantizer writes, built in torch
-        (resgen.kernels.sm90_operand.make_xop)."""
+        (resgen.kernels.sm90_operand.make_xop; presum: make_presum_xop)."""
+        if _presum(variant):
+            from ..kernels.sm90_operand import make_presum_xop
+
+            return make_presum_xop(x, qweight, t_multiple=t_multiple)
         from ..kernels.sm90_operand import make_xop
 
         return make_xop(x, qweight, compensation, t_multiple=t_multiple)

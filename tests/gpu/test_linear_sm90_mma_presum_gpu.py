@@ -2,12 +2,11 @@
 NVFP4 M-Ext (the only combination presum runs: MXFP4 and fused are refused, checked below),
 M = 1, 16, 64, 128. Each variant is the space's first presum variant by the prior for its M
 and, for the same tiles, the default's presum twin; the runner's check (the GEMM alone on a
-torch-built operand, then the whole layer behind the real quant_sm90 quantizer) compares
-against reference.linear(fold="presum") AND the exact fold's reference at 3e-3, on fresh random
-inputs, NaN-poisoned outputs, twice (state left by a call), then bit-identical reruns. A
-hand-made operand whose result is decided by the single FP16 rounding (presum: 0, exact fold:
-not 0) shows the kernel rounds as formats.presum_fp16 does. Also: CUDA-graph replay of a bound
-presum layer."""
+torch-built operand, make_presum_xop, then the whole layer behind the real quant_sm90
+quantizer in layout "presum") compares against reference.linear(fold="presum") AND the exact
+fold's reference at 3e-3, on fresh random inputs, NaN-poisoned outputs, twice (state left by a
+call), then bit-identical reruns. A hand-made FP16 operand that BF16 cannot hold shows the
+kernel reads the quantizer's sums exactly. Also: CUDA-graph replay of a bound presum layer."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import pytest
 import torch
 
 from resgen import calibrate as C
-from resgen.kernels import sm90_fp4_layout as L
 from resgen.search.linear_sm90_mma import (FAMILY, PRESUM_NVFP4_ONLY, PRESUM_XOP_ONLY, Act, Fold,
                                            LinearSm90Variant, Pipeline, geometry_of)
 from resgen.search.variant import LinearProblem
@@ -71,31 +69,36 @@ def test_presum_is_refused_where_it_cannot_run():
                               ARCH) == PRESUM_XOP_ONLY
 
 
-def test_presum_rounds_once_to_fp16_on_the_gpu():
-    """Token 0's operand (1 + 2^-12, -1) on a weight of equal values: presum (1 + 2^-12 is 1 in
-    FP16) gives exactly 0, the exact fold c 2^-12; token 1 (1 + 2^-9, exact in FP16) gives the
-    exact fold's value. The operand goes to the GEMM directly (hand-made row pairs)."""
+def test_presum_reads_the_fp16_rows_exactly_on_the_gpu():
+    """The quantizer's FP16 sums are read as they are: token 0's operand (1 + 2^-10, -1) is
+    exact in FP16, not in BF16, so on a weight of equal values the kernel gives c 2^-10
+    (reading it as BF16 would give 0); token 1 an ordinary value. Against the float64 product
+    of the same operand and the FP16-exact weight."""
+    from resgen import formats as F
+
     n, k = 64, 256
     qw = C.prepare_weight(torch.ones(n, k), "nvfp4")
     p = LinearProblem("nvfp4", "full", 2, n, k)
     v = LinearSm90Variant(warps_m=4, warps_k=1, pipeline=Pipeline.DIRECT, stages=1,
                           fold=Fold.PRESUM)
+    g = geometry_of(v, p)
     launch = FAMILY.launcher(_compiled(v, p), v, p, "cuda")
     wt = FAMILY.layout(qw, "split")
     wt = dataclasses.replace(wt, **{f.name: getattr(wt, f.name).cuda()
                                     for f in dataclasses.fields(wt)
                                     if isinstance(getattr(wt, f.name), torch.Tensor)})
-    xop = torch.zeros(16, 256, dtype=torch.bfloat16)
-    xop[0, 0], xop[0, 1], xop[1, 0] = 1.0, -1.0, 2.0 ** -12
-    xop[2, 5], xop[3, 5] = 1.0, 2.0 ** -9
+    xop = torch.zeros(g.tok, 256, dtype=torch.float16)
+    xop[0, 0], xop[0, 1] = 1.0 + 2.0 ** -10, -1.0
+    xop[1, 5] = 1.0 + 2.0 ** -9
     ax = torch.ones(1)
-    emu = L.emulate_linear_sm90_mma(xop, L.prepare_sm90_weight(qw, "split"), 2, "row_pair", ax)
     out = torch.full((2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    launch(wt, xop.cuda(), 2, 4, ax.cuda(), out)
+    launch(wt, xop.cuda(), 2, 2, ax.cuda(), out)
     torch.cuda.synchronize()
-    assert geometry_of(v, p).fold == "presum"
-    assert bool((out[0] == 0).all()) and bool((emu[0] != 0).all())
-    assert torch.equal(out[1].cpu().float(), emu[1].to(torch.bfloat16).float())
+    w16 = F.presum_weight(F.dequantize(qw.q, apply_global_scale=False), "nvfp4").double()
+    want = (xop[:2, :k].double() @ w16.T) * float(qw.q.global_scale)
+    assert g.fold == "presum"
+    assert torch.equal(out.cpu().float(), want.to(torch.bfloat16).float())
+    assert bool((out[0] != 0).all())
 
 
 def test_presum_layer_replays_in_a_cuda_graph():
