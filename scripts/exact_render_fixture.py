@@ -17,7 +17,8 @@ byte fails, as does a change to a resgen.kernels module the renders import (dige
 checkout's renders: after a change whose kernels were proven unchanged (every shipped row
 PTX- and host-IR-equal, `resgen db refingerprint --check-ptx auto`), so the fixture keeps
 guarding the same kernels. Re-pinned at 1213aef (issue 18: module renames, one epilogue, the
-substitute-only template; 48c1103's pairs).
+substitute-only template; 48c1103's pairs) and at 67ed6c9 (linear_sm90_mma_presum reads the
+presum rows: renders unchanged, the module digest moved; 454 table rows PTX-equal).
 """
 from __future__ import annotations
 
