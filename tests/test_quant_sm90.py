@@ -699,6 +699,9 @@ _COMPILE = [
                   alpha="dynamic"),
     Q.QuantConfig("mxfp4", "full", 4096, "tile8", ept=16, warps=8, unroll=2, persist=True,
                   alpha="none"),
+    # the M-Ext presum layer quantizer (sm90_linear.PRESUM_LAYER_CONFIG)
+    Q.QuantConfig("nvfp4", "full", 4096, "presum", ept=16, warps=4, unroll=1,
+                  write_codes=False, kp_align=256),
 ]
 
 

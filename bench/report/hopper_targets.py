@@ -40,12 +40,18 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "h200"
 # the rows that need plain and full come from it; W4A16's from the s30 reports.
 # s33: plain and full M-Ext at every M after the session-33 prefill re-tune of the presum
 # winners (M = 256 / 512 / 2048, now warm-started from plain's winners); it supersedes s31b.
+# s34: plain and full M-Ext at every M after session 34's decode re-tune (linear_sm90_mma
+# presum reading the presum rows, M = 1 / 4 / 16 / 32) and the pack16 presum layer quantizer;
+# it supersedes s33.
 REPORTS: dict[str, tuple[str, ...]] = {
-    "qwen3-8b": ("bench_s33_qwen3-8b.json.xz", "bench_s31b_qwen3-8b.json.xz",
+    "qwen3-8b": ("bench_s34_qwen3-8b.json.xz", "bench_s33_qwen3-8b.json.xz",
+                 "bench_s31b_qwen3-8b.json.xz",
                  "bench_s30a_qwen3-8b.json.xz", "bench_s30b_qwen3-8b.json.xz"),
-    "qwen3-4b": ("bench_s33_qwen3-4b.json.xz", "bench_s31b_qwen3-4b.json.xz",
+    "qwen3-4b": ("bench_s34_qwen3-4b.json.xz", "bench_s33_qwen3-4b.json.xz",
+                 "bench_s31b_qwen3-4b.json.xz",
                  "bench_s30d_qwen3-4b.json.xz", "bench_s30b_qwen3-4b.json.xz"),
-    "qwen3-32b": ("bench_s33_qwen3-32b.json.xz", "bench_s31b_qwen3-32b.json.xz",
+    "qwen3-32b": ("bench_s34_qwen3-32b.json.xz", "bench_s33_qwen3-32b.json.xz",
+                  "bench_s31b_qwen3-32b.json.xz",
                   "bench_s30d_qwen3-32b.json.xz", "bench_s30c_qwen3-32b.json.xz"),
 }
 DECODE_US = {1: 30.0, 16: 34.0, 64: 45.0, 128: 70.0}           # Qwen3-8B plain targets

@@ -53,7 +53,8 @@ __all__ = ["Packing", "Fold", "PRESUM_MEXT_ONLY", "TOLERANCE", "compare", "kp_of
            "compensation_of",
            "quantizer_k", "QUANT_K_ALIGN", "reference_output", "fold_of", "check_folds",
            "bf16_operand",
-           "W4A16Operand", "layer_quantizer", "random_layer",
+           "W4A16Operand", "PRESUM_LAYER_CONFIG", "layer_quant_config", "layer_quantizer",
+           "random_layer",
            "cached_weight_sets", "clone_tensors",
            "LinearBinding", "Sm90LinearFamily", "Sm90LinearRunner"]
 
@@ -223,16 +224,21 @@ class W4A16Operand:
 
 _LAYER_QUANT: dict[tuple, Any] = {}
 
+# The M-Ext presum layer quantizer's configuration: pack16 (one NVFP4 block per lane), 4 warps,
+# unroll 1, one-shot grid. Measured against the QuantConfig defaults (pack8, 4 warps, unroll 2)
+# in the layer's form (xop only, kp_align 256) over Qwen3-8B's four layers at M = 16, 64, 128,
+# 512 and 2048 (bench/results/h200/quant_layer_config_probe_s33 and _s34, every row bit-exact
+# first): 0.88-0.98x the defaults' four-layer sums at every M, geometric mean 0.92, the best
+# single configuration over all five M. Other layouts (plain, row pairs, K-Ext) keep the
+# defaults: they were not measured in the layer's form.
+PRESUM_LAYER_CONFIG: dict[str, Any] = {"ept": 16, "warps": 4, "unroll": 1, "persist": False}
 
-def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a", layout: str | None = None
-                    ) -> Any:
-    """The quant_sm90 kernel a whole layer puts in front of a GEMM that reads the exact BF16
-    operand (xop, kp_align 256): the quantizer's default configuration, row-pair rows for
-    M-Ext (or `layout`: "presum", the FP16 sum rows linear_sm90_wgmma's presum variants read),
-    the K-Ext extension for a ratio, the problem's alpha (static NVFP4, dynamic NVFP4: amax
-    pass + quantizer, MXFP4: none). Compiled once per process per (fmt, compensation, K,
-    alpha, layout, arch) (about 0.1-0.7 s on a CPU)."""
-    from ..kernels.quant_sm90 import QuantConfig, compile_config
+
+def layer_quant_config(problem: LinearProblem, layout: str | None = None) -> Any:
+    """The quant_sm90 QuantConfig of `problem`'s layer quantizer (see layer_quantizer):
+    PRESUM_LAYER_CONFIG for M-Ext in the presum layout where K allows it (K a multiple of 512
+    for pack16), the QuantConfig defaults otherwise."""
+    from ..kernels.quant_sm90 import QuantConfig
 
     comp = problem.compensation
     if problem.w4a16:
@@ -240,13 +246,31 @@ def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a", layout: str | 
                          "activations (W4A16Operand)")
     alpha = "none" if problem.fmt == "mxfp4" else ("static" if problem.static_scale
                                                    else "dynamic")
-    kq = quantizer_k(problem)
     if layout is None:
         layout = xop_layout_for(comp)
-    key = (problem.fmt, comp, kq, alpha, layout, arch)
+    cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=quantizer_k(problem),
+                      layout=layout, write_codes=False, write_xop=True, alpha=alpha,
+                      kp_align=256)
+    if layout == "presum" and comp == "full":
+        tuned = replace(cfg, **PRESUM_LAYER_CONFIG)
+        if tuned.why_invalid() is None:
+            return tuned
+    return cfg
+
+
+def layer_quantizer(problem: LinearProblem, arch: str = "sm_90a", layout: str | None = None
+                    ) -> Any:
+    """The quant_sm90 kernel a whole layer puts in front of a GEMM that reads the exact BF16
+    operand (xop, kp_align 256): layer_quant_config's configuration, row-pair rows for M-Ext
+    (or `layout`: "presum", the FP16 sum rows the presum variants read), the K-Ext extension
+    for a ratio, the problem's alpha (static NVFP4, dynamic NVFP4: amax pass + quantizer,
+    MXFP4: none). Compiled once per process per configuration and arch (about 0.1-0.7 s on a
+    CPU)."""
+    from ..kernels.quant_sm90 import compile_config
+
+    cfg = layer_quant_config(problem, layout)
+    key = (cfg, arch)
     if key not in _LAYER_QUANT:
-        cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=kq, layout=layout,
-                          write_codes=False, write_xop=True, alpha=alpha, kp_align=256)
         _LAYER_QUANT[key] = compile_config(cfg, arch)[0]
     return _LAYER_QUANT[key]
 
