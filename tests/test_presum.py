@@ -250,3 +250,26 @@ def test_layer_quant_config_is_pack16_for_presum_mext_only():
     assert mx.ept == default.ept and mx.alpha == "none" and mx.why_invalid()
     with pytest.raises(ValueError, match="W4A16"):
         SL.layer_quant_config(LinearProblem("nvfp4", "w4a16", 1, 128, 512))
+
+
+@pytest.mark.parametrize("ratio", [0.125, 0.5])
+def test_make_presum_xop_kext_is_the_quantizers_operand(ratio):
+    """sm90_operand.make_presum_xop for a K-Ext ratio (the runner's torch operand of a K-Ext
+    presum workload) is quant_sm90's "presum" operand bit for bit, and M-Ext's is unchanged
+    by the compensation argument; plain has nothing to pre-sum."""
+    from resgen.kernels import quant_sm90 as Q
+    from resgen.kernels.sm90_operand import make_presum_xop
+
+    qw = _qweight("nvfp4", ratio=ratio)
+    x = _x(m=13).to(torch.bfloat16)
+    xop, alpha = make_presum_xop(x.float(), qw, str(ratio), t_multiple=8)
+    op = Q.operand_reference(x, "nvfp4", str(ratio), "presum", 8, None, qw.selection.masks, 256)
+    assert xop.shape == op.xop.shape and xop.dtype == torch.float16
+    assert torch.equal(xop.view(torch.int16), op.xop.view(torch.int16))
+    assert torch.equal(alpha.reshape(()), op.alpha.reshape(()).float())
+    qm = _qweight("nvfp4")
+    a, _ = make_presum_xop(x.float(), qm, t_multiple=8)
+    b, _ = make_presum_xop(x.float(), qm, "full", t_multiple=8)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="no residue"):
+        make_presum_xop(x.float(), qm, "none")

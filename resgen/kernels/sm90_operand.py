@@ -3,8 +3,9 @@ writes on the GPU and both Hopper linear families read (layout: resgen.kernels.s
 "Activation operand").
 
 - make_xop(x, qweight, compensation): x [M, K] quantized into the exact-BF16 operand rows;
-- make_presum_xop(x, qweight): NVFP4 M-Ext's pre-summed operand, fp16(X_hat + R_hat) per token
-  (quant_sm90's layout "presum", read by linear_sm90_wgmma's presum variants);
+- make_presum_xop(x, qweight, compensation): NVFP4's pre-summed operand (M-Ext or K-Ext),
+  fp16(X_hat + R_hat) per token (quant_sm90's layout "presum", read by both Hopper linear
+  families' presum variants);
 - operand_values(codes, scales, fmt): code value x block scale, the operand's values;
 - xop_layout_for(compensation): the row layout a compensation mode uses.
 """
@@ -93,18 +94,30 @@ def make_xop(x: torch.Tensor, qweight: QLinearWeight | Sm90Weight, compensation=
     return xop, a
 
 
-def make_presum_xop(x: torch.Tensor, qweight: QLinearWeight | Sm90Weight, t_multiple: int = 8
+def make_presum_xop(x: torch.Tensor, qweight: QLinearWeight | Sm90Weight,
+                    compensation: str | float = "full", t_multiple: int = 8
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 M-Ext's pre-summed operand in torch: x [M, K] float -> (xop float16 [T_pad, Kp],
-    alpha_x float32 [1]), row j = resgen.formats.presum_fp16(X_hat + R_hat) of token j (the
-    unit values of make_xop's row pair, added in FP32 and rounded once to FP16), zero rows and
-    columns past M and K. What quant_sm90 writes in layout "presum"."""
+    """NVFP4's pre-summed operand in torch: x [M, K] float -> (xop float16 [T_pad, Kp],
+    alpha_x float32 [1]), row j = resgen.formats.presum_fp16(X_hat + R_hat) of token j, zero
+    rows and columns past M and K (Kp = K rounded up to 256). What quant_sm90 writes in layout
+    "presum". compensation "full" (M-Ext): the unit values of make_xop's row pair, added in
+    FP32; a K-Ext ratio: make_xop's extension columns (the selected channels' residues) put
+    back on their channels (formats.residue_on_channels) and added onto the base."""
     if qweight.fmt != "nvfp4":
         raise ValueError(f"the presum operand is NVFP4 only (MXFP4 presum needs a per-row "
                          f"shift the quantizer does not emit), got {qweight.fmt}")
-    pair, alpha = make_xop(x, qweight, "full", t_multiple=1)
     m, k = x.shape
-    s = pair[0:2 * m:2, :k].float() + pair[1:2 * m:2, :k].float()
+    if compensation == "full":
+        pair, alpha = make_xop(x, qweight, "full", t_multiple=1)
+        s = pair[0:2 * m:2, :k].float() + pair[1:2 * m:2, :k].float()
+    elif compensation == "none":
+        raise ValueError("plain W4A4 has no residue to pre-sum: use make_xop")
+    else:
+        ext, alpha = make_xop(x, qweight, compensation, t_multiple=1)
+        sel = qweight.selection
+        assert sel is not None                  # make_xop refused a weight without one
+        s = ext[:m, :k].float() + formats.residue_on_channels(ext[:m, k:].float(),
+                                                              sel.indices, k)
     kp = pad_to(k, K_ALIGN)
     xop = torch.zeros(pad_to(max(m, 1), t_multiple), kp, dtype=torch.float16, device=x.device)
     xop[:m, :k] = formats.presum_fp16(s, "nvfp4").to(torch.float16)

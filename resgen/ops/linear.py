@@ -46,6 +46,7 @@ import torch
 
 from ..calibrate import QLinearWeight, pad_in_features, static_alpha
 from ..search.family import KernelFamily, LinearFamily
+from ..search.sm90_linear import gemm_weight
 from ..search.variant import LinearProblem
 from . import common
 from .common import choose_variant, compile_cached
@@ -75,6 +76,11 @@ class Linear:
     qweight:      resgen.calibrate.QLinearWeight (NVFP4 or MXFP4; any device: copied to
                   `device` once).
     compensation: "none" | "full" | a K-Ext ratio (float or its string) | "w4a16".
+    fold:         a K-Ext layer's fold: "exact" (extension columns against W_S: Blackwell's
+                  numerics) or "presum" (each selected residue added onto its base channel,
+                  rounded once to FP16, one GEMM with the base weight: K-Ext at plain cost on
+                  Hopper, NVFP4 only; numerics resgen.reference.linear(ratio, fold="presum")).
+                  M-Ext's presum is the tuner's choice within the exact fold's check.
     device:       the CUDA device to run on (default: the current one).
     arch:         compile target (default: resgen.settings, the GPU's arch).
     family / variant: pin a kernel family / one variant instead of the dispatch table.
@@ -86,6 +92,7 @@ class Linear:
     """
 
     def __init__(self, qweight: QLinearWeight, compensation: str | float = "none", *,
+                 fold: str = "exact",
                  device: torch.device | str | None = None, arch: str | None = None,
                  family: str | None = None, variant: Any = None, dispatcher: Any = None,
                  compile_fn: Callable[[Any, Any, LinearProblem, str], Any] | None = None,
@@ -94,6 +101,8 @@ class Linear:
 
         comp = _compensation_string(compensation)
         ratio = None if comp in ("none", "full", "w4a16") else float(comp)
+        # the fold is validated as the workload's field (K-Ext, NVFP4 only for "presum")
+        self.problem_at(qweight, comp, fold)
         if comp != "w4a16":
             check_compensation(ratio if ratio is not None else comp, qweight)
         if ratio is None and qweight.selection is not None:
@@ -118,7 +127,10 @@ class Linear:
         # K-Ext channel masks (uint8 [K / 8]) on the device, for the quantizer / fused kernels
         self.masks = (qweight.selection.masks.to(self.device)
                       if qweight.selection is not None else None)
-        self.compensation = comp
+        self.compensation, self.fold = comp, fold
+        # the weight the GEMM multiplies (a K-Ext presum layer: the base part; its masks
+        # above still select the residue channels for the quantizer)
+        self._gemm_qweight = gemm_weight(self.qweight, self.problem_at(qweight, comp, fold))
         self.fmt = qweight.fmt
         self.k, self.n = qweight.in_features, qweight.out_features
         # MXFP4 has no tensor scale, W4A16 no activation scale at all: their workloads are
@@ -139,10 +151,16 @@ class Linear:
         self._plans: OrderedDict[int, LayerPlan] = OrderedDict()
 
     # -- planning ---------------------------------------------------------------------------
+    @staticmethod
+    def problem_at(qweight: QLinearWeight, comp: str, fold: str) -> LinearProblem:
+        """A LinearProblem of this layer's kind (M = 1), for the fold's weight choice."""
+        return LinearProblem(qweight.fmt, comp, 1, max(16, qweight.out_features),
+                             max(16, qweight.in_features), True, fold)
+
     def problem(self, m: int) -> LinearProblem:
         """The LinearProblem of a call with m token rows."""
         return LinearProblem(self.fmt, self.compensation, int(m), self.n, self.k,
-                             self.static_scale)
+                             self.static_scale, self.fold)
 
     def plan(self, m: int) -> LayerPlan:
         """The plan for m rows (built on first use, then cached; the most recently used
@@ -172,7 +190,7 @@ class Linear:
         packing = v.packing.value
         key = (fam.NAME, packing)
         if key not in self._weights:
-            self._weights[key] = fam.layout(self.qweight, packing)
+            self._weights[key] = fam.layout(self._gemm_qweight, packing)
         return self._weights[key]
 
     def _build(self, m: int) -> LayerPlan:

@@ -171,6 +171,10 @@ class LinearSm100Family(KernelFamilyBase):
             return f"linear_sm100_tc runs on {self.ARCHS}, not {arch}"
         if not isinstance(v, LinearSm100Variant) or not isinstance(p, LinearProblem):
             return "not a LinearSm100Variant / LinearProblem"
+        if p.kext_presum:
+            # Blackwell's block-scaled MMAs take FP4 operands: a sum rounded to FP16 is not one
+            return ("K-Ext presum (fold='presum') is a Hopper fold (an FP16 operand): "
+                    "linear_sm100_tc runs the exact K-Ext fold")
         mext = p.compensation == "full"
         if mext and v.layout == RowLayout.PLAIN:
             return "M-Ext needs base and residue rows: layout row_pair or tile8"

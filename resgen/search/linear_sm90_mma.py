@@ -70,7 +70,8 @@ import torch
 
 from ..calibrate import QLinearWeight
 from .family import register
-from .sm90_linear import (PRESUM_MEXT_ONLY, TOLERANCE, Fold, Packing, Sm90LinearFamily,
+from .sm90_linear import (KEXT_PRESUM_ONLY, PRESUM_MEXT_ONLY, TOLERANCE, Fold, Packing,
+                          Sm90LinearFamily, presum_capable,
                           cached_weight_sets, compare, kp_of, layer_quantizer, pow2_ceil,
                           random_layer)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
@@ -190,7 +191,8 @@ def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
         from ..kernels.linear_sm90_mma_presum import presum_geometry
 
         return presum_geometry(geometry_of(replace(variant, fold=Fold.EXACT),
-                                           replace(problem, compensation="none")))
+                                           replace(problem, compensation="none",
+                                                   fold="exact")))
     g = Geometry(fmt=problem.fmt, mext=problem.compensation == "full",
                  packing=variant.packing.value, n=problem.n, kq=kp_of(problem) // 64,
                  warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
@@ -227,11 +229,12 @@ def _why_not_fused(v: LinearSm90Variant, p: LinearProblem) -> str | None:
 
 
 def _why_not_presum(v: LinearSm90Variant, p: LinearProblem) -> str | None:
-    """Why the presum fold cannot run v on p (None: it can): M-Ext, NVFP4, xop only."""
-    if p.compensation != "full":
-        return PRESUM_MEXT_ONLY
+    """Why the presum fold cannot run v on p (None: it can): NVFP4 M-Ext or a K-Ext presum
+    workload, xop only."""
     if p.fmt != "nvfp4":
         return PRESUM_NVFP4_ONLY
+    if not presum_capable(p):
+        return PRESUM_MEXT_ONLY
     if v.fused:
         return PRESUM_XOP_ONLY
     return None
@@ -274,6 +277,8 @@ class LinearSm90Family(Sm90LinearFamily):
             why = _why_not_presum(v, p)
             if why is not None:
                 return why
+        elif p.kext_presum:
+            return KEXT_PRESUM_ONLY
         if p.n % 16:
             return f"N={p.n} is not a multiple of 16 (one m16 tile)"
         warps = v.warps_m * v.warps_k
@@ -368,6 +373,14 @@ class LinearSm90Family(Sm90LinearFamily):
         (bench/results/h200/
         linear_cluster_check.log for the clusters) and are valid variants outside the
         space."""
+        if problem.kext_presum:
+            # the presum GEMM is the plain one over K: plain's exact xop variants, twinned
+            plain = replace(problem, compensation="none", fold="exact")
+            twins = [replace(v, fold=Fold.PRESUM) for v in self.space(plain, arch)
+                     if not v.fused and not v.presum]
+            return list(dict.fromkeys(tw for tw in twins
+                                      if self.why_invalid(tw, problem, arch) is None)) \
+                or [self.default(problem, arch)]
         rows = problem.rows
         nt_full = min(8, pow2_ceil(-(-rows // 8)))
         nts = [nt_full] + ([nt_full // 2] if nt_full > 1 else [])
@@ -488,6 +501,14 @@ class LinearSm90Family(Sm90LinearFamily):
         (N >= 16384) 4 x 2 warps with the register double buffer; narrower ones the most K
         slices per CTA (8, 4, 2 warps along K) with a 3-stage cp.async ring; a token tile
         covering up to 32 xop rows."""
+        if problem.kext_presum:
+            # the plain default's presum twin (an xop variant: the plain GEMM over K in FP16)
+            tw = replace(self.default(replace(problem, compensation="none", fold="exact"),
+                                      arch), fold=Fold.PRESUM)
+            why = self.why_invalid(tw, problem, arch)
+            if why is not None:
+                raise ValueError(f"linear_sm90_mma cannot run {problem.key()}: {why}")
+            return tw
         ng = kp_of(problem) // 256
         nt = min(4, pow2_ceil(-(-problem.rows // 8)))
         cands = []
@@ -542,6 +563,9 @@ class LinearSm90Family(Sm90LinearFamily):
             return replace(problem, m=max(1, tok_rows_of(variant, problem) // rpt))
         if problem.w4a16:
             return replace(problem, compensation="none", m=1)
+        if problem.kext_presum:
+            # the presum GEMM over K: M-Ext presum's kernel of the same N and K
+            return replace(problem, compensation="full", fold="exact", m=1)
         return replace(problem, m=1)
 
     def compile_args(self, variant: LinearSm90Variant, problem: LinearProblem) -> list[Any]:

@@ -43,7 +43,8 @@ import torch
 
 from ..calibrate import QLinearWeight
 from .family import register
-from .sm90_linear import (PRESUM_MEXT_ONLY, TOLERANCE, Fold, Packing, Sm90LinearFamily,
+from .sm90_linear import (KEXT_PRESUM_ONLY, PRESUM_MEXT_ONLY, TOLERANCE, Fold, Packing,
+                          Sm90LinearFamily, presum_capable,
                           cached_weight_sets, compare, kp_of, pow2_ceil)
 from .variant import Choice, IntRange, LinearProblem, VariantBase
 
@@ -173,10 +174,12 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         if not isinstance(v, LinearSm90WgmmaVariant) or not isinstance(p, LinearProblem):
             return "not a LinearSm90WgmmaVariant / LinearProblem"
         if v.presum:
-            if p.compensation != "full":
-                return PRESUM_MEXT_ONLY
             if p.fmt != "nvfp4":
                 return PRESUM_NVFP4_ONLY
+            if not presum_capable(p):
+                return PRESUM_MEXT_ONLY
+        elif p.kext_presum:
+            return KEXT_PRESUM_ONLY
         bm = 64 * v.consumers * v.m_wg
         if p.n % bm:
             return f"N={p.n} is not a multiple of the CTA's 64 * consumers * m_wg = {bm} channels"
@@ -221,9 +224,10 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         chunks of copies in flight), both rasters and packings, split-K 1 / 2 / 4 / 8 / 3 / 6
         where the split CTAs stay within 4 per SM, and PDL off / on; then, for NVFP4 M-Ext, the
         same enumeration of presum variants (whose GEMM reads M rows, not 2 M), after the
-        exact ones: the exact variants keep their space indices."""
-        out = self._enumerate(problem, arch, Fold.EXACT)
-        if problem.compensation == "full" and problem.fmt == "nvfp4":
+        exact ones: the exact variants keep their space indices. A K-Ext presum workload
+        (fold "presum") has the presum enumeration only."""
+        out = [] if problem.kext_presum else self._enumerate(problem, arch, Fold.EXACT)
+        if presum_capable(problem):
             out += self._enumerate(problem, arch, Fold.PRESUM)
         if not out:
             out.append(self.default(problem, arch))
@@ -293,7 +297,8 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         c = 2 if problem.n % 128 == 0 else 1
         nk = kp_of(problem) // 64
         v = LinearSm90WgmmaVariant(consumers=c, m_wg=1, bn=128, stages=max(2, min(6, nk)),
-                                   raster=Raster.TOK, packing=Packing.SPLIT)
+                                   raster=Raster.TOK, packing=Packing.SPLIT,
+                                   fold=Fold.PRESUM if problem.kext_presum else Fold.EXACT)
         why = self.why_invalid(v, problem, arch)
         if why is not None:
             raise ValueError(f"linear_sm90_wgmma cannot run {problem.key()}: {why}")
@@ -318,8 +323,9 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                     ) -> LinearProblem:
         """N, K(+ext) and M are run-time: the kernel depends only on the format and on M-Ext
         or not (K-Ext is the plain kernel over K + ext, W4A16 the plain kernel on the BF16
-        activations). Canonical m/n/k keep keys valid."""
-        comp = "full" if problem.compensation == "full" else "none"
+        activations). Canonical m/n/k keep keys valid. A K-Ext presum workload runs the
+        presum kernel over K: M-Ext presum's compile."""
+        comp = "full" if problem.compensation == "full" or problem.kext_presum else "none"
         return LinearProblem(problem.fmt, comp, 1, 4096, 4096, True)
 
     def compile_args(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem

@@ -202,6 +202,16 @@ class LinearProblem(ProblemBase):
     (see runtime).
     static_scale: NVFP4 activation tensor scale given (calibrated) rather than computed (W4A16
     has no activation scale: its workloads are keyed static, like MXFP4's).
+    fold: how a K-Ext layer's selected residues meet the weight: "exact" (the residue
+    channels as extension columns against the extension weight W_S: Blackwell's numerics) or
+    "presum" (each selected channel's residue added onto its base channel, the sum rounded
+    once to FP16, ONE product with the base weight over K: resgen.reference.linear(ratio,
+    fold="presum"); K-Ext at plain cost on Hopper, NVFP4 only). A workload value, not a
+    variant axis: K-Ext presum moves the output by 3-6e-3 against the exact fold
+    (docs/hopper_native.md), so a tuner must never pick it behind the user's back. (M-Ext's
+    presum stays within the exact fold's check and is a variant axis of the Hopper families.)
+    Omitted from the key while "exact", so every key written before the field existed parses,
+    and means, what it did.
     """
 
     OP: ClassVar[str] = "linear"
@@ -213,11 +223,42 @@ class LinearProblem(ProblemBase):
     n: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
     k: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
     static_scale: bool = True
+    fold: str = dataclasses.field(default="exact", metadata={"allowed": ("exact", "presum")})
+
+    def __post_init__(self) -> None:
+        ProblemBase.__post_init__(self)
+        if self.fold == "presum":
+            if self.ratio is None:
+                raise ValueError(f"LinearProblem: fold='presum' is a K-Ext fold (a ratio "
+                                 f"compensation), got compensation {self.compensation!r} "
+                                 "(M-Ext presum is a variant choice of the 'full' workload)")
+            if self.fmt != "nvfp4":
+                raise ValueError("LinearProblem: fold='presum' is NVFP4 only (MXFP4 presum "
+                                 "needs a per-row shift from max |X_hat + R_hat| over all of "
+                                 "K, which the layer quantizer's warp tiles do not see)")
+
+    def as_dict(self) -> dict[str, Any]:
+        d = ProblemBase.as_dict(self)
+        if d["fold"] == "exact":
+            del d["fold"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any):
+        if isinstance(d, dict) and "fold" not in d:
+            d = {**d, "fold": "exact"}
+        # (not zero-argument super(): slots=True makes the dataclass a new class object)
+        return ProblemBase.from_dict.__func__(cls, d)  # type: ignore[attr-defined]
 
     @property
     def ratio(self) -> float | None:
         return (None if self.compensation in ("none", "full", "w4a16", "w4a8")
                 else float(self.compensation))
+
+    @property
+    def kext_presum(self) -> bool:
+        """A K-Ext layer with the presum fold: the GEMM is the plain one over K in FP16."""
+        return self.fold == "presum"
 
     @property
     def w4a16(self) -> bool:
@@ -230,9 +271,10 @@ class LinearProblem(ProblemBase):
         return 2 * self.m if self.compensation == "full" else self.m
 
     def k_ext(self, block: int) -> int:
-        """Reduction length including the K-Ext extension (padded to the block)."""
+        """Reduction length including the K-Ext extension (padded to the block); K for the
+        presum fold (its residues ride on their base channels: no extension)."""
         r = self.ratio
-        if r is None:
+        if r is None or self.kext_presum:
             return self.k
         sel = int(self.k * r)
         return self.k + -(-sel // block) * block
