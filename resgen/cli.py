@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="none (W4A4), full (M-Ext), K-Ext ratios 0.125 / 0.25 / 0.5 / 1.0, or "
                         "w4a16 (BF16 activations, the Hopper-native mode; not in the default "
                         "list until the shipped table covers it)")
+    t.add_argument("--kext-folds", type=_csv(str), default=["exact"],
+                   help="K-Ext folds to tune: exact (extension columns: Blackwell's "
+                        "numerics) and/or presum (residues onto their base channels, one "
+                        "FP16 GEMM over K: K-Ext at plain cost on Hopper, NVFP4 only, its own "
+                        "numerics: resgen.reference.linear(fold='presum'))")
     t.add_argument("--ops", type=_csv(str), default=None,
                    help="ops to tune (default: every op with a family for the arch)")
     t.add_argument("--families", type=_csv(str), default=None,
@@ -179,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compensations", type=_csv(str), default=["none", "full"],
                    help="modes to time (none, full, a K-Ext ratio, w4a16); 'x none' compares "
                         "each with resgen plain W4A4 on the same layer")
+    b.add_argument("--kext-folds", type=_csv(str), default=["exact"],
+                   help="K-Ext folds to time (exact, presum: as for tune)")
     b.add_argument("--out", type=Path, default=None,
                    help="JSON output (default: $OUT/bench.json or bench/results/h200/)")
     b.add_argument("--import", dest="imports", action="append", default=[])
@@ -370,7 +377,7 @@ def _tune_workloads(args: argparse.Namespace, fams: Sequence[Any], models: Seque
 
     kw = dict(tp=args.tp, formats=args.formats, compensations=args.compensations,
               m_buckets=args.m_buckets, attn_batches=args.attn_batches, kv_lens=args.kv_lens,
-              attn_pv=args.attn_pv, attn_modes=args.attn_modes)
+              attn_pv=args.attn_pv, attn_modes=args.attn_modes, kext_folds=args.kext_folds)
     problems: dict[str, list] = {}
     per_model: dict[str, dict[str, int]] = {}
     jobs: list = []
@@ -960,7 +967,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         models = get_models(args.model)
-        problems = linear_problems(models, args.tp, args.formats, args.compensations, args.m)
+        problems = linear_problems(models, args.tp, args.formats, args.compensations, args.m,
+                                   kext_folds=args.kext_folds)
     except ValueError as e:
         print(f"resgen bench: {e}", file=sys.stderr)
         return 2
@@ -1040,19 +1048,26 @@ FP8_FORMS: tuple[tuple[str, str, str | None], ...] = (
     ("fp8_static_us", "cublas_fp8_static", "fp8_tensor_quant"))
 
 
+def _mode(problem: dict[str, Any]) -> str:
+    """A bench row's mode label: its compensation, "+presum" for a K-Ext presum workload
+    (LinearProblem.fold), so the two K-Ext folds are reported apart."""
+    comp = str(problem["compensation"])
+    return comp + "+presum" if problem.get("fold") == "presum" else comp
+
+
 def _bench_table(rows: list[dict[str, Any]]) -> str:
     """One line per layer: resgen's time, its share of the HBM floor, each baseline's time and
     baseline / resgen (x > 1: resgen is faster), and resgen plain W4A4 ("none") / this mode
     on the same layer. Columns: BASELINE_COLUMNS' order; '-' where a time is missing."""
     plain = {(r["problem"]["fmt"], r["problem"]["m"], r["problem"]["n"], r["problem"]["k"]):
-             r.get("resgen_us") for r in rows if r["problem"]["compensation"] == "none"}
+             r.get("resgen_us") for r in rows if _mode(r["problem"]) == "none"}
     keys = [k for k, _ in BASELINE_COLUMNS]
     table = []
     for r in rows:
         pr = r["problem"]
         r_us = r.get("resgen_us")
         pct = f"{100 * r['floor_us'] / r_us:.0f}" if r_us and r.get("floor_us") else "-"
-        table.append([pr["fmt"], pr["compensation"], pr["m"], f"{pr['n']}x{pr['k']}",
+        table.append([pr["fmt"], _mode(pr), pr["m"], f"{pr['n']}x{pr['k']}",
                       _fmt(r_us), pct]
                      + [_fmt(r.get(k)) for k in keys if k != "triton_us"]
                      + [_ratio(r.get(k), r_us) for k in keys]
@@ -1072,7 +1087,7 @@ def _bench_sums(rows: list[dict[str, Any]]) -> list[str]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         pr = r["problem"]
-        groups.setdefault((pr["fmt"], pr["compensation"], pr["m"]), []).append(r)
+        groups.setdefault((pr["fmt"], _mode(pr), pr["m"]), []).append(r)
     out = []
     for (fmt, comp, m), rs in groups.items():
         if not all(r.get("resgen_us") for r in rs):

@@ -27,7 +27,7 @@ from .search.variant import AttentionProblem, LinearProblem
 
 __all__ = ["ModelSpec", "LinearShape", "AttentionGeometry", "MODELS", "get_model",
            "get_models", "linear_problems", "attention_problems", "tuning_workloads",
-           "COMPENSATIONS", "LINEAR_MODES", "FORMATS", "ATTENTION_PV", "ATTENTION_MODES",
+           "COMPENSATIONS", "KEXT_FOLDS", "LINEAR_MODES", "FORMATS", "ATTENTION_PV", "ATTENTION_MODES",
            "DEFAULT_ATTENTION_MODES"]
 
 FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
@@ -208,17 +208,34 @@ def _dedupe(items: Iterable[Any]) -> list[Any]:
     return out
 
 
+KEXT_FOLDS: tuple[str, ...] = ("exact", "presum")
+
+
+def _folds(fmt: str, compensation: str, kext_folds: Sequence[str]) -> list[str]:
+    """The folds a (format, compensation) is planned with: kext_folds for K-Ext ratios
+    (presum NVFP4 only: LinearProblem.fold), "exact" for every other mode."""
+    bad = [f for f in kext_folds if f not in KEXT_FOLDS]
+    if bad or not kext_folds:
+        raise ValueError(f"K-Ext folds must be among {KEXT_FOLDS}, got {list(kext_folds)}")
+    if compensation in ("none", "full", "w4a16", "w4a8"):
+        return ["exact"]
+    return [f for f in kext_folds if f == "exact" or fmt == "nvfp4"]
+
+
 def linear_problems(models: Sequence[ModelSpec], tp: int = 1,
                     formats: Sequence[str] = FORMATS,
                     compensations: Sequence[str] = COMPENSATIONS,
-                    m_buckets: Sequence[int] = (1,), static_scale: bool = True
-                    ) -> list[LinearProblem]:
-    """Every (shape, format, compensation, M bucket) workload, duplicates removed, ordered
-    by model, shape, format, compensation, M."""
+                    m_buckets: Sequence[int] = (1,), static_scale: bool = True,
+                    kext_folds: Sequence[str] = ("exact",)) -> list[LinearProblem]:
+    """Every (shape, format, compensation, fold, M bucket) workload, duplicates removed,
+    ordered by model, shape, format, compensation, fold, M. kext_folds: the K-Ext folds
+    ("exact", "presum": LinearProblem.fold; presum for NVFP4 only, MXFP4 K-Ext keeps the
+    exact fold)."""
     return _dedupe(LinearProblem(fmt=f, compensation=c, m=m, n=s.n, k=s.k,
-                                 static_scale=static_scale)
+                                 static_scale=static_scale, fold=fd)
                    for spec in models for s in spec.linear_shapes(tp) for f in formats
-                   for c in compensations for m in m_buckets)
+                   for c in compensations for fd in _folds(f, c, kext_folds)
+                   for m in m_buckets)
 
 
 ATTENTION_PV: tuple[str, ...] = ("f16", "fp8")
@@ -258,7 +275,8 @@ def tuning_workloads(family: Any, models: Sequence[ModelSpec], *, tp: int = 1,
                      compensations: Sequence[str] = COMPENSATIONS,
                      m_buckets: Sequence[int] = (1,), attn_batches: Sequence[int] = (1,),
                      kv_lens: Sequence[int] = (8192,), attn_pv: Sequence[str] = ATTENTION_PV,
-                     attn_modes: Sequence[str] = DEFAULT_ATTENTION_MODES) -> list[Any]:
+                     attn_modes: Sequence[str] = DEFAULT_ATTENTION_MODES,
+                     kext_folds: Sequence[str] = ("exact",)) -> list[Any]:
     """The workloads `resgen tune` gives a kernel family for the models, deduplicated: its
     own `model_problems` hook when it has one; the linear or attention workloads for those
     problem types; for another problem type (e.g. the quantizer's), its
@@ -270,7 +288,8 @@ def tuning_workloads(family: Any, models: Sequence[ModelSpec], *, tp: int = 1,
                                 m_buckets=m_buckets)
     if own is not None:        # the KernelFamilyBase default (None): derived below
         return list(own)
-    lin = linear_problems(models, tp, formats, compensations, m_buckets)
+    lin = linear_problems(models, tp, formats, compensations, m_buckets,
+                          kext_folds=kext_folds)
     if family.PROBLEM is LinearProblem:
         # only what the family serves (e.g. W4A8 only the FP8 tensor-core family)
         return [p for p in lin if family.problem_invalid(p) is None]

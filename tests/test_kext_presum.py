@@ -230,3 +230,56 @@ def test_ops_linear_serves_kext_presum_through_the_sim_backend():
     with pytest.raises(ValueError, match="not one of"):
         Linear(qw, 0.25, fold="sum", device="cpu", compile_fn=_sim_compile,
                quantizer_fn=_sim_quantizer)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def test_tune_and_bench_plan_kext_presum_workloads_on_request():
+    """`--kext-folds exact,presum` plans each NVFP4 K-Ext workload twice (MXFP4 K-Ext and the
+    other modes once); the default plans the exact fold only; linear_sm100_tc gets no presum
+    job; a bad fold is a usage error naming it; the bench labels presum rows apart."""
+    from resgen import cli
+    from resgen.models import get_models, linear_problems, tuning_workloads
+
+    models = get_models(["qwen3-8b"])
+    both = linear_problems(models, 1, ["nvfp4", "mxfp4"], ["none", "full", "0.125"], [16],
+                           kext_folds=["exact", "presum"])
+    exact = linear_problems(models, 1, ["nvfp4", "mxfp4"], ["none", "full", "0.125"], [16])
+    shapes = len(models[0].linear_shapes(1))
+    assert len(both) == len(exact) + shapes
+    presum = [p for p in both if p.kext_presum]
+    assert presum and all(p.fmt == "nvfp4" and p.compensation == "0.125" for p in presum)
+    assert not any(p.kext_presum for p in exact)
+    with pytest.raises(ValueError, match="K-Ext folds"):
+        linear_problems(models, 1, ["nvfp4"], ["0.125"], [16], kext_folds=["sum"])
+    kw = dict(formats=["nvfp4"], compensations=["0.125"], m_buckets=[16],
+              kext_folds=["exact", "presum"])
+    assert any(p.kext_presum for p in tuning_workloads(WG.FAMILY, models, **kw))
+    assert not any(p.kext_presum
+                   for p in tuning_workloads(get_family("linear_sm100_tc"), models, **kw))
+    args = cli.build_parser().parse_args(
+        ["tune", "--model", "qwen3-8b", "--kext-folds", "exact,presum", "--plan"])
+    assert args.kext_folds == ["exact", "presum"]
+    row = {"problem": {"fmt": "nvfp4", "compensation": "0.125", "fold": "presum", "m": 16,
+                       "n": 4096, "k": 4096}}
+    assert cli._mode(row["problem"]) == "0.125+presum"
+    assert cli._mode({"compensation": "0.125"}) == "0.125"
+
+
+def test_warm_start_offers_the_plain_winners_as_presum_for_kext_presum():
+    """A K-Ext presum workload with no rows of its own starts from its plain twin's fastest
+    variants as presum twins (its GEMM is the plain one over K), valid for it."""
+    from resgen.search.warmstart import WarmStart
+
+    p = LinearProblem("nvfp4", "0.125", 128, 4096, 4096, fold="presum")
+    plain = LinearProblem("nvfp4", "none", 128, 4096, 4096)
+    pv = [WG.LinearSm90WgmmaVariant(2, 1, 128, 6), WG.LinearSm90WgmmaVariant(2, 1, 64, 4)]
+    rows = [{"family": WG.FAMILY.NAME, "workload_digest": plain.digest(), "median_us": t,
+             "variant_key": v.key()} for t, v in ((5.0, pv[0]), (6.0, pv[1]))]
+    ws = WarmStart("table", "NVIDIA H200", lambda path, gpu: rows)
+    got = ws.candidates(WG.FAMILY, p, ARCH, 4)
+    assert got == [dataclasses.replace(v, fold=WG.Fold.PRESUM) for v in pv]
+    assert all(WG.FAMILY.why_invalid(v, p, ARCH) is None for v in got)
+    # the exact K-Ext workload is not offered presum twins
+    assert ws.candidates(WG.FAMILY, dataclasses.replace(p, fold="exact"), ARCH, 4) == []

@@ -122,6 +122,11 @@ class LinearSm100Variant(VariantBase):
         return self.reduce != Reduction.ATOMIC
 
 
+# Blackwell's block-scaled MMAs take FP4 operands: a sum rounded to FP16 is not one
+KEXT_PRESUM_SM90 = ("K-Ext presum (fold='presum') is a Hopper fold (an FP16 operand): "
+                    "linear_sm100_tc runs the exact K-Ext fold")
+
+
 def mode_of(problem: LinearProblem) -> str:
     if problem.compensation == "none":
         return "plain"
@@ -164,6 +169,12 @@ class LinearSm100Family(KernelFamilyBase):
     ENTRY: ClassVar[str] = "entry"
 
     # ------------------------------------------------------------------ validity
+    def problem_invalid(self, problem: Any) -> str | None:
+        """KernelFamilyBase's refusals, and K-Ext presum (a Hopper fold: no tuning job)."""
+        if isinstance(problem, LinearProblem) and problem.kext_presum:
+            return KEXT_PRESUM_SM90
+        return super().problem_invalid(problem)
+
     def why_invalid(self, variant: LinearSm100Variant, problem: LinearProblem,
                     arch: str) -> str | None:
         v, p = variant, problem
@@ -172,9 +183,7 @@ class LinearSm100Family(KernelFamilyBase):
         if not isinstance(v, LinearSm100Variant) or not isinstance(p, LinearProblem):
             return "not a LinearSm100Variant / LinearProblem"
         if p.kext_presum:
-            # Blackwell's block-scaled MMAs take FP4 operands: a sum rounded to FP16 is not one
-            return ("K-Ext presum (fold='presum') is a Hopper fold (an FP16 operand): "
-                    "linear_sm100_tc runs the exact K-Ext fold")
+            return KEXT_PRESUM_SM90
         mext = p.compensation == "full"
         if mext and v.layout == RowLayout.PLAIN:
             return "M-Ext needs base and residue rows: layout row_pair or tile8"

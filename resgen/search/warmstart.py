@@ -100,11 +100,14 @@ class WarmStart:
             twin = dataclasses.replace(problem, compensation="none")  # type: ignore[type-var]
             found = rows.get((family.NAME, twin.digest()), [])
         keys: list[tuple[str, str | None]] = [(key, None) for _, key in found]
-        if (getattr(problem, "compensation", None) == "full"
+        if ((getattr(problem, "compensation", None) == "full"
+                or getattr(problem, "kext_presum", False))
                 and "fold" in {f.name for f in dataclasses.fields(family.VARIANT)}):
             # presum's GEMM is the plain one: the plain twin's winners with fold "presum"
-            # interleaved with the M-Ext workload's own (its exact-fold winners)
-            twin = dataclasses.replace(problem, compensation="none")  # type: ignore[type-var]
+            # interleaved with the workload's own (M-Ext: its exact-fold winners; a K-Ext
+            # presum workload: its presum rows)
+            twin = dataclasses.replace(problem, compensation="none",  # type: ignore[type-var]
+                                       fold="exact")
             plain = [(key, "presum") for _, key in rows.get((family.NAME, twin.digest()), [])]
             keys = [k for pair in zip(plain, keys) for k in pair] + \
                 plain[len(keys):] + keys[len(plain):]
