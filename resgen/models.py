@@ -27,8 +27,8 @@ from .search.variant import AttentionProblem, LinearProblem
 
 __all__ = ["ModelSpec", "LinearShape", "AttentionGeometry", "MODELS", "get_model",
            "get_models", "linear_problems", "attention_problems", "tuning_workloads",
-           "COMPENSATIONS", "KEXT_FOLDS", "LINEAR_MODES", "FORMATS", "ATTENTION_PV", "ATTENTION_MODES",
-           "DEFAULT_ATTENTION_MODES"]
+           "COMPENSATIONS", "KEXT_FOLDS", "LINEAR_MODES", "FORMATS", "ATTENTION_PV",
+           "ATTENTION_MODES", "DEFAULT_ATTENTION_MODES"]
 
 FORMATS: tuple[str, ...] = ("nvfp4", "mxfp4")
 _MAX_FEATURES = 1 << 20          # LinearProblem's n and k range
