@@ -3,8 +3,9 @@ Hopper linear families' presum variants behind the real quant_sm90 K-Ext presum 
 
 - Qwen3-8B's four projections at NVFP4 K-Ext 0.125 (two of them at 0.5 too), M = 1 / 16
   (linear_sm90_mma) and 16 / 128 / 2048 (linear_sm90_wgmma): the family default and the first
-  presum variant by the prior; the runner's check (the GEMM alone on make_presum_xop, then the whole layer: the
-  quantizer's presum rows with the K-Ext masks, the FP16 GEMM over K on the base weight)
+  presum variant by the prior; the runner's check (the GEMM alone on make_presum_xop, then
+  the whole layer: the quantizer's presum rows with the K-Ext masks, the FP16 GEMM over K on
+  the base weight)
   against reference.linear(ratio, fold="presum"), fresh random inputs, NaN-poisoned outputs,
   twice, then bit-identical reruns;
 - resgen.ops.Linear(qweight, ratio, fold="presum") on the dispatch it gets, against the same
