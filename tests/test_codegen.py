@@ -95,9 +95,11 @@ def _families_of(module: str) -> list:
 
 
 def test_key_separation_problems_and_fake_family():
-    for p in (LinearProblem(), LinearProblem(fmt="mxfp4", compensation="0.125", m=7),
+    for p in (LinearProblem(compensation="0.25"),
+              LinearProblem(compensation="0.125", m=7, static_scale=False),
               AttentionProblem(compensation=False), FakeProblem(m=3)):
-        # (plain attention: from ResAttn, query="q16" is no legal alternative, no residue)
+        # (plain attention: from ResAttn, query="q16" is no legal alternative, no residue;
+        # linear: NVFP4 K-Ext, where fold="presum" is legal)
         assert assert_keys_separate(p) == len(dataclasses.fields(p))
     for v in FakeFamily().space(FakeProblem(), "sm_90a")[::7]:
         assert assert_keys_separate(v) == 4
