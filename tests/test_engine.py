@@ -259,6 +259,32 @@ def test_sim_backend_runs_the_kernel_path_like_the_reference(kind, comp):
         [o.token_ids for o in ref.generate(seqs, max_new_tokens=3)]
 
 
+def test_engine_serves_kext_presum_on_the_sim_backend_like_the_reference():
+    """resgen.load(..., compensation=0.25, kext_fold="presum"): every projection's op runs the
+    K-Ext presum workload (resgen.ops.Linear's fold; the reference backend's fake-quant layers
+    the same fold), the sim backend's logits equal the reference's up to summation order, and
+    the presum model differs from the exact-fold one (its own numerics). A bad fold is
+    refused before any work."""
+    m = tiny_model("qwen3", layers=1)
+    kw = dict(fmt="nvfp4", compensation=0.25, kv="nvfp4", calib=CALIB, kext_fold="presum")
+    sim, ref = _load(m, backend="sim", **kw), _load(m, backend="reference", **kw)
+    op = sim.model.layers[0].qkv.op
+    assert type(op).__name__ == "Linear" and op.fold == "presum"
+    assert op.problem(4).kext_presum
+    assert ref.model.layers[0].qkv.op.mod.fold == "presum"
+    seqs = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 100]]
+    a = sim.forced_decode(seqs, [4, 2], reduce="logits")
+    b = ref.forced_decode(seqs, [4, 2], reduce="logits")
+    exact = _load(m, backend="reference", **{**kw, "kext_fold": "exact"})
+    c = exact.forced_decode(seqs, [4, 2], reduce="logits")
+    for x, y, z in zip(a, b, c):
+        assert bool(torch.isfinite(x).all())
+        assert float((x - y).norm() / y.norm()) < 2e-2
+        assert not torch.equal(y, z)
+    with pytest.raises(ValueError, match="kext_fold"):
+        _load(m, **{**kw, "kext_fold": "sum"})
+
+
 # ----------------------------------------------------------------------------- generation
 
 

@@ -43,7 +43,10 @@ class Backend:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def linear(self, qweight: QLinearWeight, compensation: str | float) -> Any:
+    def linear(self, qweight: QLinearWeight, compensation: str | float,
+               fold: str = "exact") -> Any:
+        """The FP4 linear op of one projection; fold: a K-Ext layer's fold ("exact" |
+        "presum": resgen.ops.Linear)."""
         raise NotImplementedError
 
     def attention(self, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
@@ -60,10 +63,11 @@ class Backend:
 class CudaBackend(Backend):
     name = "cuda"
 
-    def linear(self, qweight: QLinearWeight, compensation: str | float) -> Any:
+    def linear(self, qweight: QLinearWeight, compensation: str | float,
+               fold: str = "exact") -> Any:
         from ..ops import Linear
 
-        return Linear(qweight, compensation, device=self.device)
+        return Linear(qweight, compensation, fold=fold, device=self.device)
 
     def attention(self, q_heads, kv_heads, head_dim, page_size, compensation, query="nvfp4"):
         from ..ops import DecodeAttention
@@ -186,10 +190,10 @@ class SimBackend(Backend):
         super().__init__(device)
         self.dispatcher = _empty_dispatcher()       # one: the default is warned once per bucket
 
-    def linear(self, qweight, compensation):
+    def linear(self, qweight, compensation, fold="exact"):
         from ..ops import Linear
 
-        return Linear(qweight, compensation, device=self.device,
+        return Linear(qweight, compensation, fold=fold, device=self.device,
                       family="linear_sm90_wgmma", dispatcher=self.dispatcher,
                       compile_fn=_sim_compile, quantizer_fn=_sim_quantizer)
 
@@ -215,13 +219,13 @@ class _FakeQuantOp:
     io "bf16" rounds the output to BF16 like the kernels (the input arrives rounded)."""
 
     def __init__(self, qweight: QLinearWeight, compensation: str | float, io: str,
-                 device: torch.device) -> None:
+                 device: torch.device, fold: str = "exact") -> None:
         from ..quality.fakequant import FakeQuantLinear
         from .fakequant_ref import fakequant_args
 
         qweight, comp = fakequant_args(qweight, compensation)
         self.qweight, self.compensation = qweight, comp
-        self.mod = FakeQuantLinear(qweight, comp).to(device)
+        self.mod = FakeQuantLinear(qweight, comp, fold=fold).to(device)
         if isinstance(self.mod.input_scale, torch.Tensor):
             self.mod.input_scale = self.mod.input_scale.to(device)
         self.io = io
@@ -245,8 +249,8 @@ class ReferenceBackend(Backend):
         self.io = io
         self.io_dtype = torch.bfloat16 if io == "bf16" else torch.float32
 
-    def linear(self, qweight, compensation):
-        return _FakeQuantOp(qweight, compensation, self.io, self.device)
+    def linear(self, qweight, compensation, fold="exact"):
+        return _FakeQuantOp(qweight, compensation, self.io, self.device, fold)
 
     def attention(self, q_heads, kv_heads, head_dim, page_size, compensation, query="nvfp4"):
         return _RefAttention(compensation, self.io_dtype, False, query)

@@ -168,13 +168,23 @@ def _plan_value(r: Any, names: list[str]) -> float:
         raise ValueError(f"plan ratio {r!r} for {names[0]} is not a number") from None
 
 
+def linear_fold(compensation: Any, kext_fold: str) -> str:
+    """The fold a projection's op runs: kext_fold ("exact" | "presum") for a K-Ext ratio,
+    "exact" for every other mode (M-Ext's presum is the tuner's choice inside the op)."""
+    if kext_fold not in ("exact", "presum"):
+        raise ValueError(f"kext_fold must be 'exact' or 'presum', got {kext_fold!r}")
+    return "exact" if compensation in ("none", "full", "w4a16") else kext_fold
+
+
 def quantized_model(dense: DecoderModel, backend: Backend, fmt: str, compensation: Any,
-                    calib: Calibration | None, quant_device: torch.device | None = None
-                    ) -> DecoderModel:
+                    calib: Calibration | None, quant_device: torch.device | None = None,
+                    kext_fold: str = "exact") -> DecoderModel:
     """The FP4 model on `backend` from a dense model's source weights: per fused projection,
     resgen.calibrate.prepare_weight (fmt; the K-Ext selection and the static NVFP4 input scale
-    from `calib` where given, else dynamic scales) and backend.linear. The dense weights are
-    dropped from the result (norms, embeddings and the LM head are shared)."""
+    from `calib` where given, else dynamic scales) and backend.linear (K-Ext layers with
+    `kext_fold`: linear_fold). The dense weights are dropped from the result (norms,
+    embeddings and the LM head are shared)."""
+    linear_fold("none", kext_fold)                   # validated before any work
     if fmt not in ("nvfp4", "mxfp4"):
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4' to quantize, got {fmt!r}")
     cfg = dense.cfg
@@ -196,8 +206,8 @@ def quantized_model(dense: DecoderModel, backend: Backend, fmt: str, compensatio
             w = p.op.source.to(qdev).float()
             qw = prepare_weight(w, fmt, sel, input_scale=isc)
             del w
-            projs[proj] = Proj(backend.linear(qw, comp), backend.io_dtype, dense.glue, p.bias,
-                               qw, comp)
+            projs[proj] = Proj(backend.linear(qw, comp, linear_fold(comp, kext_fold)),
+                               backend.io_dtype, dense.glue, p.bias, qw, comp)
         layers.append(LayerOps(**projs, in_norm=L.in_norm, post_norm=L.post_norm,
                                q_norm=L.q_norm, k_norm=L.k_norm))
     m = DecoderModel.__new__(DecoderModel)
@@ -209,7 +219,8 @@ def quantized_model(dense: DecoderModel, backend: Backend, fmt: str, compensatio
 
 
 def checkpoint_model(src: ModelSource, cfg: DecoderConfig, backend: Backend, compensation: Any,
-                     device: torch.device, glue: str) -> DecoderModel:
+                     device: torch.device, glue: str, kext_fold: str = "exact"
+                     ) -> DecoderModel:
     """The FP4 model of an FP4 checkpoint (src.qlinears, resgen.checkpoint): q/k/v and
     gate/up fused with resgen.checkpoint.fuse_linears. A projection with a part the checkpoint
     left unquantized (its exclude_modules, or a BF16 fallback) runs dense in BF16, its
@@ -242,8 +253,9 @@ def checkpoint_model(src: ModelSource, cfg: DecoderConfig, backend: Backend, com
                 if (qw.out_features, qw.in_features) != shapes[proj]:
                     raise ValueError(f"{src.name}: layer {i} {proj} is {qw.out_features} x "
                                      f"{qw.in_features}, the config needs {shapes[proj]}")
-                projs[proj] = Proj(backend.linear(qw, comps[(i, proj)]), backend.io_dtype, g,
-                                   bias, qw, comps[(i, proj)])
+                comp = comps[(i, proj)]
+                projs[proj] = Proj(backend.linear(qw, comp, linear_fold(comp, kext_fold)),
+                                   backend.io_dtype, g, bias, qw, comp)
                 continue
             ws = []
             for n in names:

@@ -2,7 +2,8 @@
 
     resgen generate --model <hf dir | .gguf> --prompt "..." [--prompt ...] [--chat]
         [--max-new-tokens 128] [--temperature 0] [--top-p 1] [--seed S] [--stop TEXT]
-        [--fmt nvfp4|mxfp4|bf16] [--compensation none|full|0.125|...] [--kv nvfp4|bf16]
+        [--fmt nvfp4|mxfp4|bf16] [--compensation none|full|0.125|...] [--kext-fold exact|presum]
+        [--kv nvfp4|bf16]
         [--attn resattn|plain|q16] [--calib text-file | calibration.safetensors]
         [--backend cuda|sim|reference] [--max-batch N] [--max-seq-len N] [--kv-budget 4G]
 
@@ -59,6 +60,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--compensation", default="full",
                    help="none | full | w4a16 (FP4 weights, BF16 activations: the Hopper "
                         "mode) | a K-Ext ratio (0.125, 0.25, 0.5, 1.0)")
+    g.add_argument("--kext-fold", choices=("exact", "presum"), default="exact",
+                   help="K-Ext layers: exact (extension columns, Blackwell's numerics) or "
+                        "presum (residues onto their base channels, one FP16 GEMM: K-Ext at "
+                        "plain cost on Hopper, NVFP4)")
     g.add_argument("--kv", choices=("nvfp4", "bf16", "fp32"), default="nvfp4")
     g.add_argument("--attn", choices=("resattn", "plain", "q16"), default=None,
                    help="decode attention over the NVFP4 KV cache (default: q16 with "
@@ -144,7 +149,8 @@ def _run(args: argparse.Namespace) -> int:
         kw["max_seq_len"] = args.max_seq_len
     if args.kv_budget is not None:
         kw["kv_budget"] = args.kv_budget
-    llm = load(args.model, compensation=args.compensation, kv=args.kv, fmt=args.fmt,
+    llm = load(args.model, compensation=args.compensation, kext_fold=args.kext_fold,
+               kv=args.kv, fmt=args.fmt,
                attn=args.attn, calib=_calib(args.calib), backend=backend,
                graphs=not args.no_graphs, compile=args.compile, **kw)
     out = sys.stdout

@@ -67,6 +67,7 @@ class EngineOptions:
 
     fmt: str = "nvfp4"
     compensation: Any = "full"
+    kext_fold: str = "exact"
     kv: str = "nvfp4"
     attn: str = "resattn"
     backend: str = "cuda"
@@ -97,7 +98,8 @@ def resolve_compile(compile: str | None, backend: str) -> str:
     return compile
 
 
-def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str = "nvfp4",
+def load(model: Any, *, compensation: Any = "full", kext_fold: str = "exact",
+         kv: str = "nvfp4", fmt: str = "nvfp4",
          attn: str | None = None, calib: Any = None, backend: str | None = None,
          glue: str | None = None, max_batch: int = 8, max_seq_len: int | None = None,
          kv_budget: int | None = None, kv_fraction: float = 0.6, page_size: int = 32,
@@ -115,6 +117,10 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
                   Hopper) | a K-Ext ratio | a per-layer plan
                   (resgen.plan.Plan or {layer: ratio}); see resgen.engine.build. For an FP4
                   checkpoint also "checkpoint": what resgen recorded in it.
+    kext_fold:    how K-Ext layers meet their selected residues: "exact" (extension columns:
+                  Blackwell's numerics) or "presum" (each residue added onto its base channel,
+                  rounded once to FP16, one GEMM over K: K-Ext at plain cost on Hopper,
+                  NVFP4 only; resgen.ops.Linear's fold).
     kv:           "nvfp4" (paged NVFP4 cache, append kernel, decode attention kernels) or
                   "bf16" (dense BF16 cache and SDPA: with fmt="bf16" the BF16 engine);
                   "fp32" for the reference backend.
@@ -153,6 +159,8 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     if kv not in KV_KINDS:
         raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
+    if kext_fold not in ("exact", "presum"):
+        raise ValueError(f"kext_fold must be 'exact' or 'presum', got {kext_fold!r}")
     if attn is None:
         attn = "q16" if compensation == "w4a16" else "resattn"
     if attn not in ATTN_MODES:
@@ -168,7 +176,8 @@ def load(model: Any, *, compensation: Any = "full", kv: str = "nvfp4", fmt: str 
     compile = resolve_compile(compile, backend)
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
-    opts = EngineOptions(fmt=fmt, compensation=compensation, kv=kv, attn=attn,
+    opts = EngineOptions(fmt=fmt, compensation=compensation, kext_fold=kext_fold, kv=kv,
+                         attn=attn,
                          backend=backend, glue=glue, max_batch=max_batch,
                          max_seq_len=max_seq_len, kv_budget=kv_budget,
                          kv_fraction=kv_fraction, page_size=page_size, graphs=graphs, io=io,
@@ -196,7 +205,7 @@ class LLM:
             if calib is not None:
                 log.warning("an FP4 checkpoint carries its own scales: calib is ignored")
             self.model = checkpoint_model(src, self.cfg, self.backend, opts.compensation, dev,
-                                          opts.glue)
+                                          opts.glue, opts.kext_fold)
         else:
             if opts.fmt == "bf16":      # the BF16 engine (FP32 with FP32 glue: the FP32 model)
                 wdtype = torch.bfloat16 if opts.glue == "bf16" else torch.float32
@@ -210,7 +219,7 @@ class LLM:
             else:
                 self.calibration = self._calibration(dense, calib)
                 self.model = quantized_model(dense, self.backend, opts.fmt, opts.compensation,
-                                             self.calibration)
+                                             self.calibration, kext_fold=opts.kext_fold)
                 del dense
         self.model.glue_fns = make_glue(opts.compile)
         self.load_s = time.perf_counter() - t0
