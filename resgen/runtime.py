@@ -21,6 +21,10 @@ shipped table beats a neighbouring bucket in the cache database). A row is accep
 Within a bucket the acceptable rows compete only under one measurement policy, the newest
 (version, then name) present: a policy version can change what is timed (tune v2 times linear
 layers whole, v1 timed the GEMM alone), so medians of different versions are not compared.
+A K-Ext presum linear workload (LinearProblem fold "presum") with no acceptable row of its own
+is served its plain twin's answer (same format, M, N, K, scale, compensation "none") as a
+presum variant where that is valid: the presum GEMM is the plain one over K in FP16 (source
+"... (plain twin as presum)", no median; logged once per (op, bucket)).
 Otherwise the family's default is returned and a warning is logged once per (op, bucket).
 A real value served from a bucket more than 2x below it (prefill M from the decode buckets)
 is logged once per (op, bucket) too: valid, but tuned for another regime.
@@ -35,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -350,8 +354,14 @@ class Dispatcher:
                 self._warn_far(op, nb, fields, real, entry.buckets)
                 return (win["row"].variant, f"{path} bucket {dict(zip(fields, entry.buckets))}",
                         win["row"].median_us)
-        # Miss: the family default, loud once per (op, bucket).
         bucket = tuple(1 << max(0, (int(x) - 1)).bit_length() for x in real)
+        twin = self._presum_twin(op, problem, family)
+        if twin is not None:
+            self._warn(("twin", op, nb, bucket),
+                       f"no tuned entry for {op} {nb} {dict(zip(fields, bucket))}: serving its "
+                       f"plain twin's tuned variant as presum ({twin[1]})")
+            return twin
+        # Miss: the family default, loud once per (op, bucket).
         self._warn(("miss", op, nb, bucket),
                    f"no tuned entry for {op} {nb} {dict(zip(fields, bucket))} on "
                    f"{self.device.gpu_name if self.device else 'no GPU'}; using the default")
@@ -361,6 +371,25 @@ class Dispatcher:
                 return d, "default", None
         raise ValueError(f"no family accepts {problem.key()} on {self.arch}: even the "
                          f"default variant is invalid")
+
+
+    def _presum_twin(self, op: str, problem: ProblemBase, family: str | None
+                     ) -> tuple[VariantBase, str, None] | None:
+        """For a K-Ext presum workload: (its plain twin's tuned variant with fold "presum",
+        source, None) where the twin is tuned (not a default), has a fold axis and is valid
+        for the workload; else None. (bench/results/h200/kext_presum_probe_s34: the presum
+        twins of plain's winners ran K-Ext 0.125 at 1.03-1.07x plain's time from M = 16 on.)"""
+        if not getattr(problem, "kext_presum", False):
+            return None
+        plain = replace(problem, compensation="none", fold="exact")  # type: ignore[type-var]
+        v, src, _ = self._resolve(op, plain, family)
+        fold = getattr(v, "fold", None)
+        if src == "default" or fold is None:
+            return None
+        tw = replace(v, fold=type(fold)("presum"))  # type: ignore[type-var]
+        if get_family(v.FAMILY).why_invalid(tw, problem, self.arch) is not None:
+            return None
+        return tw, f"{src} (plain twin as presum)", None
 
 
 _DISPATCHER: Dispatcher | None = None

@@ -283,3 +283,33 @@ def test_warm_start_offers_the_plain_winners_as_presum_for_kext_presum():
     assert all(WG.FAMILY.why_invalid(v, p, ARCH) is None for v in got)
     # the exact K-Ext workload is not offered presum twins
     assert ws.candidates(WG.FAMILY, dataclasses.replace(p, fold="exact"), ARCH, 4) == []
+
+
+def test_runtime_serves_the_plain_twins_winner_as_presum_on_a_miss(caplog):
+    """No K-Ext presum row is shipped: the runtime serves a K-Ext presum workload its plain
+    twin's tuned winner with fold "presum" (valid for it, logged once), the default where the
+    twin's winner has no presum form (a fused mma variant at M = 1), and never a presum
+    variant to the exact K-Ext workload."""
+    from pathlib import Path
+
+    from resgen.runtime import Device, Dispatcher, shipped_table
+
+    root = Path(__file__).resolve().parents[1]
+    d = Dispatcher(paths=[shipped_table(root / "tuned", "h200")],
+                   device=Device("NVIDIA H200", "sm_90a"))
+    for m in (16, 128, 2048):
+        p = LinearProblem("nvfp4", "0.125", m, 4096, 12288, fold="presum")
+        plain = LinearProblem("nvfp4", "none", m, 4096, 12288)
+        pv = d.lookup("linear", plain)
+        v = d.lookup("linear", p)
+        assert v == dataclasses.replace(pv, fold=type(pv.fold)("presum"))
+        assert get_family(v.FAMILY).why_invalid(v, p, ARCH) is None
+        assert d.source("linear", p).endswith("(plain twin as presum)")
+        assert d.served("linear", p)[2] is None                    # no median of its own
+        ex = d.lookup("linear", dataclasses.replace(p, fold="exact"))
+        assert not getattr(ex, "presum", False)
+    p1 = LinearProblem("nvfp4", "0.125", 1, 4096, 12288, fold="presum")
+    v1 = d.lookup("linear", p1)
+    assert d.source("linear", p1) == "default" and v1.presum
+    assert sum("plain twin's tuned variant as presum" in r.message
+               for r in caplog.records) == 3
