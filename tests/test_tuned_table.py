@@ -59,6 +59,21 @@ def required_workloads() -> list:
     return need
 
 
+# K-Ext presum (LinearProblem fold "presum", issue 20): no row of its own is required; the
+# runtime serves each its plain twin's tuned winner as presum (runtime.Dispatcher
+# ._presum_twin). Required: that this yields a tuned, valid presum variant (never the default)
+# for NVFP4 K-Ext at every ratio from M = 16 on (at M = 1 / 4 plain's winners are fused
+# linear_sm90_mma variants, which have no presum form: the default serves there).
+KEXT_PRESUM_M_BUCKETS = (16, 32, 64, 128) + PREFILL_M_BUCKETS
+
+
+def kext_presum_workloads() -> list:
+    specs = [get_model(m) for m in MODELS]
+    return linear_problems(specs, 1, ("nvfp4",), [c for c in COMPENSATIONS
+                                                  if c not in ("none", "full")],
+                           KEXT_PRESUM_M_BUCKETS, kext_folds=("presum",))
+
+
 def audit(path: Path) -> dict[str, list[str]]:
     """Problems of a shipped table, by check; every list empty means the table is good."""
     out: dict[str, list[str]] = {"intact": [], "fresh": [], "coverage": [], "runtime": []}
@@ -108,6 +123,18 @@ def audit(path: Path) -> dict[str, list[str]]:
         defaults += d.source(type(p).OP, p) == "default"
     if defaults:
         out["runtime"].append(f"{defaults} workloads fall back to the default variant")
+    if any(f.PROBLEM is LinearProblem and f.NAME.startswith("linear_sm90")
+           for f in families().values()):
+        untwinned = 0
+        for p in kext_presum_workloads():
+            v = d.lookup("linear", p)
+            if not getattr(v, "presum", False) or \
+                    get_family(type(v).FAMILY).why_invalid(v, p, ARCH) is not None:
+                out["runtime"].append(f"no valid presum variant served for {p.key()}")
+            untwinned += d.source("linear", p) == "default"
+        if untwinned:
+            out["runtime"].append(f"{untwinned} K-Ext presum workloads fall back to the "
+                                  "default variant (no tuned plain twin with a presum form)")
     return out
 
 
