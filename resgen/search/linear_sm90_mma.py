@@ -74,7 +74,7 @@ from .sm90_linear import (KEXT_PRESUM_ONLY, PRESUM_MEXT_ONLY, TOLERANCE, Fold, P
                           Sm90LinearFamily, presum_capable,
                           cached_weight_sets, compare, kp_of, layer_quantizer, pow2_ceil,
                           random_layer)
-from .variant import Choice, IntRange, LinearProblem, VariantBase
+from .variant import UNKEYED_DEFAULT, Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Packing", "Pipeline", "Reduction", "Act", "Fold", "PRESUM_MEXT_ONLY",
            "PRESUM_NVFP4_ONLY", "PRESUM_XOP_ONLY", "LinearSm90Variant", "LinearSm90Family",
@@ -128,7 +128,9 @@ class LinearSm90Variant(VariantBase):
     act: Act = field(default=Act.XOP, metadata={"short": "act"})
     pdl: bool = field(default=False, metadata={"short": "pdl"})
     cluster: int = field(default=1, metadata={"range": IntRange(1, 4, pow2=True), "short": "cl"})
-    fold: Fold = field(default=Fold.EXACT, metadata={"short": "fd"})
+    # keyed (and named) only where it is not the default: the keys, digests and stored rows
+    # of every exact variant are the ones they had before the axis existed
+    fold: Fold = field(default=Fold.EXACT, metadata={"short": "fd", UNKEYED_DEFAULT: True})
 
     @property
     def deterministic(self) -> bool:
@@ -138,27 +140,6 @@ class LinearSm90Variant(VariantBase):
     def presum(self) -> bool:
         return self.fold == Fold.PRESUM
 
-    # The fold is keyed only where it is not the default: the keys (hence digests and stored
-    # rows) of every exact variant are the ones they had before the axis existed.
-    def as_dict(self) -> dict[str, Any]:
-        d = VariantBase.as_dict(self)
-        if self.fold == Fold.EXACT:
-            del d["fold"]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "LinearSm90Variant":
-        """VariantBase.from_dict; a dict without "fold" (every key stored before the axis
-        existed, and every exact key since) is the exact fold."""
-        if isinstance(d, dict) and "fold" not in d:
-            d = {**d, "fold": Fold.EXACT.value}
-        # (no zero-argument super() in a slotted dataclass: the class is recreated)
-        return VariantBase.from_dict.__func__(cls, d)  # type: ignore[attr-defined]
-
-    def name(self) -> str:
-        """VariantBase.name, without the fold for exact variants (as before the axis)."""
-        n = VariantBase.name(self)
-        return n if self.presum else n.removesuffix("_fdexact")
 
     @property
     def fused(self) -> bool:

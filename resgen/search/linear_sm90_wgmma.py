@@ -46,7 +46,7 @@ from .family import register
 from .sm90_linear import (KEXT_PRESUM_ONLY, PRESUM_MEXT_ONLY, TOLERANCE, Fold, Packing,
                           Sm90LinearFamily, presum_capable,
                           cached_weight_sets, compare, kp_of, pow2_ceil)
-from .variant import Choice, IntRange, LinearProblem, VariantBase
+from .variant import UNKEYED_DEFAULT, Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Raster", "Fold", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily", "FAMILY",
            "TOLERANCE", "compare", "geometry_of", "gemm_rows", "kp_of", "compile_once",
@@ -82,7 +82,9 @@ class LinearSm90WgmmaVariant(VariantBase):
     packing: Packing = field(default=Packing.SPLIT, metadata={"short": "pk"})
     split_k: int = field(default=1, metadata={"range": IntRange(1, 16), "short": "sk"})
     pdl: bool = field(default=False, metadata={"short": "pdl"})
-    fold: Fold = field(default=Fold.EXACT, metadata={"short": "fd"})
+    # keyed (and named) only where it is not the default, as linear_sm90_mma's: the keys,
+    # digests and stored rows of every exact variant are the ones they had before the axis
+    fold: Fold = field(default=Fold.EXACT, metadata={"short": "fd", UNKEYED_DEFAULT: True})
 
     @property
     def deterministic(self) -> bool:
@@ -92,25 +94,6 @@ class LinearSm90WgmmaVariant(VariantBase):
     def presum(self) -> bool:
         return self.fold == Fold.PRESUM
 
-    # The fold is keyed only where it is not the default (as linear_sm90_mma's): the keys,
-    # digests and stored rows of every exact variant are the ones they had before the axis.
-    def as_dict(self) -> dict[str, Any]:
-        d = VariantBase.as_dict(self)
-        if self.fold == Fold.EXACT:
-            del d["fold"]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "LinearSm90WgmmaVariant":
-        """VariantBase.from_dict; a dict without "fold" is the exact fold."""
-        if isinstance(d, dict) and "fold" not in d:
-            d = {**d, "fold": Fold.EXACT.value}
-        return VariantBase.from_dict.__func__(cls, d)  # type: ignore[attr-defined]
-
-    def name(self) -> str:
-        """VariantBase.name, without the fold for exact variants (as before the axis)."""
-        n = VariantBase.name(self)
-        return n if self.presum else n.removesuffix("_fdexact")
 
 
 def gemm_rows(variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:

@@ -108,6 +108,16 @@ def _parse_field(cls, f: dataclasses.Field, raw: Any) -> Any:
     raise TypeError(f"unsupported variant field type {tp!r} for {cls.__name__}.{f.name}")
 
 
+# Field metadata: a field added after keys were stored is left out of the key (and of a
+# variant's name) while at its default, and a dict without it parses as the default, so every
+# key written before the field existed parses, and means, what it did.
+UNKEYED_DEFAULT = "unkeyed_default"
+
+
+def _unkeyed_at_default(f: dataclasses.Field, jsonable: Any) -> bool:
+    return bool(f.metadata.get(UNKEYED_DEFAULT)) and jsonable == _to_jsonable(f.default)
+
+
 class _Keyed:
     __slots__ = ()
 
@@ -116,7 +126,11 @@ class _Keyed:
     TAG: ClassVar[str] = "family"
 
     def as_dict(self) -> dict[str, Any]:
-        d = {f.name: _to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        d = {}
+        for f in dataclasses.fields(self):
+            v = _to_jsonable(getattr(self, f.name))
+            if not _unkeyed_at_default(f, v):
+                d[f.name] = v
         d[self.TAG] = getattr(type(self), self.TAG.upper())
         return d
 
@@ -135,6 +149,8 @@ class _Keyed:
         tag = getattr(cls, cls.TAG.upper())
         if d.get(cls.TAG) != tag:
             raise ValueError(f"{cls.__name__}: {cls.TAG} must be {tag!r}, got {d.get(cls.TAG)!r}")
+        d = {**{f.name: _to_jsonable(f.default) for f in dataclasses.fields(cls)
+                if f.metadata.get(UNKEYED_DEFAULT)}, **d}
         names = {f.name for f in dataclasses.fields(cls)}
         extra = set(d) - names - {cls.TAG}
         missing = names - set(d)
@@ -166,6 +182,8 @@ class VariantBase(_Keyed):
         parts = []
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if _unkeyed_at_default(f, _to_jsonable(v)):
+                continue
             short = f.metadata.get("short", f.name)
             parts.append(f"{short}{_to_jsonable(v)}" if not isinstance(v, bool)
                          else (short if v else f"no{short}"))
@@ -223,7 +241,8 @@ class LinearProblem(ProblemBase):
     n: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
     k: int = dataclasses.field(default=4096, metadata={"range": IntRange(16, 1 << 20)})
     static_scale: bool = True
-    fold: str = dataclasses.field(default="exact", metadata={"allowed": ("exact", "presum")})
+    fold: str = dataclasses.field(default="exact", metadata={"allowed": ("exact", "presum"),
+                                                             UNKEYED_DEFAULT: True})
 
     def __post_init__(self) -> None:
         ProblemBase.__post_init__(self)
@@ -236,19 +255,6 @@ class LinearProblem(ProblemBase):
                 raise ValueError("LinearProblem: fold='presum' is NVFP4 only (MXFP4 presum "
                                  "needs a per-row shift from max |X_hat + R_hat| over all of "
                                  "K, which the layer quantizer's warp tiles do not see)")
-
-    def as_dict(self) -> dict[str, Any]:
-        d = ProblemBase.as_dict(self)
-        if d["fold"] == "exact":
-            del d["fold"]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any):
-        if isinstance(d, dict) and "fold" not in d:
-            d = {**d, "fold": "exact"}
-        # (not zero-argument super(): slots=True makes the dataclass a new class object)
-        return ProblemBase.from_dict.__func__(cls, d)  # type: ignore[attr-defined]
 
     @property
     def ratio(self) -> float | None:
@@ -300,7 +306,8 @@ class AttentionProblem(ProblemBase):
     # ResAttn by `compensation`) or "q16" (FP16 query, never quantized; compensation must be
     # False: there is no residue). Omitted from the key while "nvfp4", so every key written
     # before the field existed (the shipped table's) parses, and means, what it did.
-    query: str = dataclasses.field(default="nvfp4", metadata={"allowed": ("nvfp4", "q16")})
+    query: str = dataclasses.field(default="nvfp4", metadata={"allowed": ("nvfp4", "q16"),
+                                                              UNKEYED_DEFAULT: True})
 
     def __post_init__(self) -> None:
         ProblemBase.__post_init__(self)
@@ -308,15 +315,3 @@ class AttentionProblem(ProblemBase):
             raise ValueError("AttentionProblem: query='q16' has no query residue: "
                              "compensation must be False")
 
-    def as_dict(self) -> dict[str, Any]:
-        d = ProblemBase.as_dict(self)
-        if d["query"] == "nvfp4":
-            del d["query"]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any):
-        if isinstance(d, dict) and "query" not in d:
-            d = {**d, "query": "nvfp4"}
-        # (not zero-argument super(): slots=True makes the dataclass a new class object)
-        return ProblemBase.from_dict.__func__(cls, d)  # type: ignore[attr-defined]
