@@ -372,7 +372,6 @@ class Dispatcher:
         raise ValueError(f"no family accepts {problem.key()} on {self.arch}: even the "
                          f"default variant is invalid")
 
-
     def _presum_twin(self, op: str, problem: ProblemBase, family: str | None
                      ) -> tuple[VariantBase, str, None] | None:
         """For a K-Ext presum workload: (its plain twin's tuned variant with fold "presum",
@@ -381,8 +380,8 @@ class Dispatcher:
         twins of plain's winners ran K-Ext 0.125 at 1.03-1.07x plain's time from M = 16 on.)"""
         if not getattr(problem, "kext_presum", False):
             return None
-        plain = replace(problem, compensation="none", fold="exact")  # type: ignore[type-var]
-        v, src, _ = self._resolve(op, plain, family)
+        plain = problem.plain_twin()  # type: ignore[attr-defined]
+        v, src = self.lookup(op, plain, family), self.source(op, plain, family)
         fold = getattr(v, "fold", None)
         if src == "default" or fold is None:
             return None

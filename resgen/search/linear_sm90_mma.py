@@ -172,8 +172,7 @@ def geometry_of(variant: LinearSm90Variant, problem: LinearProblem):
         from ..kernels.linear_sm90_mma_presum import presum_geometry
 
         return presum_geometry(geometry_of(replace(variant, fold=Fold.EXACT),
-                                           replace(problem, compensation="none",
-                                                   fold="exact")))
+                                           problem.plain_twin()))
     g = Geometry(fmt=problem.fmt, mext=problem.compensation == "full",
                  packing=variant.packing.value, n=problem.n, kq=kp_of(problem) // 64,
                  warps_m=variant.warps_m, warps_k=variant.warps_k, m_tiles=variant.m_tiles,
@@ -356,8 +355,7 @@ class LinearSm90Family(Sm90LinearFamily):
         space."""
         if problem.kext_presum:
             # the presum GEMM is the plain one over K: plain's exact xop variants, twinned
-            plain = replace(problem, compensation="none", fold="exact")
-            twins = [replace(v, fold=Fold.PRESUM) for v in self.space(plain, arch)
+            twins = [replace(v, fold=Fold.PRESUM) for v in self.space(problem.plain_twin(), arch)
                      if not v.fused and not v.presum]
             return list(dict.fromkeys(tw for tw in twins
                                       if self.why_invalid(tw, problem, arch) is None)) \
@@ -484,8 +482,7 @@ class LinearSm90Family(Sm90LinearFamily):
         covering up to 32 xop rows."""
         if problem.kext_presum:
             # the plain default's presum twin (an xop variant: the plain GEMM over K in FP16)
-            tw = replace(self.default(replace(problem, compensation="none", fold="exact"),
-                                      arch), fold=Fold.PRESUM)
+            tw = replace(self.default(problem.plain_twin(), arch), fold=Fold.PRESUM)
             why = self.why_invalid(tw, problem, arch)
             if why is not None:
                 raise ValueError(f"linear_sm90_mma cannot run {problem.key()}: {why}")

@@ -266,6 +266,11 @@ class LinearProblem(ProblemBase):
         """A K-Ext layer with the presum fold: the GEMM is the plain one over K in FP16."""
         return self.fold == "presum"
 
+    def plain_twin(self) -> "LinearProblem":
+        """The plain W4A4 workload of the same format, M, N, K and scale (compensation "none",
+        the exact fold): the GEMM a presum variant runs, and W4A16's operand-free twin."""
+        return dataclasses.replace(self, compensation="none", fold="exact")
+
     @property
     def w4a16(self) -> bool:
         """BF16 activations read as they are (no activation quantizer, no residue)."""

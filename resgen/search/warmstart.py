@@ -97,7 +97,7 @@ class WarmStart:
         rows = self._load()
         found = rows.get((family.NAME, problem.digest()), [])
         if not found and getattr(problem, "compensation", None) == "w4a16":
-            twin = dataclasses.replace(problem, compensation="none")  # type: ignore[type-var]
+            twin = problem.plain_twin()  # type: ignore[attr-defined]
             found = rows.get((family.NAME, twin.digest()), [])
         keys: list[tuple[str, str | None]] = [(key, None) for _, key in found]
         if ((getattr(problem, "compensation", None) == "full"
@@ -106,8 +106,7 @@ class WarmStart:
             # presum's GEMM is the plain one: the plain twin's winners with fold "presum"
             # interleaved with the workload's own (M-Ext: its exact-fold winners; a K-Ext
             # presum workload: its presum rows)
-            twin = dataclasses.replace(problem, compensation="none",  # type: ignore[type-var]
-                                       fold="exact")
+            twin = problem.plain_twin()  # type: ignore[attr-defined]
             plain = [(key, "presum") for _, key in rows.get((family.NAME, twin.digest()), [])]
             keys = [k for pair in zip(plain, keys) for k in pair] + \
                 plain[len(keys):] + keys[len(plain):]
