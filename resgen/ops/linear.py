@@ -102,7 +102,8 @@ class Linear:
         comp = _compensation_string(compensation)
         ratio = None if comp in ("none", "full", "w4a16") else float(comp)
         # the fold is validated as the workload's field (K-Ext, NVFP4 only for "presum")
-        self.problem_at(qweight, comp, fold)
+        kind = LinearProblem(qweight.fmt, comp, 1, max(16, qweight.out_features),
+                             max(16, qweight.in_features), True, fold)
         if comp != "w4a16":
             check_compensation(ratio if ratio is not None else comp, qweight)
         if ratio is None and qweight.selection is not None:
@@ -130,7 +131,7 @@ class Linear:
         self.compensation, self.fold = comp, fold
         # the weight the GEMM multiplies (a K-Ext presum layer: the base part; its masks
         # above still select the residue channels for the quantizer)
-        self._gemm_qweight = gemm_weight(self.qweight, self.problem_at(qweight, comp, fold))
+        self._gemm_qweight = gemm_weight(self.qweight, kind)
         self.fmt = qweight.fmt
         self.k, self.n = qweight.in_features, qweight.out_features
         # MXFP4 has no tensor scale, W4A16 no activation scale at all: their workloads are
@@ -151,12 +152,6 @@ class Linear:
         self._plans: OrderedDict[int, LayerPlan] = OrderedDict()
 
     # -- planning ---------------------------------------------------------------------------
-    @staticmethod
-    def problem_at(qweight: QLinearWeight, comp: str, fold: str) -> LinearProblem:
-        """A LinearProblem of this layer's kind (M = 1), for the fold's weight choice."""
-        return LinearProblem(qweight.fmt, comp, 1, max(16, qweight.out_features),
-                             max(16, qweight.in_features), True, fold)
-
     def problem(self, m: int) -> LinearProblem:
         """The LinearProblem of a call with m token rows."""
         return LinearProblem(self.fmt, self.compensation, int(m), self.n, self.k,
