@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import torch
 
 from ..calibrate import QLinearWeight, prepare_weight
+from ..models import KEXT_FOLDS
 from .backend import Backend
 from .calib import LINEAR_SITE, Calibration, site_name
 from .config import DecoderConfig
@@ -171,9 +172,14 @@ def _plan_value(r: Any, names: list[str]) -> float:
 def linear_fold(compensation: Any, kext_fold: str) -> str:
     """The fold a projection's op runs: kext_fold ("exact" | "presum") for a K-Ext ratio,
     "exact" for every other mode (M-Ext's presum is the tuner's choice inside the op)."""
-    if kext_fold not in ("exact", "presum"):
-        raise ValueError(f"kext_fold must be 'exact' or 'presum', got {kext_fold!r}")
+    check_kext_fold(kext_fold)
     return "exact" if compensation in ("none", "full", "w4a16") else kext_fold
+
+
+def check_kext_fold(kext_fold: str) -> None:
+    """ValueError naming the value unless it is one of resgen.models.KEXT_FOLDS."""
+    if kext_fold not in KEXT_FOLDS:
+        raise ValueError(f"kext_fold must be one of {KEXT_FOLDS}, got {kext_fold!r}")
 
 
 def quantized_model(dense: DecoderModel, backend: Backend, fmt: str, compensation: Any,
@@ -184,7 +190,7 @@ def quantized_model(dense: DecoderModel, backend: Backend, fmt: str, compensatio
     from `calib` where given, else dynamic scales) and backend.linear (K-Ext layers with
     `kext_fold`: linear_fold). The dense weights are dropped from the result (norms,
     embeddings and the LM head are shared)."""
-    linear_fold("none", kext_fold)                   # validated before any work
+    check_kext_fold(kext_fold)                       # before any work
     if fmt not in ("nvfp4", "mxfp4"):
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4' to quantize, got {fmt!r}")
     cfg = dense.cfg

@@ -33,7 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .backend import BACKENDS, make_backend
-from .build import FORMATS, calibrate, checkpoint_model, dense_model, quantized_model
+from .build import (FORMATS, calibrate, check_kext_fold, checkpoint_model, dense_model,
+                    quantized_model)
 from .calib import Calibration
 from .config import DecoderConfig
 from .glue import COMPILE_MODES, make_glue
@@ -159,8 +160,7 @@ def load(model: Any, *, compensation: Any = "full", kext_fold: str = "exact",
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     if kv not in KV_KINDS:
         raise ValueError(f"kv must be one of {KV_KINDS}, got {kv!r}")
-    if kext_fold not in ("exact", "presum"):
-        raise ValueError(f"kext_fold must be 'exact' or 'presum', got {kext_fold!r}")
+    check_kext_fold(kext_fold)
     if attn is None:
         attn = "q16" if compensation == "w4a16" else "resattn"
     if attn not in ATTN_MODES:
