@@ -8,7 +8,6 @@ through the engine's sim backend. The GPU half: tests/gpu/test_kext_presum_gpu.p
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ import torch
 from resgen import calibrate as C
 from resgen import reference as R
 from resgen.kernels import sm90_fp4_layout as L
-from resgen.kernels.linear_sm90_mma_sim import simulate_kernel
 from resgen.kernels.linear_sm90_wgmma_sim import SimulatedKernel
 from resgen.search import linear_sm90_mma as MMA
 from resgen.search import linear_sm90_wgmma as WG
@@ -24,6 +22,8 @@ from resgen.search.family import get_family
 from resgen.search.sm90_linear import (KEXT_PRESUM_ONLY, check_folds, compare, gemm_weight,
                                        kp_of)
 from resgen.search.variant import LinearProblem
+from test_linear_sm90_mma import simulate_shuffled
+from test_linear_sm90_wgmma_presum import _PresumReferenceQuantizer
 
 ARCH = "sm_90a"
 
@@ -116,32 +116,6 @@ def test_sm100_refuses_kext_presum():
 # ----------------------------------------------------------------------------- numerics
 
 
-class _KextPresumQuantizer:
-    """A compiled quant_sm90 QuantKernel of layout "presum" for a K-Ext ratio, duck-typed:
-    its operand from the torch definition (quant_sm90.operand_reference, masks passed in)."""
-
-    class _Op:
-        def __init__(self, xop, alpha):
-            self.xop, self.alpha = xop, alpha
-
-    def __init__(self, ratio: str, alpha_mode: str) -> None:
-        self.ratio = ratio
-        self.config = type("Cfg", (), {"alpha": alpha_mode, "layout": "presum"})()
-        self.calls = 0
-
-    def outputs(self, m, row_multiple=1, device="cpu"):
-        return {"row_multiple": row_multiple}
-
-    def __call__(self, x, outs, alpha=None, masks=None):
-        from resgen.kernels import quant_sm90 as Q
-
-        assert x.dtype == torch.bfloat16 and masks is not None
-        op = Q.operand_reference(x, "nvfp4", self.ratio, "presum", outs["row_multiple"],
-                                 None if alpha is None else alpha.reshape(()), masks, 256)
-        self.calls += 1
-        return self._Op(op.xop, op.alpha)
-
-
 @pytest.mark.parametrize("static", [True, False])
 @pytest.mark.parametrize("m, ratio", [(3, "0.25"), (40, "0.125")])
 def test_simulated_wgmma_kext_presum_layer_is_the_presum_reference(m, ratio, static):
@@ -158,7 +132,7 @@ def test_simulated_wgmma_kext_presum_layer_is_the_presum_reference(m, ratio, sta
     qw, wt = r.sets[0][0], r.sets[0][1]
     assert qw.selection is not None and r.masks is not None
     assert wt.kp == 512                          # the base weight: no extension columns
-    q = _KextPresumQuantizer(ratio, "static" if static else "dynamic")
+    q = _PresumReferenceQuantizer("static" if static else "dynamic", ratio)
     r.attach_quantizer(q)
     gemm = r.check_gemm()
     assert gemm.ok, gemm.detail
@@ -195,12 +169,7 @@ def test_simulated_mma_kext_presum_matches_the_presum_reference():
     wt = L.prepare_sm90_weight(gemm_weight(qw, p), v.packing.value)
     xop, ax = MMA.FAMILY.torch_operand(v, x, qw, 0.25, MMA.FAMILY.xop_row_multiple(v, p))
     assert xop.dtype == torch.float16 and xop.shape[1] == k
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-    gx, gy, gz = geom.grid(m)
-    order = [(a, b, z) for a in range(gx) for b in range(gy) for z in range(gz)]
-    random.Random(m).shuffle(order)
-    ws = torch.zeros(max(geom.ws_floats(m, m), 1))
-    simulate_kernel(geom, wt, xop, m, m, ax, out, ws=ws, cta_order=order)
+    out, _ = simulate_shuffled(geom, wt, xop, m, m, ax, n, seed=m)
     res = compare(out, R.linear(x, qw, 0.25, fold="presum"))
     assert res.ok, res.detail
 

@@ -4,6 +4,7 @@ the variant space and predicate, and compile-only checks of the kernel for sm_90
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -270,6 +271,18 @@ ARCH = "sm_90a"
 QWEN = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 
 
+def simulate_shuffled(geom, wt, xin, m, rows, ax, n, seed, masks=None):
+    """simulate_kernel into a NaN-poisoned bf16 [m, n] output with the CTAs in a shuffled
+    order (random.Random(seed)): (out, its split-K workspace)."""
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    gx, gy, gz = geom.grid(rows)
+    order = [(a, b, z) for a in range(gx) for b in range(gy) for z in range(gz)]
+    random.Random(seed).shuffle(order)
+    ws = torch.zeros(max(geom.ws_floats(rows, m), 1))
+    simulate_kernel(geom, wt, xin, m, rows, ax, out, ws=ws, cta_order=order, masks=masks)
+    return out, ws
+
+
 def test_family_is_registered():
     assert family_registry.get_family("linear_sm90_mma") is FAMILY
 
@@ -490,7 +503,6 @@ def test_ragged_slices_cover_the_cta_range_once(cg, wk):
 
 
 def _check_xop_simulation(fmt, comp, m, fields, k):
-    import random
 
     n = 64
     p = LinearProblem(fmt=fmt, compensation=comp, m=m, n=n, k=k)
@@ -503,13 +515,7 @@ def _check_xop_simulation(fmt, comp, m, fields, k):
     wt = L.prepare_sm90_weight(qw, v.packing.value)
     c = ratio if ratio is not None else comp
     xop, ax = make_xop(x, qw, c, t_multiple=geom.tok)
-    rows = p.rows
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-    gx, gy, gz = geom.grid(rows)
-    order = [(a, b, z) for a in range(gx) for b in range(gy) for z in range(gz)]
-    random.Random(5).shuffle(order)
-    ws = torch.zeros(max(geom.ws_floats(rows, m), 1))
-    simulate_kernel(geom, wt, xop, m, rows, ax, out, ws=ws, cta_order=order)
+    out, ws = simulate_shuffled(geom, wt, xop, m, p.rows, ax, n, seed=5)
     emu = L.emulate_linear_sm90_mma(xop, wt, m, xop_layout_for(c), ax).to(torch.bfloat16)
     assert torch.equal(out.view(torch.int16), emu.view(torch.int16))
     assert compare(out, R.linear(x, qw, c)).ok
@@ -563,7 +569,6 @@ def test_fused_simulation_matches_emulator_bit_for_bit(fmt, comp, k, m_compiled,
     """The fused prologue's work items, K-Ext source/mask mapping, operand-tile addresses and
     partial-tile predicates reproduce, bit for bit, the xop path's emulator on the operand
     make_xop builds from the same bf16 activations (static alpha)."""
-    import random
 
     n = 64
     p = LinearProblem(fmt=fmt, compensation=comp, m=m_compiled, n=n, k=k)
@@ -579,13 +584,8 @@ def test_fused_simulation_matches_emulator_bit_for_bit(fmt, comp, k, m_compiled,
     c = ratio if ratio is not None else comp
     xop, ax = make_xop(x.float(), qw, c, t_multiple=8)
     rows = 2 * m if comp == "full" else m
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-    gx, gy, gz = geom.grid(rows)
-    order = [(a, b, z) for a in range(gx) for b in range(gy) for z in range(gz)]
-    random.Random(3).shuffle(order)
     masks = qw.selection.masks if ratio is not None else None
-    ws = torch.zeros(max(geom.ws_floats(rows, m), 1))
-    simulate_kernel(geom, wt, x, m, rows, ax, out, ws=ws, cta_order=order, masks=masks)
+    out, ws = simulate_shuffled(geom, wt, x, m, rows, ax, n, seed=3, masks=masks)
     emu = L.emulate_linear_sm90_mma(xop, wt, m, xop_layout_for(c), ax).to(torch.bfloat16)
     assert torch.equal(out.view(torch.int16), emu.view(torch.int16))
     assert compare(out, R.linear(x.float(), qw, c)).ok

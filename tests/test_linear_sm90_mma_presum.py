@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import json
 import lzma
-import random
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from resgen.search.linear_sm90_mma import (FAMILY, PRESUM_MEXT_ONLY, PRESUM_NVFP
                                            PRESUM_XOP_ONLY, Act, Fold, LinearSm90Variant, Packing,
                                            Pipeline, Reduction, compare, geometry_of)
 from resgen.search.variant import LinearProblem
-from test_linear_sm90_mma import _record_launcher_pointers
+from test_linear_sm90_mma import _record_launcher_pointers, simulate_shuffled
 from test_linear_sm90_wgmma_presum import _PresumReferenceQuantizer
 
 ARCH = "sm_90a"
@@ -238,12 +237,7 @@ def test_presum_simulation_matches_both_references(m, k, fields):
     wt = L.prepare_sm90_weight(qw, v.packing.value)
     xop, ax = FAMILY.torch_operand(v, x, qw, "full", FAMILY.xop_row_multiple(v, p))
     assert xop.dtype == torch.float16 and xop.shape[0] % geom.tok == 0   # the presum rows
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-    gx, gy, gz = geom.grid(m)
-    order = [(a, b, z) for a in range(gx) for b in range(gy) for z in range(gz)]
-    random.Random(m).shuffle(order)
-    ws = torch.zeros(max(geom.ws_floats(m, m), 1))
-    simulate_kernel(geom, wt, xop, m, m, ax, out, ws=ws, cta_order=order)
+    out, ws = simulate_shuffled(geom, wt, xop, m, m, ax, n, seed=m)
     res = compare(out, R.linear(x, qw, "full", fold="presum"))
     assert res.ok, res.detail
     res = compare(out, R.linear(x, qw, "full"))

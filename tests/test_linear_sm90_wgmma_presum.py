@@ -167,24 +167,27 @@ def test_presum_render_is_fp16_and_compiles_for_sm90a():
 
 
 class _PresumReferenceQuantizer:
-    """Duck-typed compiled quant_sm90 QuantKernel of layout "presum": its operand from the
-    torch definition (quant_sm90.operand_reference)."""
+    """Duck-typed compiled quant_sm90 QuantKernel of layout "presum" for M-Ext ("full") or a
+    K-Ext ratio: its operand from the torch definition (quant_sm90.operand_reference; K-Ext
+    takes the layer's masks, M-Ext none)."""
 
     class _Op:
         def __init__(self, xop, alpha):
             self.xop, self.alpha = xop, alpha
 
-    def __init__(self, alpha_mode: str) -> None:
+    def __init__(self, alpha_mode: str, compensation: str = "full") -> None:
         self.config = type("Cfg", (), {"alpha": alpha_mode, "layout": "presum"})()
+        self.compensation = compensation
         self.calls = 0
 
     def outputs(self, m, row_multiple=1, device="cpu"):
         return {"row_multiple": row_multiple}
 
     def __call__(self, x, outs, alpha=None, masks=None):
-        assert x.dtype == torch.bfloat16 and masks is None
-        op = Q.operand_reference(x, "nvfp4", "full", "presum", outs["row_multiple"],
-                                 None if alpha is None else alpha.reshape(()), None, 256)
+        assert x.dtype == torch.bfloat16
+        assert (masks is None) == (self.compensation == "full")
+        op = Q.operand_reference(x, "nvfp4", self.compensation, "presum", outs["row_multiple"],
+                                 None if alpha is None else alpha.reshape(()), masks, 256)
         self.calls += 1
         return self._Op(op.xop, op.alpha)
 
