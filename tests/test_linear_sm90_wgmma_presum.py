@@ -62,7 +62,9 @@ def test_fp16_decode_refuses_mxfp4():
 
 
 def test_quantizer_presum_rows_are_the_rounded_sum_of_the_row_pair():
-    x = (torch.randn(5, 512) * 3).to(torch.bfloat16)
+    # seeded: with an unseeded draw, about 1 in 40 (the global RNG state left by the tests
+    # before it) has every sum an FP16 value, and the "rounding happened" assertion fails
+    x = (torch.randn(5, 512, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
     pair = Q.operand_reference(x, "nvfp4", "full", "row_pair", 1, None, None, 256)
     op = Q.operand_reference(x, "nvfp4", "full", "presum", 8, None, None, 256)
     assert op.xop.dtype == torch.float16 and op.xop.shape == (8, 512)
