@@ -44,27 +44,8 @@ MS = tuple(int(m) for m in os.environ.get("KP_MS", "1,16,128,2048").split(","))
 FAMILIES = ("linear_sm90_mma", "linear_sm90_wgmma")
 
 
-def table_best() -> dict[str, tuple[float, str, object]]:
-    """workload key -> (median us, family, variant) of the shipped table's fastest row."""
-    from resgen.db import TuningDB
-    from resgen.runtime import shipped_table
-    from resgen.search.record import Status
-
-    root = Path(__file__).resolve().parents[2]
-    best: dict[str, tuple[float, str, object]] = {}
-    with TuningDB(shipped_table(root / "tuned", "h200"), readonly=True) as db:
-        for r in db.rows(status=Status.OK, compile_only=False):
-            if r["family"] not in FAMILIES:
-                continue
-            v = get_family(r["family"]).VARIANT.from_key(r["variant_key"])
-            w = r["workload_key"]
-            if w not in best or r["median_us"] < best[w][0]:
-                best[w] = (r["median_us"], r["family"], v)
-    return best
-
-
 def cases():
-    best = table_best()
+    best = layer_probe.table_best(FAMILIES)
     xop = {f: layer_probe.table_xop_winners(get_family(f)) for f in FAMILIES}
     for ratio in RATIOS:
         for m in MS:

@@ -27,24 +27,35 @@ ARCH = "sm_90a"
 Case = tuple[LinearProblem, Any, Any, dict]
 
 
+def table_best(families: Iterable[str], xop_only: bool = False
+               ) -> dict[str, tuple[float, str, Any]]:
+    """workload key -> (median us, family, variant) of the shipped table's fastest timed row
+    among `families` (xop_only: only variants that read a prepared operand, not fused)."""
+    from resgen.db import TuningDB
+    from resgen.runtime import shipped_table
+    from resgen.search.family import get_family
+    from resgen.search.record import Status
+
+    names = set(families)
+    root = Path(__file__).resolve().parents[2]
+    best: dict[str, tuple[float, str, Any]] = {}
+    with TuningDB(shipped_table(root / "tuned", "h200"), readonly=True) as db:
+        for r in db.rows(status=Status.OK, compile_only=False):
+            if r["family"] not in names:
+                continue
+            v = get_family(r["family"]).VARIANT.from_key(r["variant_key"])
+            w = r["workload_key"]
+            if xop_only and getattr(v, "fused", False):
+                continue
+            if w not in best or r["median_us"] < best[w][0]:
+                best[w] = (r["median_us"], r["family"], v)
+    return best
+
+
 def table_xop_winners(family: Any) -> dict[str, Any]:
     """workload key -> the shipped table's fastest timed variant of `family` that reads a
     prepared operand (not fused): the tuned xop tiles a probe starts from."""
-    from resgen.db import TuningDB
-    from resgen.runtime import shipped_table
-    from resgen.search.record import Status
-
-    root = Path(__file__).resolve().parents[2]
-    best: dict[str, tuple[float, Any]] = {}
-    with TuningDB(shipped_table(root / "tuned", "h200"), readonly=True) as db:
-        for r in db.rows(status=Status.OK, compile_only=False):
-            if r["family"] != family.NAME:
-                continue
-            v = family.VARIANT.from_key(r["variant_key"])
-            w = r["workload_key"]
-            if not getattr(v, "fused", False) and (w not in best or r["median_us"] < best[w][0]):
-                best[w] = (r["median_us"], v)
-    return {w: v for w, (_, v) in best.items()}
+    return {w: v for w, (_, _, v) in table_best([family.NAME], xop_only=True).items()}
 
 
 def mext_plain_pairs(family: Any, ms: Iterable[int], shapes: Iterable[tuple[int, int]],
