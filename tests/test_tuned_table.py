@@ -43,7 +43,7 @@ PREFILL_COMPENSATIONS = ("none", "full", "0.125")
 def required_workloads() -> list:
     """Qwen3-4B/8B/32B at TP1: both formats, all W4A4 compensation modes at the default M
     buckets, plain / full / K-Ext 0.125 at the prefill buckets, and W4A16 at both
-    (W4A16_M_BUCKETS); the default
+    (W4A16_M_BUCKETS), NVFP4 K-Ext presum from M = 16 (kext_presum_workloads); the default
     attention grid in the default modes (ResAttn, plain) and Q16, when the families exist."""
     specs = [get_model(m) for m in MODELS]
     fams = [f for f in families().values() if ARCH in f.ARCHS and not f.NAME.startswith("fake")]
@@ -52,6 +52,7 @@ def required_workloads() -> list:
         need += linear_problems(specs, 1, FORMATS, COMPENSATIONS, DEFAULT_M_BUCKETS)
         need += linear_problems(specs, 1, FORMATS, PREFILL_COMPENSATIONS, PREFILL_M_BUCKETS)
         need += linear_problems(specs, 1, FORMATS, ("w4a16",), W4A16_M_BUCKETS)
+        need += kext_presum_workloads()
     if any(f.PROBLEM is AttentionProblem for f in fams):
         need += attention_problems(specs, 1, DEFAULT_ATTN_BATCHES, DEFAULT_KV_LENS)
         need += attention_problems(specs, 1, DEFAULT_ATTN_BATCHES, DEFAULT_KV_LENS,
@@ -59,11 +60,12 @@ def required_workloads() -> list:
     return need
 
 
-# K-Ext presum (LinearProblem fold "presum", issue 20): no row of its own is required; the
-# runtime serves each its plain twin's tuned winner as presum (runtime.Dispatcher
-# ._presum_twin). Required: that this yields a tuned, valid presum variant (never the default)
-# for NVFP4 K-Ext at every ratio from M = 16 on (at M = 1 / 4 plain's winners are fused
-# linear_sm90_mma variants, which have no presum form: the default serves there).
+# K-Ext presum (LinearProblem fold "presum", issue 20): NVFP4 K-Ext at every ratio from M = 16
+# on has rows of its own since kext_presum_s35 (tuned/README.md), required like every other
+# workload, and what the runtime serves for it must be a valid presum variant. Below M = 16
+# none is required: the runtime serves the plain twin's tuned winner as presum where it has a
+# presum form (runtime.Dispatcher._presum_twin; at M = 1 / 4 plain's winners are fused
+# linear_sm90_mma variants, which have none, and the default serves).
 KEXT_PRESUM_M_BUCKETS = (16, 32, 64, 128) + PREFILL_M_BUCKETS
 
 
@@ -123,18 +125,10 @@ def audit(path: Path) -> dict[str, list[str]]:
         defaults += d.source(type(p).OP, p) == "default"
     if defaults:
         out["runtime"].append(f"{defaults} workloads fall back to the default variant")
-    if any(f.PROBLEM is LinearProblem and f.NAME.startswith("linear_sm90")
-           for f in families().values()):
-        untwinned = 0
-        for p in kext_presum_workloads():
-            v = d.lookup("linear", p)
-            if not getattr(v, "presum", False) or \
-                    get_family(type(v).FAMILY).why_invalid(v, p, ARCH) is not None:
-                out["runtime"].append(f"no valid presum variant served for {p.key()}")
-            untwinned += d.source("linear", p) == "default"
-        if untwinned:
-            out["runtime"].append(f"{untwinned} K-Ext presum workloads fall back to the "
-                                  "default variant (no tuned plain twin with a presum form)")
+    for p in need:
+        if getattr(p, "kext_presum", False) and not getattr(d.lookup("linear", p), "presum",
+                                                            False):
+            out["runtime"].append(f"no presum variant served for {p.key()}")
     return out
 
 
@@ -186,3 +180,9 @@ def test_audit_on_synthetic_tables(tmp_path):
     _synthetic(no_mx, [p for p in need if getattr(p, "fmt", None) != "mxfp4"])
     a = audit(no_mx)
     assert a["coverage"] and a["runtime"] and not a["fresh"]
+    # K-Ext presum's own rows missing: a coverage failure even though the runtime would serve
+    # the plain twins' winners as presum.
+    no_presum = tmp_path / "no_presum.sqlite"
+    _synthetic(no_presum, [p for p in need if not getattr(p, "kext_presum", False)])
+    a = audit(no_presum)
+    assert a["coverage"] and not a["fresh"]
