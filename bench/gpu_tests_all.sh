@@ -11,16 +11,14 @@
 # (device: carry [".devcache"]). TEST_S (default 420) seconds per file; all files start at
 # once, so the call takes about the slowest file's time.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 [ $# -ge 2 ] || { echo "usage: $0 TAG TEST_FILE [TEST_FILE ...]" >&2; exit 2; }
 TAG=$1
 shift
-OUT=${OUT:-/tmp/resgen-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# shellcheck disable=SC1091
-source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
-export RESGEN_CACHE_DIR=${RESGEN_CACHE_DIR:-/tmp/resgen-cache}
+# shellcheck source=bench/h200_lib.sh
+source bench/h200_lib.sh
+h200_setup
+h200_cute
 for f in "$@"; do
     n=$(basename "$f" .py)
     (timeout -k 5 -s INT "${TEST_S:-420}" python3 -m pytest -q -p no:cacheprovider \

@@ -11,16 +11,15 @@
 # (device: carry [".devcache", ".peers/marlin"]). Variables: TAG (file names, default s30),
 # MODELS (comma-separated, default qwen3-8b), MS (default 1,16,64,128,256,512,2048), COMPS
 # (default none,full,w4a16), KEXT_FOLDS (K-Ext folds for K-Ext ratios in COMPS, default
-# exact; e.g. exact,presum), TESTS (default none), TEST_S (seconds per test file, 300).
+# exact; e.g. exact,presum), TESTS (default none), TEST_S (seconds per test file, 300),
+# BENCH_S (seconds per model's bench, default 590).
 # Writes $OUT/bench_TAG_MODEL.json and .log per model (and the tests' two files).
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/resgen-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# shellcheck disable=SC1091
-source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
-export RESGEN_CACHE_DIR=${RESGEN_CACHE_DIR:-/tmp/resgen-cache}
+cd "$(dirname "$0")/.." || exit 2
+# shellcheck source=bench/h200_lib.sh
+source bench/h200_lib.sh
+h200_setup
+h200_cute
 TAG=${TAG:-s30}
 MS=${MS:-1,16,64,128,256,512,2048}
 COMPS=${COMPS:-none,full,w4a16}
@@ -29,14 +28,13 @@ if [ -n "${TESTS:-}" ]; then
     # shellcheck disable=SC2086
     TEST_S=${TEST_S:-300} bash bench/gpu_tests_all.sh "$TAG" $TESTS
 fi
-rc=0
 MODELS=${MODELS:-qwen3-8b}
 for m in ${MODELS//,/ }; do
     t0=$(date +%s)
-    python3 -m resgen bench --model "$m" --m "$MS" --formats nvfp4 --compensations "$COMPS" \
-        --kext-folds "$KEXT_FOLDS" \
-        --out "$OUT/bench_${TAG}_$m.json" > "$OUT/bench_${TAG}_$m.log" 2>&1 || rc=1
+    h200_step "bench_${TAG}_$m" "${BENCH_S:-590}" 0 python3 -m resgen bench --model "$m" \
+        --m "$MS" --formats nvfp4 --compensations "$COMPS" --kext-folds "$KEXT_FOLDS" \
+        --out "$OUT/bench_${TAG}_$m.json"
     echo "bench $m: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench_${TAG}_$m.log"
     grep '^sum ' "$OUT/bench_${TAG}_$m.log" | cut -c1-220
 done
-exit $rc
+exit "$H200_RC"

@@ -11,34 +11,15 @@
 #
 # Everything lands in $OUT (default /tmp/resgen-out): gpu_tests_kext_presum.{xml,log},
 # gpu_tests_ops.{xml,log}, kext_presum_probe.{json,log}. TEST_S / OPS_S / PROBE_S: each step's
-# time limit (default 200 / 100 / 150 s; the probe gets SIGINT, then writes its summary).
+# time limit (default 200 / 100 / 150 s; SIGINT, then what it has).
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/resgen-out}
-mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1
-# shellcheck disable=SC1091
-source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
-export RESGEN_CACHE_DIR=${RESGEN_CACHE_DIR:-/tmp/resgen-cache}
-RC=0
-timeout -k 10 "${TEST_S:-200}" python3 -m pytest -q -p no:cacheprovider \
-    tests/gpu/test_kext_presum_gpu.py --junitxml "$OUT/gpu_tests_kext_presum.xml" \
-    > "$OUT/gpu_tests_kext_presum.log" 2>&1
-T=$?
-echo "gpu tests (tests/gpu/test_kext_presum_gpu.py): rc=$T"
-tail -n 6 "$OUT/gpu_tests_kext_presum.log"
-[ "$T" -ne 0 ] && RC=$T
-timeout -k 10 "${OPS_S:-100}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ops_gpu.py \
-    -k "dispatched_layer or graph_of_warmed or fp4linear" --junitxml "$OUT/gpu_tests_ops.xml" \
-    > "$OUT/gpu_tests_ops.log" 2>&1
-T=$?
-echo "gpu tests (tests/gpu/test_ops_gpu.py, dispatched layers): rc=$T"
-tail -n 3 "$OUT/gpu_tests_ops.log"
-[ "$T" -ne 0 ] && RC=$T
-timeout -k 5 -s INT "${PROBE_S:-150}" python3 bench/probes/kext_presum_probe.py \
-    > "$OUT/kext_presum_probe.log" 2>&1
-T=$?
-echo "kext_presum_probe: rc=$T"
-tail -n 6 "$OUT/kext_presum_probe.log"
-[ "$T" -ne 0 ] && RC=$T
-exit "$RC"
+cd "$(dirname "$0")/.." || exit 2
+# shellcheck source=bench/h200_lib.sh
+source bench/h200_lib.sh
+h200_setup
+h200_cute
+h200_pytest gpu_tests_kext_presum "${TEST_S:-200}" 6 tests/gpu/test_kext_presum_gpu.py
+h200_pytest gpu_tests_ops "${OPS_S:-100}" 3 tests/gpu/test_ops_gpu.py \
+    -k "dispatched_layer or graph_of_warmed or fp4linear"
+h200_step kext_presum_probe "${PROBE_S:-150}" 6 python3 bench/probes/kext_presum_probe.py
+exit "$H200_RC"

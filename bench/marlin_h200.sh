@@ -20,10 +20,10 @@
 # T_BENCH the per-step time limits. The two-call form leaves more time per bench (a bench
 # killed by its limit writes no JSON).
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/resgen-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.." || exit 2
+# shellcheck source=bench/h200_lib.sh
+source bench/h200_lib.sh
+h200_setup
 LIBDIR=/tmp/marlin
 MS=${RESGEN_MARLIN_M:-1,16,64,128}
 # per-step limits (s): alone, tests 280 and each bench 270; in `all`, 150 and 215 (600 in all)
@@ -43,9 +43,8 @@ run_tests() {
     return $RC
 }
 run_bench() {
-    # shellcheck disable=SC1091
-    source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; return 2; }
-    export RESGEN_CACHE_DIR=/tmp/resgen-cache RESGEN_MARLIN_LIB="$LIBDIR/libmarlin_fp4_sm90a.so"
+    h200_cute
+    export RESGEN_MARLIN_LIB="$LIBDIR/libmarlin_fp4_sm90a.so"
     local RC=0 T FMT
     for FMT in nvfp4 mxfp4; do
         timeout -k 10 "$T_BENCH" python3 -m resgen bench --model qwen3-8b --m "$MS" --formats "$FMT" \

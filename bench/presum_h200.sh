@@ -14,41 +14,23 @@
 # gpu_tests_cover_full.{xml,log}, presum_probe.{json,log}. Step (2) runs only with
 # RESGEN_PRESUM_COVER=1 (the probe then has less time: its JSON keeps what it measured).
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/resgen-out}
-mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1
-# shellcheck disable=SC1091
-source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
-export RESGEN_CACHE_DIR=/tmp/resgen-cache
-RC=0
+cd "$(dirname "$0")/.." || exit 2
+# shellcheck source=bench/h200_lib.sh
+source bench/h200_lib.sh
+h200_setup
+h200_cute
 
 # 1. Correctness first.
-timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider \
-    tests/gpu/test_linear_sm90_mma_presum_gpu.py --junitxml "$OUT/gpu_tests_presum.xml" \
-    > "$OUT/gpu_tests_presum.log" 2>&1
-T=$?
-echo "gpu tests (tests/gpu/test_linear_sm90_mma_presum_gpu.py): rc=$T"
-tail -n 8 "$OUT/gpu_tests_presum.log"
-[ "$T" -ne 0 ] && RC=$T
+h200_pytest gpu_tests_presum 200 8 tests/gpu/test_linear_sm90_mma_presum_gpu.py
 
 # 2. The covering subset of the NVFP4 M-Ext space (exact and presum variants), M = 1 .. 40.
 PROBE_S=340
 if [ "${RESGEN_PRESUM_COVER:-0}" = "1" ]; then
     PROBE_S=190
-    timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_linear_sm90_mma_gpu.py \
-        -k "test_covering_variants and nvfp4-full" --junitxml "$OUT/gpu_tests_cover_full.xml" \
-        > "$OUT/gpu_tests_cover_full.log" 2>&1
-    T=$?
-    echo "gpu tests (covering, nvfp4-full): rc=$T"
-    tail -n 5 "$OUT/gpu_tests_cover_full.log"
-    [ "$T" -ne 0 ] && RC=$T
+    h200_pytest gpu_tests_cover_full 150 5 tests/gpu/test_linear_sm90_mma_gpu.py \
+        -k "test_covering_variants and nvfp4-full"
 fi
 
 # 3. Exact vs presum, same tiles, whole layers (JSON rewritten after every variant).
-timeout -k 5 -s INT "$PROBE_S" python3 bench/probes/presum_probe.py > "$OUT/presum_probe.log" 2>&1
-T=$?
-echo "presum_probe: rc=$T"
-tail -n 12 "$OUT/presum_probe.log"
-[ "$T" -ne 0 ] && RC=$T
-exit "$RC"
+h200_step presum_probe "$PROBE_S" 12 python3 bench/probes/presum_probe.py
+exit "$H200_RC"

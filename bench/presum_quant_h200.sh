@@ -12,19 +12,13 @@
 #
 # SPLIT_S / CONFIG_S: each probe's time limit (default 200 / 300 s; SIGINT, then its summary).
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/resgen-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 OUT
-# shellcheck disable=SC1091
-source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
-export RESGEN_CACHE_DIR=${RESGEN_CACHE_DIR:-/tmp/resgen-cache}
+cd "$(dirname "$0")/.." || exit 2
+# shellcheck source=bench/h200_lib.sh
+source bench/h200_lib.sh
+h200_setup
+h200_cute
 export QLC_LAYOUTS=${QLC_LAYOUTS:-presum} QLC_MS=${QLC_MS:-64,128,512,2048}
-rc=0
-timeout -k 5 -s INT "${SPLIT_S:-200}" python3 bench/probes/presum_split_probe.py \
-    > "$OUT/presum_split_probe.log" 2>&1 || rc=1
-tail -14 "$OUT/presum_split_probe.log"
-timeout -k 5 -s INT "${CONFIG_S:-300}" python3 bench/probes/quant_layer_config_probe.py \
-    > "$OUT/quant_layer_config_probe.log" 2>&1 || rc=1
-tail -10 "$OUT/quant_layer_config_probe.log"
-exit $rc
+h200_step presum_split_probe "${SPLIT_S:-200}" 14 python3 bench/probes/presum_split_probe.py
+h200_step quant_layer_config_probe "${CONFIG_S:-300}" 10 \
+    python3 bench/probes/quant_layer_config_probe.py
+exit "$H200_RC"

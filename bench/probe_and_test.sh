@@ -10,17 +10,15 @@
 # (device: carry [".devcache"]). Time limits: PROBE_S (default 170), TESTS_S (300),
 # MEMCHECK_S (100) seconds: 570 s one after the other, inside one call's 600.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 [ $# -ge 2 ] || { echo "usage: $0 PROBE.py TEST_FILE [TAG]" >&2; exit 2; }
 PROBE=$1
 TESTS=$2
 TAG=${3:-run}
-OUT=${OUT:-/tmp/resgen-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# shellcheck disable=SC1091
-source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
-export RESGEN_CACHE_DIR=${RESGEN_CACHE_DIR:-/tmp/resgen-cache}
+# shellcheck source=bench/h200_lib.sh
+source bench/h200_lib.sh
+h200_setup
+h200_cute
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NAME=$(basename "$PROBE" .py)
 

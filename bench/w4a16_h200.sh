@@ -13,45 +13,30 @@
 # seconds, default 120), RESGEN_W4A16_FORMATS (default nvfp4), RESGEN_W4A16_M (M buckets and
 # bench rows, default 1,16,64,128).
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/resgen-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# shellcheck disable=SC1091
-source .devcache/device/env.sh || { echo "no .devcache/device/env.sh: carry .devcache"; exit 2; }
-export RESGEN_CACHE_DIR=/tmp/resgen-cache
+cd "$(dirname "$0")/.." || exit 2
+# shellcheck source=bench/h200_lib.sh
+source bench/h200_lib.sh
+h200_setup
+h200_cute
 BUDGET=${RESGEN_W4A16_BUDGET:-120}
 FORMATS=${RESGEN_W4A16_FORMATS:-nvfp4}
 MS=${RESGEN_W4A16_M:-1,16,64,128}
-RC=0
 
 # 1. Correctness first: the served W4A16 layers against resgen.reference.linear_w4a16.
 if [ "${RESGEN_W4A16_TESTS:-1}" = "1" ]; then
-    timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_w4a16_gpu.py \
-        --junitxml "$OUT/gpu_tests_w4a16.xml" > "$OUT/gpu_tests_w4a16.log" 2>&1
-    T=$?
-    echo "gpu tests (tests/gpu/test_w4a16_gpu.py): rc=$T"
-    tail -n 5 "$OUT/gpu_tests_w4a16.log"
-    [ "$T" -ne 0 ] && RC=$T
+    h200_pytest gpu_tests_w4a16 240 5 tests/gpu/test_w4a16_gpu.py
 fi
 
 # 2. Tune the W4A16 workloads (the plain twins' timed variants are tried first: xop ones,
-#    and fused ones with the W4A16 copy prologue).
-timeout -k 10 $((BUDGET + 90)) python3 -m resgen tune --model qwen3-8b --ops linear \
+#    and fused ones with the W4A16 copy prologue); the progress lines stay in the log.
+h200_step w4a16_tune $((BUDGET + 90)) 0 python3 -m resgen tune --model qwen3-8b --ops linear \
     --compensations w4a16 --formats "$FORMATS" --m-buckets "$MS" --db "$OUT/w4a16.sqlite" \
     --time-budget "$BUDGET" --hard-stop 30 --warm-start tuned/h200.sqlite.xz \
-    --json "$OUT/w4a16_tune.json" > "$OUT/w4a16_tune.log" 2>&1
-T=$?
-echo "tune: rc=$T"
+    --json "$OUT/w4a16_tune.json"
 grep -v -E '^tune: [0-9]+/[0-9]+ workloads' "$OUT/w4a16_tune.log" | tail -n 12
-[ "$T" -ne 0 ] && RC=$T
 
 # 3. Plain W4A4 (shipped table) against W4A16 (the new rows), whole layers, one run.
-RESGEN_DB="$OUT/w4a16.sqlite" timeout -k 10 240 python3 -m resgen bench --model qwen3-8b \
-    --m "$MS" --formats "$FORMATS" --compensations none,w4a16 \
-    --out "$OUT/bench_w4a16.json" > "$OUT/bench_w4a16.log" 2>&1
-T=$?
-echo "bench: rc=$T"
-tail -n 45 "$OUT/bench_w4a16.log"
-[ "$T" -ne 0 ] && RC=$T
-exit "$RC"
+RESGEN_DB="$OUT/w4a16.sqlite" h200_step bench_w4a16 240 45 python3 -m resgen bench \
+    --model qwen3-8b --m "$MS" --formats "$FORMATS" --compensations none,w4a16 \
+    --out "$OUT/bench_w4a16.json"
+exit "$H200_RC"

@@ -14,7 +14,11 @@ bench/gpu_tests_all.sh: every test file at once, each under its time limit, its 
 log named after the tag and the file, and the exit status of a failing file reported.
 
 bench/presum_quant_h200.sh: the split probe, then the quantizer-configuration probe (presum
-layout by default), each with its own log; a failing first probe does not stop the second."""
+layout by default), each with its own log; a failing first probe does not stop the second.
+
+bench/h200_lib.sh (sourced by the bench/*_h200.sh scripts): each step under its limit with its
+own log (and JUnit XML for pytest), a failing step's code kept as the exit code while the later
+steps still run; no .devcache stops the call at once with exit code 2 and says so."""
 
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ def _fake_repo(tmp_path: Path, script: str, gpus: int = 1) -> tuple[Path, dict]:
     repo = tmp_path / "repo"
     (repo / Path(script).parent).mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / script, repo / script)
+    (repo / "bench").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "bench" / "h200_lib.sh", repo / "bench" / "h200_lib.sh")
     (repo / ".devcache" / "device").mkdir(parents=True)
     (repo / ".devcache" / "device" / "env.sh").write_text("# fake\n")
     bin_ = tmp_path / "bin"
@@ -182,10 +188,57 @@ def test_presum_quant_runs_both_probes_even_when_the_first_fails(tmp_path):
     env["FAKE_FAIL"] = "presum_split_probe"
     r = subprocess.run(["bash", str(repo / "bench" / "presum_quant_h200.sh")], env=env,
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == 3, r.stdout + r.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert [c.split()[1] for c in calls] == ["bench/probes/presum_split_probe.py",
                                              "bench/probes/quant_layer_config_probe.py"]
     out = tmp_path / "out"
     assert {p.name for p in out.iterdir()} == {"presum_split_probe.log",
                                                "quant_layer_config_probe.log"}
+
+
+def _calls(tmp_path: Path) -> list[str]:
+    return (tmp_path / "calls.log").read_text().splitlines()
+
+
+def test_kext_presum_script_runs_every_step_and_keeps_a_failure(tmp_path):
+    repo, env = _fake_repo(tmp_path, "bench/kext_presum_h200.sh")
+    env["FAKE_FAIL"] = "test_kext_presum_gpu"
+    r = subprocess.run(["bash", str(repo / "bench" / "kext_presum_h200.sh")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stdout + r.stderr
+    calls = _calls(tmp_path)
+    assert len(calls) == 3
+    out = tmp_path / "out"
+    assert f"--junitxml {out}/gpu_tests_kext_presum.xml" in calls[0] \
+        and calls[0].endswith("tests/gpu/test_kext_presum_gpu.py")
+    assert "tests/gpu/test_ops_gpu.py" in calls[1] and "dispatched_layer" in calls[1]
+    assert calls[2].endswith("bench/probes/kext_presum_probe.py")
+    assert "gpu_tests_kext_presum: rc=3" in r.stdout and "kext_presum_probe: rc=0" in r.stdout
+    assert {p.name for p in out.iterdir()} >= {"gpu_tests_kext_presum.log",
+                                                "gpu_tests_ops.log", "kext_presum_probe.log"}
+
+
+def test_h200_scripts_stop_at_once_without_devcache(tmp_path):
+    repo, env = _fake_repo(tmp_path, "bench/wgmma_presum_h200.sh")
+    shutil.rmtree(repo / ".devcache")
+    r = subprocess.run(["bash", str(repo / "bench" / "wgmma_presum_h200.sh")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "carry .devcache" in r.stdout
+    assert not (tmp_path / "calls.log").exists()
+
+
+def test_hopper_targets_benches_each_model_with_the_kext_folds(tmp_path):
+    repo, env = _fake_repo(tmp_path, "bench/hopper_targets_h200.sh")
+    env.update({"TAG": "s99", "MODELS": "qwen3-8b,qwen3-4b", "COMPS": "none,0.125",
+                "KEXT_FOLDS": "exact,presum"})
+    r = subprocess.run(["bash", str(repo / "bench" / "hopper_targets_h200.sh")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = _calls(tmp_path)
+    assert [c.split("--model ")[1].split()[0] for c in calls] == ["qwen3-8b", "qwen3-4b"]
+    for c in calls:
+        assert "--compensations none,0.125 --kext-folds exact,presum" in c
+    out = tmp_path / "out"
+    assert (out / "bench_s99_qwen3-4b.json").exists()
+    assert "bench qwen3-4b:" in (out / "bench_s99_qwen3-4b.log").read_text()

@@ -622,4 +622,4 @@ def test_the_device_script_tests_tunes_then_benches(tmp_path):
     env["FAKE_FAIL"] = "resgen bench"
     r = subprocess.run(["bash", str(repo / "bench" / "w4a16_h200.sh")], env=env,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 3 and "bench: rc=3" in r.stdout
+    assert r.returncode == 3 and "bench_w4a16: rc=3" in r.stdout
