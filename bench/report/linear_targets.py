@@ -26,20 +26,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report_io import load_json  # noqa: E402
+from report_io import load_json, mode  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "h200"
 DECODE_JSON = RESULTS / "bench_qwen3_8b_table14b.json.xz"
 PREFILL_JSON = RESULTS / "bench_qwen3_8b_table12_prefill.json.xz"
 GATE_UP_DOWN = {"gate/up": lambda n, k: n > 2 * k, "down": lambda n, k: k > 2 * n}
 
-Key = tuple[str, str, int]                 # (fmt, compensation, m)
+Key = tuple[str, str, int]                 # (fmt, mode: report_io.mode, m)
 Row = tuple[str, str, float, bool]         # (target, how it is measured, value, met)
 
 
 def sums(report: dict, field: str) -> dict[Key, float]:
-    """Four-shape sums of `field` per (fmt, compensation, m), over rows whose check passed and
-    that have the field; a key is kept only if every shape of the report has it."""
+    """Four-shape sums of `field` per (fmt, mode, m) (mode: the compensation, "+presum" for
+    the K-Ext presum fold), over rows whose check passed and that have the field; a key is
+    kept only if every shape of the report has it."""
     acc: dict[Key, dict[tuple[int, int], float]] = defaultdict(dict)
     shapes = set()
     for r in report["rows"]:
@@ -47,7 +48,7 @@ def sums(report: dict, field: str) -> dict[Key, float]:
         shapes.add((p["n"], p["k"]))
         v = r.get(field)
         if (r.get("check") or {}).get("ok") and isinstance(v, (int, float)):
-            acc[(p["fmt"], str(p["compensation"]), int(p["m"]))][(p["n"], p["k"])] = float(v)
+            acc[(p["fmt"], mode(p), int(p["m"]))][(p["n"], p["k"])] = float(v)
     return {k: sum(d.values()) for k, d in acc.items() if set(d) == shapes}
 
 

@@ -18,3 +18,11 @@ def read_text(path: Path) -> str:
 def load_json(path: Path) -> Any:
     """A JSON report, plain or xz-compressed."""
     return json.loads(read_text(path))
+
+
+def mode(problem: dict[str, Any]) -> str:
+    """A `resgen bench` row's mode, as `resgen bench` prints it: the compensation, with
+    "+presum" for a K-Ext presum workload (its key's "fold"), so the two K-Ext folds stay
+    apart."""
+    comp = str(problem["compensation"])
+    return comp + "+presum" if problem.get("fold") == "presum" else comp

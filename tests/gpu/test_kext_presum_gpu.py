@@ -23,6 +23,8 @@ from resgen.search.family import get_family
 from resgen.search.sm90_linear import compare
 from resgen.search.variant import LinearProblem
 
+from runner_checks import check_runner  # tests/gpu/runner_checks.py
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -61,13 +63,7 @@ def test_kext_presum_layers(n, k, fname, m, ratio):
         r.as_layer()                          # the real K-Ext presum quantizer in front
         assert r.quantizer.config.layout == "presum" and r.masks is not None
         assert not r.exact_too
-        for _ in range(2):
-            res = r.check()
-            assert res.ok, f"{v.name()} m={m}: {res.detail} (rel {res.rel_err:.3e})"
-        x = torch.randn(m, k, device=DEV)
-        a, b = r.run_on(x), r.run_on(x)
-        torch.cuda.synchronize()
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{v.name()}: reruns"
+        check_runner(r, v, m, k)
 
 
 def test_ops_linear_kext_presum_and_graph_replay():

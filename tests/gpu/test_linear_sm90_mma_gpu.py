@@ -21,6 +21,8 @@ from resgen.search.linear_sm90_mma import (FAMILY, Act, LinearSm90Variant, Packi
                                            Reduction, geometry_of)
 from resgen.search.variant import LinearProblem
 
+from runner_checks import check_runner  # tests/gpu/runner_checks.py
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -47,16 +49,7 @@ def _check_variant(v: LinearSm90Variant, base: LinearProblem, ms=(1, 3), determi
         p = dataclasses.replace(base, m=m)
         # one compile per compile key (all M of an xop variant; M sharing a fused tile size)
         r = FAMILY.runner(_compiled(v, p), v, p, "cuda", n_sets=1, seed=m)
-        for _ in range(2):           # the second call sees the state the first one left
-            res = r.check()
-            assert res.ok, f"{v.name()} m={m}: {res.detail} (rel {res.rel_err:.3e})"
-        if determinism and v.deterministic:
-            x = torch.randn(m, p.k, device="cuda")
-            a = r.run_on(x)
-            b = r.run_on(x)
-            torch.cuda.synchronize()
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
-                f"{v.name()} m={m}: reruns differ"
+        check_runner(r, v, m, p.k, reruns=determinism)
 
 
 COVER_PROBLEMS = [LinearProblem(fmt, comp, 16, 256, 1024)

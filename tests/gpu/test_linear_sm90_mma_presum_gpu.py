@@ -25,6 +25,8 @@ from resgen.search.variant import LinearProblem
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_linear_sm90_mma_gpu import _compiled  # noqa: E402  (one compile cache for both files)
 
+from runner_checks import check_runner  # tests/gpu/runner_checks.py
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -50,14 +52,7 @@ def test_presum_qwen3_8b(n, k, m):
         assert FAMILY.why_invalid(v, p, ARCH) is None, FAMILY.why_invalid(v, p, ARCH)
         r = FAMILY.runner(_compiled(v, p), v, p, "cuda", n_sets=1, seed=m)
         r.as_layer()                       # the real quant_sm90 quantizer in front
-        for _ in range(2):
-            res = r.check()
-            assert res.ok, f"{v.name()} m={m}: {res.detail} (rel {res.rel_err:.3e})"
-        if v.deterministic:
-            x = torch.randn(m, k, device="cuda")
-            a, b = r.run_on(x), r.run_on(x)
-            torch.cuda.synchronize()
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{v.name()}: reruns"
+        check_runner(r, v, m, k)
 
 
 def test_presum_is_refused_where_it_cannot_run():

@@ -16,6 +16,8 @@ from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Ras
                                              compile_once)
 from resgen.search.variant import LinearProblem
 
+from runner_checks import check_runner  # tests/gpu/runner_checks.py
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -35,15 +37,7 @@ def _check_variant(v: LinearSm90WgmmaVariant, base: LinearProblem, ms=(1, 37)):
     for m in ms:
         p = dataclasses.replace(base, m=m)
         r = FAMILY.runner(fn, v, p, "cuda", n_sets=1, seed=m)
-        for _ in range(2):           # the second call sees the barriers' state reset
-            res = r.check()
-            assert res.ok, f"{v.name()} m={m}: {res.detail} (rel {res.rel_err:.3e})"
-        x = torch.randn(m, p.k, device="cuda")
-        a = r.run_on(x)
-        b = r.run_on(x)
-        torch.cuda.synchronize()
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
-            f"{v.name()} m={m}: reruns differ"
+        check_runner(r, v, m, p.k)           # wgmma variants are all deterministic
 
 
 SMALL_FULL = LinearProblem("nvfp4", "full", 40, 256, 256)

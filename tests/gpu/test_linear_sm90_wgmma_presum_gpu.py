@@ -30,6 +30,8 @@ from resgen.search.linear_sm90_wgmma import (FAMILY, Fold, LinearSm90WgmmaVarian
                                              Raster, compile_once)
 from resgen.search.variant import LinearProblem
 
+from runner_checks import check_runner  # tests/gpu/runner_checks.py
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -139,13 +141,7 @@ def test_presum_qwen3_8b(n, k, m):
         assert r.rows == m
         r.as_layer()                       # the real quant_sm90 presum quantizer in front
         assert r.quantizer.config.layout == "presum"
-        for _ in range(2):
-            res = r.check()
-            assert res.ok, f"{v.name()} m={m}: {res.detail} (rel {res.rel_err:.3e})"
-        x = torch.randn(m, k, device=DEV)
-        a, b = r.run_on(x), r.run_on(x)
-        torch.cuda.synchronize()
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{v.name()}: reruns"
+        check_runner(r, v, m, k)
 
 
 def test_presum_rounds_once_to_fp16_on_the_gpu():

@@ -1,0 +1,22 @@
+"""The check every linear GPU test makes of a family runner (imported by the tests in this
+folder; pytest puts the folder on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_runner(r, v, m: int, k: int, *, reruns: bool = True) -> None:
+    """`r.check()` twice: each on fresh random inputs and NaN-poisoned outputs, against the
+    FP32 reference of the same quantized values; the second sees whatever state the first
+    left (barriers, split-K workspace). Then, where `reruns` and `v.deterministic`, two runs
+    of one fresh (m, k) input must give bit-identical BF16 outputs."""
+    for _ in range(2):
+        res = r.check()
+        assert res.ok, f"{v.name()} m={m}: {res.detail} (rel {res.rel_err:.3e})"
+    if reruns and v.deterministic:
+        x = torch.randn(m, k, device="cuda")
+        a, b = r.run_on(x), r.run_on(x)
+        torch.cuda.synchronize()
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+            f"{v.name()} m={m}: reruns differ"
