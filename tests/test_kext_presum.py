@@ -254,11 +254,12 @@ def test_warm_start_offers_the_plain_winners_as_presum_for_kext_presum():
     assert ws.candidates(WG.FAMILY, dataclasses.replace(p, fold="exact"), ARCH, 4) == []
 
 
-def test_runtime_serves_the_plain_twins_winner_as_presum_on_a_miss():
-    """No K-Ext presum row is shipped: the runtime serves a K-Ext presum workload its plain
-    twin's tuned winner with fold "presum" (valid for it, logged once), the default where the
-    twin's winner has no presum form (a fused mma variant at M = 1), and never a presum
-    variant to the exact K-Ext workload."""
+def test_runtime_serves_the_plain_twins_winner_as_presum_on_a_miss(tmp_path):
+    """On a table without K-Ext presum rows (the shipped table with them deleted), the
+    runtime serves a K-Ext presum workload its plain twin's tuned winner with fold "presum"
+    (valid for it, logged once), the default where the twin's winner has no presum form (a
+    fused mma variant at M = 1), and never a presum variant to the exact K-Ext workload; on
+    the shipped table itself, from M = 16 on, its own tuned presum row."""
     import logging
 
     class _Keep(logging.Handler):
@@ -276,20 +277,45 @@ def test_runtime_serves_the_plain_twins_winner_as_presum_on_a_miss():
     logger.addHandler(keep)
     logger.setLevel(logging.WARNING)
     try:
-        _twin_checks(keep)
+        _twin_checks(keep, tmp_path)
     finally:
         logger.removeHandler(keep)
         logger.setLevel(level)
 
 
-def _twin_checks(keep) -> None:
+def _table_without_kext_presum(tmp_path):
+    """The shipped table, unpacked, with every K-Ext presum workload and its results
+    deleted."""
+    import lzma
+    import shutil
+    import sqlite3
     from pathlib import Path
 
-    from resgen.runtime import Device, Dispatcher, shipped_table
+    from resgen.runtime import shipped_table
 
-    root = Path(__file__).resolve().parents[1]
-    d = Dispatcher(paths=[shipped_table(root / "tuned", "h200")],
-                   device=Device("NVIDIA H200", "sm_90a"))
+    src = shipped_table(Path(__file__).resolve().parents[1] / "tuned", "h200")
+    out = tmp_path / "no_kext_presum.sqlite"
+    with (lzma.open(src) if src.suffix == ".xz" else open(src, "rb")) as f, \
+            open(out, "wb") as g:
+        shutil.copyfileobj(f, g)
+    con = sqlite3.connect(out)
+    ids = [i for (i,) in con.execute(
+        "SELECT id FROM workloads WHERE key LIKE '%\"fold\":\"presum\"%'")]
+    assert ids, "the shipped table holds K-Ext presum rows (kext_presum_s35)"
+    con.executemany("DELETE FROM results WHERE workload_id = ?", [(i,) for i in ids])
+    con.executemany("DELETE FROM workloads WHERE id = ?", [(i,) for i in ids])
+    con.commit()
+    con.close()
+    return src, out
+
+
+def _twin_checks(keep, tmp_path) -> None:
+    from resgen.runtime import Device, Dispatcher
+
+    shipped, stripped = _table_without_kext_presum(tmp_path)
+    dev = Device("NVIDIA H200", "sm_90a")
+    own = Dispatcher(paths=[shipped], device=dev)
+    d = Dispatcher(paths=[stripped], device=dev)
     for m in (16, 128, 2048):
         p = LinearProblem("nvfp4", "0.125", m, 4096, 12288, fold="presum")
         plain = LinearProblem("nvfp4", "none", m, 4096, 12288)
@@ -301,6 +327,9 @@ def _twin_checks(keep) -> None:
         assert d.served("linear", p)[2] is None                    # no median of its own
         ex = d.lookup("linear", dataclasses.replace(p, fold="exact"))
         assert not getattr(ex, "presum", False)
+        # the shipped table: the workload's own tuned row, with its median
+        tv, src, med = own.served("linear", p)
+        assert tv.presum and "plain twin" not in src and med is not None
     p1 = LinearProblem("nvfp4", "0.125", 1, 4096, 12288, fold="presum")
     v1 = d.lookup("linear", p1)
     assert d.source("linear", p1) == "default" and v1.presum
