@@ -33,6 +33,12 @@ import faulthandler
 import signal
 import sys
 faulthandler.register(signal.SIGUSR1, all_threads=True)   # the test's view of a hang
+# A terminal's foreground process has Python's Ctrl-C handler; a process started in the
+# background by a non-interactive shell (a CI runner's `cmd &`, nohup) inherits SIGINT
+# ignored, and Python then keeps it ignored: without this the Ctrl-C below never arrives
+# (seen: this test hanging in a backgrounded fresh-clone CI, the parent still polling its
+# workers' queue 150 s later).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import fakefam
 import resgen.cli as cli
 import resgen.search.record as record
