@@ -140,7 +140,6 @@ class LinearSm90Variant(VariantBase):
     def presum(self) -> bool:
         return self.fold == Fold.PRESUM
 
-
     @property
     def fused(self) -> bool:
         return self.act == Act.FUSED

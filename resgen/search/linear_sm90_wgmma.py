@@ -95,7 +95,6 @@ class LinearSm90WgmmaVariant(VariantBase):
         return self.fold == Fold.PRESUM
 
 
-
 def gemm_rows(variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
     """The operand rows the GEMM reads: problem.rows (2 M for exact M-Ext), M for presum (one
     summed row per token)."""
