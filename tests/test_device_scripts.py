@@ -71,6 +71,18 @@ def _fake_repo(tmp_path: Path, script: str, gpus: int = 1) -> tuple[Path, dict]:
     return repo, env
 
 
+def run_script(repo: Path, script: str, env: dict, *args: str,
+               timeout: int = 60) -> subprocess.CompletedProcess:
+    """bash `script` (a path in `repo`) with `args` in `env`, its output captured."""
+    return subprocess.run(["bash", str(repo / script), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _calls(tmp_path: Path) -> list[str]:
+    """The recorded stand-in calls, one per line."""
+    return (tmp_path / "calls.log").read_text().splitlines()
+
+
 def _run(tmp_path: Path, gpus: int) -> tuple[list[str], subprocess.CompletedProcess]:
     repo, env = _fake_repo(tmp_path, "tuned/produce_h200.sh")
     subprocess.run(["xz", "-z", "-c"], input=b"seed", stdout=open(repo / "seed.xz", "wb"),
@@ -78,9 +90,8 @@ def _run(tmp_path: Path, gpus: int) -> tuple[list[str], subprocess.CompletedProc
     env.update({"RESGEN_TUNE_WORK": str(tmp_path / "work.sqlite"), "RESGEN_TUNE_BUDGET": "5",
                 "RESGEN_TUNE_RESUME_FROM": "seed.xz", "RESGEN_TUNE_GPUS": str(gpus),
                 "RESGEN_TUNE_ARGS": "--families linear_sm90_mma"})
-    r = subprocess.run(["bash", str(repo / "tuned" / "produce_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=120)
-    return (tmp_path / "calls.log").read_text().splitlines(), r
+    r = run_script(repo, "tuned/produce_h200.sh", env, timeout=120)
+    return _calls(tmp_path), r
 
 
 def test_one_gpu_runs_one_tune(tmp_path):
@@ -126,11 +137,10 @@ def test_two_gpus_run_one_shard_each_then_merge(tmp_path):
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_probe_and_test_uses_both_gpus_when_there_are_two(tmp_path, gpus):
     repo, env = _fake_repo(tmp_path, "bench/probe_and_test.sh", gpus)
-    r = subprocess.run(["bash", str(repo / "bench" / "probe_and_test.sh"), "bench/x_probe.py",
-                        "tests/gpu/test_x.py", "run7"], env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = run_script(repo, "bench/probe_and_test.sh", env, "bench/x_probe.py",
+                   "tests/gpu/test_x.py", "run7", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    calls = (tmp_path / "calls.log").read_text().splitlines()
+    calls = _calls(tmp_path)
     probe = [c for c in calls if "bench/x_probe.py" in c]
     tests = [c for c in calls if " -m pytest " in c]
     memcheck = [c for c in calls if "--tool memcheck" in c]
@@ -146,20 +156,18 @@ def test_probe_and_test_uses_both_gpus_when_there_are_two(tmp_path, gpus):
     assert f"({gpus} GPU(s))" in r.stdout
     # a failing step makes the call's exit code non-zero
     env["FAKE_FAIL"] = "-m pytest"
-    r = subprocess.run(["bash", str(repo / "bench" / "probe_and_test.sh"), "bench/x_probe.py",
-                        "tests/gpu/test_x.py", "run8"], env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = run_script(repo, "bench/probe_and_test.sh", env, "bench/x_probe.py",
+                   "tests/gpu/test_x.py", "run8", timeout=120)
     assert r.returncode == 1 and "pytest rc=3" in (out / "gpu_tests_run8.log").read_text()
 
 
 def test_gpu_tests_all_runs_every_file_with_its_own_xml(tmp_path):
     repo, env = _fake_repo(tmp_path, "bench/gpu_tests_all.sh")
     env["FAKE_FAIL"] = "test_b_gpu"
-    r = subprocess.run(["bash", str(repo / "bench" / "gpu_tests_all.sh"), "s9",
-                        "tests/gpu/test_a_gpu.py", "tests/gpu/test_b_gpu.py"], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = run_script(repo, "bench/gpu_tests_all.sh", env, "s9", "tests/gpu/test_a_gpu.py",
+                   "tests/gpu/test_b_gpu.py")
     assert r.returncode == 0, r.stdout + r.stderr
-    calls = (tmp_path / "calls.log").read_text().splitlines()
+    calls = _calls(tmp_path)
     assert len(calls) == 2 and all(" -m pytest " in c for c in calls)
     for name in ("test_a_gpu", "test_b_gpu"):
         call = next(c for c in calls if f"tests/gpu/{name}.py" in c)
@@ -178,18 +186,16 @@ def test_gpu_tests_all_runs_every_file_with_its_own_xml(tmp_path):
 
 def test_gpu_tests_all_wants_a_tag_and_a_file(tmp_path):
     repo, env = _fake_repo(tmp_path, "bench/gpu_tests_all.sh")
-    r = subprocess.run(["bash", str(repo / "bench" / "gpu_tests_all.sh"), "s9"], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = run_script(repo, "bench/gpu_tests_all.sh", env, "s9")
     assert r.returncode == 2 and "usage" in r.stderr
 
 
 def test_presum_quant_runs_both_probes_even_when_the_first_fails(tmp_path):
     repo, env = _fake_repo(tmp_path, "bench/presum_quant_h200.sh")
     env["FAKE_FAIL"] = "presum_split_probe"
-    r = subprocess.run(["bash", str(repo / "bench" / "presum_quant_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = run_script(repo, "bench/presum_quant_h200.sh", env)
     assert r.returncode == 3, r.stdout + r.stderr
-    calls = (tmp_path / "calls.log").read_text().splitlines()
+    calls = _calls(tmp_path)
     assert [c.split()[1] for c in calls] == ["bench/probes/presum_split_probe.py",
                                              "bench/probes/quant_layer_config_probe.py"]
     out = tmp_path / "out"
@@ -197,15 +203,10 @@ def test_presum_quant_runs_both_probes_even_when_the_first_fails(tmp_path):
                                                "quant_layer_config_probe.log"}
 
 
-def _calls(tmp_path: Path) -> list[str]:
-    return (tmp_path / "calls.log").read_text().splitlines()
-
-
 def test_kext_presum_script_runs_every_step_and_keeps_a_failure(tmp_path):
     repo, env = _fake_repo(tmp_path, "bench/kext_presum_h200.sh")
     env["FAKE_FAIL"] = "test_kext_presum_gpu"
-    r = subprocess.run(["bash", str(repo / "bench" / "kext_presum_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = run_script(repo, "bench/kext_presum_h200.sh", env)
     assert r.returncode == 3, r.stdout + r.stderr
     calls = _calls(tmp_path)
     assert len(calls) == 3
@@ -222,8 +223,7 @@ def test_kext_presum_script_runs_every_step_and_keeps_a_failure(tmp_path):
 def test_h200_scripts_stop_at_once_without_devcache(tmp_path):
     repo, env = _fake_repo(tmp_path, "bench/wgmma_presum_h200.sh")
     shutil.rmtree(repo / ".devcache")
-    r = subprocess.run(["bash", str(repo / "bench" / "wgmma_presum_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = run_script(repo, "bench/wgmma_presum_h200.sh", env)
     assert r.returncode == 2 and "carry .devcache" in r.stdout
     assert not (tmp_path / "calls.log").exists()
 
@@ -232,8 +232,7 @@ def test_hopper_targets_benches_each_model_with_the_kext_folds(tmp_path):
     repo, env = _fake_repo(tmp_path, "bench/hopper_targets_h200.sh")
     env.update({"TAG": "s99", "MODELS": "qwen3-8b,qwen3-4b", "COMPS": "none,0.125",
                 "KEXT_FOLDS": "exact,presum"})
-    r = subprocess.run(["bash", str(repo / "bench" / "hopper_targets_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = run_script(repo, "bench/hopper_targets_h200.sh", env)
     assert r.returncode == 0, r.stdout + r.stderr
     calls = _calls(tmp_path)
     assert [c.split("--model ")[1].split()[0] for c in calls] == ["qwen3-8b", "qwen3-4b"]

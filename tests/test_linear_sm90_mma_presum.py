@@ -375,13 +375,10 @@ def test_presum_h200_script_runs_tests_then_probe(tmp_path):
     """bench/presum_h200.sh with recording stand-ins for python3 (tests/test_device_scripts):
     the presum GPU tests, the NVFP4 M-Ext covering test, then the probe; a failing step makes
     the exit code non-zero."""
-    import subprocess
-
-    from test_device_scripts import _fake_repo
+    from test_device_scripts import _fake_repo, run_script
 
     repo, env = _fake_repo(tmp_path, "bench/presum_h200.sh")
-    r = subprocess.run(["bash", str(repo / "bench" / "presum_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = run_script(repo, "bench/presum_h200.sh", env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert len(calls) == 2
@@ -389,14 +386,12 @@ def test_presum_h200_script_runs_tests_then_probe(tmp_path):
     assert "bench/probes/presum_probe.py" in calls[1]
     env["RESGEN_PRESUM_COVER"] = "1"
     (tmp_path / "calls.log").unlink()
-    r = subprocess.run(["bash", str(repo / "bench" / "presum_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = run_script(repo, "bench/presum_h200.sh", env, timeout=120)
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert r.returncode == 0 and len(calls) == 3
     assert "test_linear_sm90_mma_gpu.py" in calls[1] and "nvfp4-full" in calls[1]
     env["FAKE_FAIL"] = "presum_probe"
-    r = subprocess.run(["bash", str(repo / "bench" / "presum_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = run_script(repo, "bench/presum_h200.sh", env, timeout=120)
     assert r.returncode == 3
 
 

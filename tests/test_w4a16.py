@@ -604,13 +604,10 @@ def test_the_device_script_tests_tunes_then_benches(tmp_path):
     """bench/w4a16_h200.sh with recording stand-ins for python3 (tests/test_device_scripts):
     the GPU tests, then the W4A16 tune (linear families, warm-started from the shipped
     table), then the bench of plain against W4A16; a failing step fails the call."""
-    import subprocess
-
-    from test_device_scripts import _fake_repo
+    from test_device_scripts import _fake_repo, run_script
 
     repo, env = _fake_repo(tmp_path, "bench/w4a16_h200.sh")
-    r = subprocess.run(["bash", str(repo / "bench" / "w4a16_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = run_script(repo, "bench/w4a16_h200.sh", env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
     steps = [c for c in calls if " -m pytest " in c or " resgen " in c]
@@ -620,6 +617,5 @@ def test_the_device_script_tests_tunes_then_benches(tmp_path):
         "--ops linear" in steps[1] and "--warm-start tuned/h200.sqlite.xz" in steps[1]
     assert " resgen bench " in steps[2] and "--compensations none,w4a16" in steps[2]
     env["FAKE_FAIL"] = "resgen bench"
-    r = subprocess.run(["bash", str(repo / "bench" / "w4a16_h200.sh")], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = run_script(repo, "bench/w4a16_h200.sh", env, timeout=120)
     assert r.returncode == 3 and "bench_w4a16: rc=3" in r.stdout
