@@ -65,6 +65,7 @@ REPORTS: dict[str, tuple[str, ...]] = {
 DECODE_US = {1: 30.0, 16: 34.0, 64: 45.0, 128: 70.0}           # Qwen3-8B plain targets
 BF16_SPEEDUP = {1: 3.6, 16: 3.2, 64: 2.5, 128: 1.7}            # what those times mean
 PREFILL_M = (256, 512, 2048)
+ALL_M = tuple(DECODE_US) + PREFILL_M                          # decode, then prefill
 KEXT_RATIOS = ("0.125", "0.25", "0.5", "1.0")
 KEXT_PRESUM = "K-Ext presum <= 1.05x plain"
 # rows without a verdict: measures of distance or comparison, not targets
@@ -133,7 +134,7 @@ def targets(model: str, rp: Reports) -> list[Row]:
             add(f"plain {'faster than' if m <= 64 else 'within 5% of'} cuBLAS FP8 W8A8, "
                 f"{name}", f"M = {m}", [("resgen_us", "none", m), (key, "none", m)],
                 lambda t, f: f / t, lambda x, goal=goal: x >= goal)
-    for m in list(DECODE_US) + list(PREFILL_M):
+    for m in ALL_M:
         add("full residue <= 1.05x plain", f"M = {m}",
             [("resgen_us", "full", m), ("resgen_us", "none", m)], lambda f, p: f / p,
             lambda x: x <= 1.05)
@@ -141,19 +142,19 @@ def targets(model: str, rp: Reports) -> list[Row]:
         add("prefill plain >= 1.0x cuBLAS BF16", f"M = {m}",
             [("resgen_us", "none", m), ("bf16_us", "none", m)], lambda t, b: b / t,
             lambda x: x >= 1.0)
-    for m in list(DECODE_US) + list(PREFILL_M):
+    for m in ALL_M:
         add("W4A16 faster than plain W4A4", f"M = {m}",
             [("resgen_us", "w4a16", m), ("resgen_us", "none", m)], lambda w, p: p / w,
             lambda x: x > 1.0)
     for r in KEXT_RATIOS:
-        for m in list(DECODE_US) + list(PREFILL_M):
+        for m in ALL_M:
             add(KEXT_PRESUM, f"ratio {r}, M = {m}",
                 [("resgen_us", f"{r}+presum", m), ("resgen_us", "none", m)],
                 lambda k, p: k / p, lambda x: x <= 1.05)
             add("K-Ext exact fold / plain", f"ratio {r}, M = {m}",
                 [("resgen_us", r, m), ("resgen_us", "none", m)], lambda k, p: k / p,
                 lambda x: False)
-    for m in list(DECODE_US) + list(PREFILL_M):
+    for m in ALL_M:
         got = rp.first([("resgen_us", "none", m)])
         if got is not None:
             i, (t,) = got
