@@ -286,18 +286,16 @@ def test_runtime_serves_the_plain_twins_winner_as_presum_on_a_miss(tmp_path):
 def _table_without_kext_presum(tmp_path):
     """The shipped table, unpacked, with every K-Ext presum workload and its results
     deleted."""
-    import lzma
     import shutil
     import sqlite3
     from pathlib import Path
 
+    from resgen.db.store import unpack_xz
     from resgen.runtime import shipped_table
 
     src = shipped_table(Path(__file__).resolve().parents[1] / "tuned", "h200")
     out = tmp_path / "no_kext_presum.sqlite"
-    with (lzma.open(src) if src.suffix == ".xz" else open(src, "rb")) as f, \
-            open(out, "wb") as g:
-        shutil.copyfileobj(f, g)
+    shutil.copyfile(unpack_xz(src) if src.suffix == ".xz" else src, out)
     con = sqlite3.connect(out)
     ids = [i for (i,) in con.execute(
         "SELECT id FROM workloads WHERE key LIKE '%\"fold\":\"presum\"%'")]

@@ -122,13 +122,11 @@ def audit(path: Path) -> dict[str, list[str]]:
         v = d.lookup(type(p).OP, p)
         if get_family(type(v).FAMILY).why_invalid(v, p, ARCH) is not None:
             out["runtime"].append(f"invalid variant served for {p.key()}")
+        if getattr(p, "kext_presum", False) and not getattr(v, "presum", False):
+            out["runtime"].append(f"no presum variant served for {p.key()}")
         defaults += d.source(type(p).OP, p) == "default"
     if defaults:
         out["runtime"].append(f"{defaults} workloads fall back to the default variant")
-    for p in need:
-        if getattr(p, "kext_presum", False) and not getattr(d.lookup("linear", p), "presum",
-                                                            False):
-            out["runtime"].append(f"no presum variant served for {p.key()}")
     return out
 
 
