@@ -58,7 +58,7 @@ def check_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows
     if geom.nv and (alpha_x is None or alpha_x.dtype != torch.float32 or alpha_x.numel() != 1):
         raise ValueError("NVFP4 needs alpha_x: a float32 tensor of one element")
     gx, gy = geom.grid(rows, n)
-    if gy > _GRID_Y_MAX:
+    if gy > _GRID_Y_MAX and not getattr(geom, "streamk", 0):
         raise ValueError(f"grid y {gy} exceeds {_GRID_Y_MAX}: use raster 'tok' or fewer rows")
     devs = {wt.records.device, xop.device, out.device}
     if alpha_x is not None:
@@ -71,17 +71,26 @@ class WgmmaLauncher:
     """A compiled linear_sm90_wgmma variant launched on torch CUDA tensors (current stream).
 
     The compiled entry takes (records, xop, out, alpha_x, alpha_w, workspace, semaphores, m,
-    rows, N, nk, stream) as raw device pointers and ints. xop_dtype: the operand's type,
+    rows, N, nk[, ctas], stream) as raw device pointers and ints (ctas: stream-K variants'
+    persistent CTAs, StreamKGeometry.ctas on this GPU's SMs). xop_dtype: the operand's type,
     bfloat16 (exact unit values or W4A16's activations) or float16 (a presum variant: the
     layer quantizer's fp16(X_hat + R_hat) rows, resgen.kernels.linear_sm90_wgmma_presum)."""
 
     def __init__(self, compiled: Any, geom: WgGeometry, device: torch.device | str,
-                 xop_dtype: torch.dtype = torch.bfloat16):
+                 xop_dtype: torch.dtype = torch.bfloat16, sms: int | None = None):
         if xop_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"xop_dtype must be bfloat16 or float16, got {xop_dtype}")
         self.compiled = compiled
         self.geom = geom
         self.xop_dtype = xop_dtype
+        # stream-K (StreamKGeometry): the GPU's SMs size the persistent grid (sms overrides,
+        # e.g. for a simulation on the CPU; a CPU device without it assumes the H200's 132)
+        self.streamk = int(getattr(geom, "streamk", 0))
+        if sms is None:
+            dev = torch.device(device)
+            sms = (torch.cuda.get_device_properties(dev).multi_processor_count
+                   if dev.type == "cuda" else 132)
+        self.sms = int(sms)
         self.one = torch.ones(1, dtype=torch.float32, device=device)
         self.ws = torch.zeros(4, dtype=torch.float32, device=device)
         self.sem = torch.zeros(1, dtype=torch.int32, device=device)
@@ -94,7 +103,12 @@ class WgmmaLauncher:
 
     def _reserve(self, rows: int, n: int) -> None:
         """Grow the split-K workspace / semaphores to what a launch over rows x N needs."""
-        wsf, sems = self.geom.ws_floats(rows, n), self.geom.sem_count(rows, n)
+        if self.streamk:
+            # the workspace of the largest persistent grid: independent of K
+            ctas = self.streamk * self.sms
+            wsf, sems = self.geom.ws_floats(rows, n, ctas), self.geom.sem_count(rows, n, ctas)
+        else:
+            wsf, sems = self.geom.ws_floats(rows, n), self.geom.sem_count(rows, n)
         if wsf <= self.ws.numel() and sems <= self.sem.numel():
             return
         if self.ws.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -133,8 +147,10 @@ class WgmmaLauncher:
         # CPU tensors only reach here in tests that stand a simulation in for the kernel
         stream = cuda.CUstream(torch.cuda.current_stream(xop.device).cuda_stream
                                if xop.is_cuda else 0)
+        ctas = ([self.geom.ctas(rows, wt.out_features, wt.nk, self.sms)] if self.streamk
+                else [])
         self.compiled(self._ptr(wt.records, 16), self._ptr(xop, 16), self._ptr(out, 16),
                       self._ptr(ax, 4), self._ptr(wt.alpha, 4), self._ptr(self.ws, 16),
                       self._ptr(self.sem, 4), int(m), int(rows),
-                      int(wt.out_features), int(wt.nk), stream)
+                      int(wt.out_features), int(wt.nk), *ctas, stream)
         return out

@@ -77,13 +77,40 @@ def _dense_block(frag_mb: torch.Tensor, kp: int) -> torch.Tensor:
     return out.reshape(64, kp)
 
 
+def _k_parts(geom: WgGeometry, tt: int, ct: int, rows: int, n: int, nk: int,
+             ctas: int | None) -> list[tuple[int, int]]:
+    """The column ranges [c0, c1) whose FP32 partial products make up tile (tt, ct), in the
+    order the kernel sums them: split-K slices in split order, or (stream-K,
+    linear_sm90_wgmma_streamk) the segments of the tile's contributors i0 .. i1."""
+    if not getattr(geom, "streamk", 0):
+        ks = nk * 64 // geom.split_k
+        return [(z * ks, (z + 1) * ks) for z in range(geom.split_k)]
+    if ctas is None:
+        raise ValueError("a stream-K launch needs its CTA count")
+    ntt, nct = geom.tile_grid(rows, n)
+    t = ct * ntt + tt if geom.raster == "tok" else tt * nct + ct
+    if geom.tile_coords(t, ntt, nct) != (tt, ct):
+        raise AssertionError(f"tile {t} does not map back to ({tt}, {ct})")
+    nq, units = nk // 2, geom.units(rows, n, nk)
+    i0, i1 = geom.contributors(t, units, nq, ctas)
+    parts = []
+    for i in range(i0, i1 + 1):
+        segs = [(q0, q1) for tile, q0, q1 in geom.segments(i, rows, n, nk, ctas) if tile == t]
+        if len(segs) != 1:
+            raise AssertionError(f"CTA {i} has {len(segs)} segments in tile {t}")
+        parts.append((128 * segs[0][0], 128 * segs[0][1]))
+    return parts
+
+
 def simulate_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, rows: int,
-                    alpha_x: torch.Tensor | None, presum: bool = False) -> torch.Tensor:
+                    alpha_x: torch.Tensor | None, presum: bool = False,
+                    ctas: int | None = None) -> torch.Tensor:
     """bf16 [m, N]: what one launch writes (NaN where nothing is written), on the CPU.
 
     xop: bf16 (presum: fp16, read as its values like any operand) [>= rows, Kp]; rows = m
     (plain / K-Ext / presum) or 2 m (M-Ext row pairs). presum: the A registers from the FP16
-    decode (linear_sm90_wgmma_presum.fragment_values_f16) instead of the BF16 one."""
+    decode (linear_sm90_wgmma_presum.fragment_values_f16) instead of the BF16 one. ctas: a
+    stream-K launch's persistent CTAs (StreamKGeometry), whose segments make the partials."""
     if wt.packing != geom.packing or wt.fmt != geom.fmt:
         raise ValueError("weight packing/format does not match the geometry")
     n, kp = wt.out_features, wt.kp
@@ -109,10 +136,9 @@ def simulate_launch(geom: WgGeometry, wt: WgWeight, xop: torch.Tensor, m: int, r
             for blk in range(geom.mb_cta):
                 mb = ct * geom.mb_cta + blk
                 a = _dense_block(frag[mb], kp)
-                ks = kp // geom.split_k                                 # columns per slice
                 d = None
-                for z in range(geom.split_k):                           # FP32 partials
-                    part = (a[:, z * ks:(z + 1) * ks] @ xt[:, z * ks:(z + 1) * ks].T).float()
+                for c0, c1 in _k_parts(geom, tt, ct, rows, n, kp // 64, ctas):  # FP32 partials
+                    part = (a[:, c0:c1] @ xt[:, c0:c1].T).float()
                     d = part if d is None else d + part                  # [64, BN]
                 r0 = mb * 64 + 16 * q + g
                 for i in range(geom.bn // 8):
@@ -167,17 +193,25 @@ class SimulatedKernel:
         buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(addr)
         return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype)
 
-    def __call__(self, wp, xp, yp, axp, awp, wsp, semp, m, rows, n, nk, stream) -> None:
+    def __call__(self, wp, xp, yp, axp, awp, wsp, semp, m, rows, n, nk, *rest) -> None:
         from .linear_sm90_wgmma_geom import record_bytes
 
         g = self.geom
+        streamk = bool(getattr(g, "streamk", 0))
+        if len(rest) != 1 + streamk:
+            raise AssertionError(f"{len(rest)} arguments after nk, the entry takes "
+                                 f"{'(ctas, stream)' if streamk else '(stream)'}")
         m, rows, n, nk = (int(getattr(v, "value", v)) for v in (m, rows, n, nk))
-        self.calls.append((m, rows, n, nk))
+        ctas = int(getattr(rest[0], "value", rest[0])) if streamk else None
+        self.calls.append((m, rows, n, nk) + ((ctas,) if streamk else ()))
         if not g.split_ok(nk):
             raise AssertionError(f"launched with {nk} chunks for split_k={g.split_k}")
+        kw_ws = {"ctas": ctas} if streamk else {}
+        if streamk and not 1 <= ctas <= g.units(rows, n, nk):
+            raise AssertionError(f"{ctas} stream-K CTAs for {g.units(rows, n, nk)} units")
         # the launcher's split-K buffers: big enough, semaphores at zero (and left at zero)
-        self._view(wsp, 4 * max(g.ws_floats(rows, n), 4), torch.float32, 16)
-        sem = self._view(semp, 4 * max(g.sem_count(rows, n), 1), torch.int32, 4)
+        self._view(wsp, 4 * max(g.ws_floats(rows, n, **kw_ws), 4), torch.float32, 16)
+        sem = self._view(semp, 4 * max(g.sem_count(rows, n, **kw_ws), 1), torch.int32, 4)
         if bool((sem != 0).any()):
             raise AssertionError("a split-K semaphore is not zero at launch")
         rec = record_bytes(g.fmt)
@@ -189,7 +223,8 @@ class SimulatedKernel:
         aw = self._view(awp, 4, torch.float32, 4).clone()
         wt = WgWeight(g.fmt, g.packing, n, 0, nk * 64, records.clone(), aw)
         kw = {"presum": True} if self.xop_dtype == torch.float16 else {}
-        out.copy_(simulate_launch(g, wt, xop.clone(), m, rows, ax if g.nv else None, **kw))
+        out.copy_(simulate_launch(g, wt, xop.clone(), m, rows, ax if g.nv else None,
+                                  ctas=ctas, **kw))
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -235,7 +270,8 @@ class PipelineTrace:
 
 
 def simulate_pipeline(geom: WgGeometry, nk: int, seed: int = 0,
-                      max_steps: int = 1_000_000) -> PipelineTrace:
+                      max_steps: int = 1_000_000,
+                      segments: list[int] | None = None) -> PipelineTrace:
     """Run the producer/consumer mbarrier protocol of the kernel for nk chunks in a random
     interleaving (a consumer warpgroup is one agent that arrives once per warp).
 
@@ -246,8 +282,21 @@ def simulate_pipeline(geom: WgGeometry, nk: int, seed: int = 0,
     records and the activation box), in any order, each completing its own bytes; a stage holds
     chunk c once both of c's parts have landed. PDL (geom.pdl): the producer first arrives on
     the first min(stages, nk) full barriers and issues only their weight parts, then (after
-    griddepcontrol.wait, instantaneous here) their boxes, then continues as above. Raises
-    AssertionError on a protocol violation or a deadlock."""
+    griddepcontrol.wait, instantaneous here) their boxes, then continues as above.
+    segments (stream-K): the CTA's nk chunks as consecutive segments of these lengths (one per
+    tile it touches); a segment's first chunk releases nothing, and its last chunk's stage is
+    released once it was read (wgmma.wait_group 0 ends a segment), the final one included.
+    Raises AssertionError on a protocol violation or a deadlock."""
+    starts: set[int] = set()
+    ends: set[int] = set()
+    if segments is not None:
+        if sum(segments) != nk or min(segments) < 1:
+            raise ValueError(f"segments {segments} do not cover {nk} chunks")
+        c0 = 0
+        for length in segments:
+            starts.add(c0)
+            ends.add(c0 + length - 1)
+            c0 += length
     s_n = geom.stages
     full = [_Mbarrier(1) for _ in range(s_n)]
     empty = [_Mbarrier(geom.release_count) for _ in range(s_n)]
@@ -323,11 +372,15 @@ def simulate_pipeline(geom: WgGeometry, nk: int, seed: int = 0,
             if content[s] != c:
                 raise AssertionError(f"consumer {w} read chunk {content[s]} for chunk {c}")
             holders[s].add(w)
-            if c > 0:                                   # release chunk c - 1's stage
+            if c > 0 and c not in starts:              # release chunk c - 1's stage
                 sp, _ = geom.stage_of(c - 1)
                 holders[sp].discard(w)
                 for _ in range(4):                     # lane 0 of each of the 4 warps
                     empty[sp].arrive()
+            if c in ends:                               # stream-K: the segment's last chunk
+                holders[s].discard(w)
+                for _ in range(4):
+                    empty[s].arrive()
             cons_c[w] += 1
             progressed = True
             break

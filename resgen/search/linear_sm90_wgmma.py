@@ -85,6 +85,9 @@ class LinearSm90WgmmaVariant(VariantBase):
     # keyed (and named) only where it is not the default, as linear_sm90_mma's: the keys,
     # digests and stored rows of every exact variant are the ones they had before the axis
     fold: Fold = field(default=Fold.EXACT, metadata={"short": "fd", UNKEYED_DEFAULT: True})
+    # persistent stream-K CTAs per SM (0: the grid schedule). Keyed only where not 0, as fold
+    streamk: int = field(default=0, metadata={"range": IntRange(0, 2), "short": "ps",
+                                              UNKEYED_DEFAULT: True})
 
     @property
     def deterministic(self) -> bool:
@@ -107,11 +110,15 @@ def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
     from ..kernels.linear_sm90_wgmma_geom import WgGeometry
 
     mext = problem.compensation == "full" and not variant.presum
-    return WgGeometry(fmt=problem.fmt, mext=mext,
-                      packing=variant.packing.value, consumers=variant.consumers,
-                      m_wg=variant.m_wg, bn=variant.bn, stages=variant.stages,
-                      raster=variant.raster.value, split_k=variant.split_k,
-                      pdl=bool(variant.pdl))
+    kw = dict(fmt=problem.fmt, mext=mext, packing=variant.packing.value,
+              consumers=variant.consumers, m_wg=variant.m_wg, bn=variant.bn,
+              stages=variant.stages, raster=variant.raster.value, split_k=variant.split_k,
+              pdl=bool(variant.pdl))
+    if variant.streamk:
+        from ..kernels.linear_sm90_wgmma_streamk import StreamKGeometry
+
+        return StreamKGeometry(**kw, streamk=variant.streamk)
+    return WgGeometry(**kw)
 
 
 def _wave_cost(v: LinearSm90WgmmaVariant, p: LinearProblem) -> float:
@@ -121,6 +128,10 @@ def _wave_cost(v: LinearSm90WgmmaVariant, p: LinearProblem) -> float:
     SMs; past one wave, 1.5 x the idle share of the last wave; plus 0.15 per doubling of the
     split (workspace traffic)."""
     g = geometry_of(v, p)
+    if v.streamk:
+        # persistent: every CTA gets the same share of chunk pairs (no ragged wave), for a
+        # fixup through the workspace on the tiles that CTAs share (NOT measured yet)
+        return 0.15
     gx, gy = g.grid(gemm_rows(v, p), p.n)
     per_sm = 1 if v.consumers == 2 or g.smem_bytes > 113 * 1024 else 2
     waves = gx * gy * v.split_k / (_SMS * per_sm)
@@ -162,6 +173,11 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                 return PRESUM_MEXT_ONLY
         elif p.kext_presum:
             return KEXT_PRESUM_ONLY
+        if v.streamk:
+            if v.split_k != 1 or v.pdl:
+                return "stream-K (streamk > 0) runs split_k 1 without PDL"
+            if v.streamk == 2 and (v.consumers != 1 or _reg_estimate(v) > 120):
+                return "two stream-K CTAs per SM need one consumer warpgroup and <= 120 registers"
         bm = 64 * v.consumers * v.m_wg
         if p.n % bm:
             return f"N={p.n} is not a multiple of the CTA's 64 * consumers * m_wg = {bm} channels"
@@ -182,6 +198,11 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         if v.stages > nk // v.split_k:
             return f"{v.stages} stages for {nk // v.split_k} K chunks per slice"
         rows = gemm_rows(v, p)
+        if v.streamk:
+            if v.streamk == 2 and g.smem_bytes > 113 * 1024:
+                return (f"{g.smem_bytes} bytes of shared memory: two stream-K CTAs per SM fit "
+                        "at most 113 KB each")
+            return None
         if g.ws_floats(rows, p.n) * 4 > _WS_MAX:
             return f"split-K workspace of {g.ws_floats(rows, p.n) * 4} bytes (at most {_WS_MAX})"
         if v.raster == Raster.CH and -(-rows // v.bn) > 65535:
@@ -208,9 +229,14 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         same enumeration of presum variants (whose GEMM reads M rows, not 2 M), after the
         exact ones: the exact variants keep their space indices. A K-Ext presum workload
         (fold "presum") has the presum enumeration only."""
-        out = [] if problem.kext_presum else self._enumerate(problem, arch, Fold.EXACT)
-        if presum_capable(problem):
-            out += self._enumerate(problem, arch, Fold.PRESUM)
+        folds = ([] if problem.kext_presum else [Fold.EXACT]) + \
+            ([Fold.PRESUM] if presum_capable(problem) else [])
+        out = []
+        for fold in folds:
+            out += self._enumerate(problem, arch, fold)
+        # stream-K after every grid-scheduled variant (their space indices stay as they were)
+        for fold in folds:
+            out += self._enumerate_streamk(problem, arch, fold)
         if not out:
             out.append(self.default(problem, arch))
         return out
@@ -241,6 +267,27 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                                                            pdl, fold)
                                 if self.why_invalid(v, problem, arch) is None:
                                     out.append(v)
+        return out
+
+    def _enumerate_streamk(self, problem: LinearProblem, arch: str, fold: Fold
+                           ) -> list[LinearSm90WgmmaVariant]:
+        """The stream-K variants of one fold: the grid enumeration's tiles, packings, stages
+        and rasters, split_k 1 and no PDL, one or two persistent CTAs per SM."""
+        rows = gemm_rows(LinearSm90WgmmaVariant(fold=fold), problem)
+        out = []
+        for packing in (Packing.SPLIT, Packing.NIB):
+            for c, mw, bn in self._TILES:
+                if bn > 64 and bn > 2 * rows:
+                    continue
+                if bn < 64 and 4 * bn < rows:
+                    continue
+                for st in (6, 4, 8, 3):
+                    for raster in (Raster.TOK, Raster.CH):
+                        for ps in (1, 2):
+                            v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing, 1, False,
+                                                       fold, ps)
+                            if self.why_invalid(v, problem, arch) is None:
+                                out.append(v)
         return out
 
     def prior(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> float:
@@ -299,7 +346,14 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                 "fold": variant.fold.value,
                 "a_type": "cutlass.Float16" if presum else "BFloat16",
                 "decode": "DP.decode_chunk_f16" if presum else "D.decode_chunk",
-                "presum_import": ", linear_sm90_wgmma_presum as DP" if presum else ""}
+                "presum_import": ", linear_sm90_wgmma_presum as DP" if presum else "",
+                # stream-K (substituted as well; "" / WgGeometry render the grid kernel as it
+                # was before the axis): resgen.kernels.linear_sm90_wgmma_streamk
+                "streamk": bool(variant.streamk),
+                "streamk_import": ", linear_sm90_wgmma_streamk as SKM" if variant.streamk
+                else "",
+                "geometry_cls": "SKM.StreamKGeometry" if variant.streamk else "WgGeometry",
+                "streamk_arg": f", streamk={variant.streamk}" if variant.streamk else ""}
 
     def compile_key(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem
                     ) -> LinearProblem:
@@ -324,7 +378,7 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                 make_ptr(cutlass.Float32, 0, gm, 4), make_ptr(cutlass.Float32, 0, gm, 16),
                 make_ptr(cutlass.Int32, 0, gm, 4), cutlass.Int32(1), cutlass.Int32(1),
                 cutlass.Int32(64 * variant.consumers * variant.m_wg), cutlass.Int32(2),
-                cuda.CUstream(0)]
+                *([cutlass.Int32(1)] if variant.streamk else []), cuda.CUstream(0)]
 
     def compile_module(self, path, variant: LinearSm90WgmmaVariant, problem: LinearProblem,
                        arch: str):
