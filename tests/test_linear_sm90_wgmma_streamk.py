@@ -1,11 +1,12 @@
 """linear_sm90_wgmma's stream-K schedule (persistent CTAs, resgen.kernels.linear_sm90_wgmma_streamk)
 on the CPU: the unit partition and fixup slots proved exhaustive and unique, the simulated kernel
 against resgen.reference.linear with CTA counts that make tiles shared by two or three CTAs, the
-pipeline protocol across segments, the launcher's CTA count and buffers, the variant space and
-predicate, and compile-only checks of the rendered kernel for sm_90a."""
+pipeline protocol across segments, the launcher's CTA count and buffers, the variant predicate
+(the axis is valid but not enumerated), and compile-only checks of the rendered kernel for sm_90a."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -208,19 +209,17 @@ def test_runner_passes_the_persistent_cta_count(comp):
     assert float((out.double() - ref.double()).norm() / ref.double().norm()) <= 3e-3
 
 
-def test_streamk_variants_in_the_space_after_the_grid_ones():
-    """Stream-K variants come after every grid-scheduled one (the stored space indices of the
-    grid variants do not move), carry split_k 1 and no PDL, and key their axis only when set."""
+def test_streamk_variants_are_valid_but_not_enumerated():
+    """Measured slower than the grid schedule everywhere (docs/linear_sm90_wgmma.md): the tuner
+    never spends time on them, a caller may still pin one; the axis is keyed only when set."""
     for p in (LinearProblem("nvfp4", "none", 64, 6144, 4096),
               LinearProblem("nvfp4", "full", 128, 24576, 4096),
               LinearProblem("mxfp4", "none", 2048, 4096, 12288)):
         space = FAMILY.space(p, ARCH)
-        first = next(i for i, v in enumerate(space) if v.streamk)
-        assert all(v.streamk == 0 for v in space[:first])
-        assert all(v.streamk in (1, 2) and v.split_k == 1 and not v.pdl for v in space[first:])
-        assert {v.streamk for v in space[first:]} == {1, 2}
-        if p.compensation == "full":
-            assert {v.fold for v in space[first:]} == {Fold.EXACT, Fold.PRESUM}
+        assert space and not any(v.streamk for v in space)
+        for v in space[:20]:
+            twin = dataclasses.replace(v, split_k=1, pdl=False, streamk=1)
+            assert FAMILY.why_invalid(twin, p, ARCH) is None, twin
     assert "streamk" not in V(2, 1, 64, 6).key() and '"streamk":1' in V(2, 1, 64, 6,
                                                                         streamk=1).key()
     assert V(2, 1, 64, 6, streamk=1).name().endswith("_ps1")

@@ -85,7 +85,8 @@ class LinearSm90WgmmaVariant(VariantBase):
     # keyed (and named) only where it is not the default, as linear_sm90_mma's: the keys,
     # digests and stored rows of every exact variant are the ones they had before the axis
     fold: Fold = field(default=Fold.EXACT, metadata={"short": "fd", UNKEYED_DEFAULT: True})
-    # persistent stream-K CTAs per SM (0: the grid schedule). Keyed only where not 0, as fold
+    # persistent stream-K CTAs per SM (0: the grid schedule; resgen.kernels.
+    # linear_sm90_wgmma_streamk). Keyed only where not 0, as fold. Valid, not enumerated
     streamk: int = field(default=0, metadata={"range": IntRange(0, 2), "short": "ps",
                                               UNKEYED_DEFAULT: True})
 
@@ -128,10 +129,6 @@ def _wave_cost(v: LinearSm90WgmmaVariant, p: LinearProblem) -> float:
     SMs; past one wave, 1.5 x the idle share of the last wave; plus 0.15 per doubling of the
     split (workspace traffic)."""
     g = geometry_of(v, p)
-    if v.streamk:
-        # persistent: every CTA gets the same share of chunk pairs (no ragged wave), for a
-        # fixup through the workspace on the tiles that CTAs share (NOT measured yet)
-        return 0.15
     gx, gy = g.grid(gemm_rows(v, p), p.n)
     per_sm = 1 if v.consumers == 2 or g.smem_bytes > 113 * 1024 else 2
     waves = gx * gy * v.split_k / (_SMS * per_sm)
@@ -229,14 +226,11 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
         same enumeration of presum variants (whose GEMM reads M rows, not 2 M), after the
         exact ones: the exact variants keep their space indices. A K-Ext presum workload
         (fold "presum") has the presum enumeration only."""
-        folds = ([] if problem.kext_presum else [Fold.EXACT]) + \
-            ([Fold.PRESUM] if presum_capable(problem) else [])
-        out = []
-        for fold in folds:
-            out += self._enumerate(problem, arch, fold)
-        # stream-K after every grid-scheduled variant (their space indices stay as they were)
-        for fold in folds:
-            out += self._enumerate_streamk(problem, arch, fold)
+        out = [] if problem.kext_presum else self._enumerate(problem, arch, Fold.EXACT)
+        if presum_capable(problem):
+            out += self._enumerate(problem, arch, Fold.PRESUM)
+        # stream-K variants (streamk > 0) are valid but not enumerated: slower than the grid
+        # schedule at every measured point (docs/linear_sm90_wgmma.md, "Stream-K")
         if not out:
             out.append(self.default(problem, arch))
         return out
@@ -267,27 +261,6 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                                                            pdl, fold)
                                 if self.why_invalid(v, problem, arch) is None:
                                     out.append(v)
-        return out
-
-    def _enumerate_streamk(self, problem: LinearProblem, arch: str, fold: Fold
-                           ) -> list[LinearSm90WgmmaVariant]:
-        """The stream-K variants of one fold: the grid enumeration's tiles, packings, stages
-        and rasters, split_k 1 and no PDL, one or two persistent CTAs per SM."""
-        rows = gemm_rows(LinearSm90WgmmaVariant(fold=fold), problem)
-        out = []
-        for packing in (Packing.SPLIT, Packing.NIB):
-            for c, mw, bn in self._TILES:
-                if bn > 64 and bn > 2 * rows:
-                    continue
-                if bn < 64 and 4 * bn < rows:
-                    continue
-                for st in (6, 4, 8, 3):
-                    for raster in (Raster.TOK, Raster.CH):
-                        for ps in (1, 2):
-                            v = LinearSm90WgmmaVariant(c, mw, bn, st, raster, packing, 1, False,
-                                                       fold, ps)
-                            if self.why_invalid(v, problem, arch) is None:
-                                out.append(v)
         return out
 
     def prior(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> float:

@@ -1,0 +1,117 @@
+"""Why stream-K (linear_sm90_wgmma's `streamk` axis) lost to the grid schedule in
+streamk_probe.py: the same GEMMs side by side, grid (the table's winner, its twins without PDL
+and without split-K) against stream-K (one and two CTAs per SM), Qwen3-8B NVFP4 plain, qkv at
+M = 64, gate_up at M = 16 and 2048. Two modes, one device call:
+
+    python3 bench/probes/ncu_streamk.py --time      # whole layers, the tuner's policy: $OUT/ncu_streamk_time.json
+    ncu --clock-control none --kernel-name regex:kernel_cutlass_.*(gemm|streamk)_kernel \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --section WarpStateStats --section SchedulerStats --csv --page details \\
+        --log-file $OUT/ncu_streamk.csv python3 bench/probes/ncu_streamk.py > $OUT/ncu_streamk.order.txt
+
+Under ncu every layer runs twice (the first launch warms caches and TLBs); the order file names
+the variant of each pair of profiled GEMM launches. The table (the second launch of each pair):
+
+    python bench/probes/ncu_streamk.py --summarize ncu_streamk.csv[.xz] ncu_streamk.order.txt
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from resgen.search.linear_sm90_wgmma import FAMILY, LinearSm90WgmmaVariant  # noqa: E402
+from resgen.search.variant import LinearProblem  # noqa: E402
+
+V = LinearSm90WgmmaVariant
+CASES = [
+    ((6144, 4096, 64), [V(2, 1, 64, 6, split_k=2, pdl=True), V(2, 1, 64, 6, split_k=2),
+                        V(2, 1, 64, 6), V(2, 1, 64, 6, streamk=1)]),
+    ((24576, 4096, 16), [V(1, 1, 16, 8), V(1, 1, 16, 8, streamk=1), V(1, 1, 16, 8, streamk=2)]),
+    ((24576, 4096, 2048), [V(2, 1, 256, 4), V(2, 1, 256, 4, streamk=1)]),
+]
+
+
+def cases():
+    for (n, k, m), vs in CASES:
+        p = LinearProblem("nvfp4", "none", m, n, k)
+        for v in vs:
+            yield p, v
+
+
+def launch_all() -> None:
+    import torch
+
+    from resgen.search.build import compile_variant
+
+    for p, v in cases():
+        out = compile_variant(FAMILY, v, p, "sm_90a")
+        if not out.ok:
+            print(f"SKIP {p.n}x{p.k} M={p.m} {v.name()}: {out.error[:200]}", flush=True)
+            continue
+        r = FAMILY.runner(out.compiled, v, p, "cuda", n_sets=1, seed=0)
+        r.as_layer()
+        torch.cuda.synchronize()
+        for _ in range(2):
+            r()
+        torch.cuda.synchronize()
+        print(f"{p.n}x{p.k} M={p.m} {v.name()}", flush=True)
+        del r
+        torch.cuda.empty_cache()
+
+
+SUMMARY = ("Duration", "Grid Size", "DRAM Throughput", "Compute (SM) Throughput",
+           "Achieved Occupancy", "Registers Per Thread", "Block Limit Registers",
+           "Waves Per SM", "No Eligible", "Warp Cycles Per Issued Instruction",
+           "Issued Warp Per Scheduler")
+
+
+def summarize(csv_path: str, order_path: str) -> str:
+    """A markdown table of SUMMARY's metrics per profiled variant (its second launch)."""
+    import csv
+    import io
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "report"))
+    from report_io import read_text
+
+    lines = [ln for ln in read_text(Path(csv_path)).splitlines() if ln.startswith('"')]
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    hdr = rows[0]
+    col = {h: hdr.index(h) for h in ("ID", "Grid Size", "Metric Name", "Metric Value")}
+    per: dict[str, dict[str, str]] = {}
+    for r in rows[1:]:
+        d = per.setdefault(r[col["ID"]], {"Grid Size": r[col["Grid Size"]]})
+        d[r[col["Metric Name"]]] = r[col["Metric Value"]]
+    names = [ln.strip() for ln in read_text(Path(order_path)).splitlines() if ln.strip()]
+    ids = list(per)
+    if len(ids) != 2 * len(names):
+        raise SystemExit(f"{len(ids)} profiled launches for {len(names)} variants (want 2 each)")
+    out = ["| shape | variant | " + " | ".join(SUMMARY) + " |",
+           "| --- | --- |" + " ---: |" * len(SUMMARY)]
+    for i, name in enumerate(names):
+        shape, m, var = name.split()
+        d = per[ids[2 * i + 1]]
+        out.append(f"| {shape} {m} | {var.split(':')[1]} | "
+                   + " | ".join(d.get(k, "") for k in SUMMARY) + " |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    if "--summarize" in sys.argv:
+        i = sys.argv.index("--summarize")
+        print(summarize(sys.argv[i + 1], sys.argv[i + 2]))
+        return 0
+    if "--time" in sys.argv:
+        from layer_probe import probe
+
+        return probe("ncu_streamk_time", ((p, FAMILY, v, {"m": p.m}) for p, v in cases()),
+                     tag=lambda r: f"M={r['m']:<5d} ")
+    launch_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
