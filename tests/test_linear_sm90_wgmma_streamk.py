@@ -236,17 +236,24 @@ def test_why_invalid_streamk(v, reason):
                                          ARCH) or "")
 
 
-def test_grid_renders_carry_nothing_of_streamk():
-    """The axis is substituted into the template: a grid variant's render has no stream-K
-    kernel or import (the same bytes as before the axis), a stream-K render has both."""
+def test_streamk_is_selected_by_substitution():
+    """The template substitutes (STYLE.md 6): every render defines both entries, STREAMK picks
+    one; only stream-K renders import the stream-K geometry module (so a grid kernel's
+    transitive module digest is what it was before the axis) and construct its geometry."""
     from resgen.kernels import codegen
 
     p = LinearProblem("nvfp4", "none", 64, 6144, 4096)
     for v, want in ((V(2, 1, 64, 6), False), (V(2, 1, 64, 6, streamk=1), True)):
         src = codegen.render(FAMILY.TEMPLATE, FAMILY.template_params(v, FAMILY.compile_key(v, p)))
-        assert ("streamk_kernel" in src) == want
-        assert ("linear_sm90_wgmma_streamk" in src) == want
+        assert "{%" not in src and "def streamk_kernel(" in src and "def entry_streamk(" in src
+        assert f"STREAMK = {want}" in src
+        assert (", linear_sm90_wgmma_streamk as SKM" in src) == want
         assert ("SKM.StreamKGeometry(" in src) == want and ("G = WgGeometry(" in src) != want
+    grid = codegen.render(FAMILY.TEMPLATE, FAMILY.template_params(V(2, 1, 64, 6),
+                                                                    FAMILY.compile_key(V(2, 1, 64, 6), p)))
+    sk = codegen.render(FAMILY.TEMPLATE, FAMILY.template_params(
+        V(2, 1, 64, 6, streamk=1), FAMILY.compile_key(V(2, 1, 64, 6, streamk=1), p)))
+    assert codegen.kernel_modules_digest(grid) != codegen.kernel_modules_digest(sk)
 
 
 STREAMK_COMPILE_CASES = [

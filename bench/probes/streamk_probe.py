@@ -60,11 +60,17 @@ def cases():
                 v = best_wg[p.key()][2]
                 rows.append((FAMILY.NAME, v, "table" if not rows else "wgmma"))
                 rows += [(FAMILY.NAME, t, "twin") for t in twins(v)]
+            # the prior's first stream-K pick: in session 36's run the space enumerated stream-K
+            # variants (ranked with no wave cost); it no longer does, so a rerun takes the
+            # stream-K twins of the prior's first grid variant instead
             sk = [v for v in FAMILY.space(p, "sm_90a") if v.streamk]
             if sk:
                 pick = min(sk, key=lambda v: FAMILY.prior(v, p))
                 rows.append((FAMILY.NAME, pick, "prior"))
                 rows += [(FAMILY.NAME, t, "prior") for t in twins(pick)]
+            else:
+                grid = min(FAMILY.space(p, "sm_90a"), key=lambda v: FAMILY.prior(v, p))
+                rows += [(FAMILY.NAME, t, "prior") for t in twins(grid)]
             for fam, v, role in rows:
                 if (fam, v.key()) in seen:
                     continue
