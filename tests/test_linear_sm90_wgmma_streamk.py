@@ -2,7 +2,8 @@
 on the CPU: the unit partition and fixup slots proved exhaustive and unique, the simulated kernel
 against resgen.reference.linear with CTA counts that make tiles shared by two or three CTAs, the
 pipeline protocol across segments, the launcher's CTA count and buffers, the variant predicate
-(the axis is valid but not enumerated), and compile-only checks of the rendered kernel for sm_90a."""
+(the axis is valid but not enumerated), and compile-only checks of the rendered kernel for
+sm_90a."""
 
 from __future__ import annotations
 
@@ -249,10 +250,8 @@ def test_streamk_is_selected_by_substitution():
         assert f"STREAMK = {want}" in src
         assert (", linear_sm90_wgmma_streamk as SKM" in src) == want
         assert ("SKM.StreamKGeometry(" in src) == want and ("G = WgGeometry(" in src) != want
-    grid = codegen.render(FAMILY.TEMPLATE, FAMILY.template_params(V(2, 1, 64, 6),
-                                                                    FAMILY.compile_key(V(2, 1, 64, 6), p)))
-    sk = codegen.render(FAMILY.TEMPLATE, FAMILY.template_params(
-        V(2, 1, 64, 6, streamk=1), FAMILY.compile_key(V(2, 1, 64, 6, streamk=1), p)))
+    grid, sk = (codegen.render(FAMILY.TEMPLATE, FAMILY.template_params(v, FAMILY.compile_key(v, p)))
+                for v in (V(2, 1, 64, 6), V(2, 1, 64, 6, streamk=1)))
     assert codegen.kernel_modules_digest(grid) != codegen.kernel_modules_digest(sk)
 
 

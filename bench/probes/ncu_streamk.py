@@ -3,11 +3,12 @@ streamk_probe.py: the same GEMMs side by side, grid (the table's winner, its twi
 and without split-K) against stream-K (one and two CTAs per SM), Qwen3-8B NVFP4 plain, qkv at
 M = 64, gate_up at M = 16 and 2048. Two modes, one device call:
 
-    python3 bench/probes/ncu_streamk.py --time      # whole layers, the tuner's policy: $OUT/ncu_streamk_time.json
+    python3 bench/probes/ncu_streamk.py --time      # whole layers: $OUT/ncu_streamk_time.json
     ncu --clock-control none --kernel-name regex:kernel_cutlass_.*(gemm|streamk)_kernel \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section WarpStateStats --section SchedulerStats --csv --page details \\
-        --log-file $OUT/ncu_streamk.csv python3 bench/probes/ncu_streamk.py > $OUT/ncu_streamk.order.txt
+        --log-file $OUT/ncu_streamk.csv python3 bench/probes/ncu_streamk.py \\
+        > $OUT/ncu_streamk.order.txt
 
 Under ncu every layer runs twice (the first launch warms caches and TLBs); the order file names
 the variant of each pair of profiled GEMM launches. The table (the second launch of each pair):

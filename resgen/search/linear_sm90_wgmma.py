@@ -106,15 +106,16 @@ def gemm_rows(variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
 
 
 def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
-    """The kernel's WgGeometry. Presum is the plain geometry (mext False: rows = tokens); its
+    """The kernel's WgGeometry (StreamKGeometry for a stream-K variant). Presum is the plain
+    geometry (mext False: rows = tokens); its
     FP16 types and decode are the render's (template_params)."""
     from ..kernels.linear_sm90_wgmma_geom import WgGeometry
 
     mext = problem.compensation == "full" and not variant.presum
-    kw = dict(fmt=problem.fmt, mext=mext, packing=variant.packing.value,
-              consumers=variant.consumers, m_wg=variant.m_wg, bn=variant.bn,
-              stages=variant.stages, raster=variant.raster.value, split_k=variant.split_k,
-              pdl=bool(variant.pdl))
+    kw: dict[str, Any] = dict(fmt=problem.fmt, mext=mext, packing=variant.packing.value,
+                              consumers=variant.consumers, m_wg=variant.m_wg, bn=variant.bn,
+                              stages=variant.stages, raster=variant.raster.value,
+                              split_k=variant.split_k, pdl=bool(variant.pdl))
     if variant.streamk:
         from ..kernels.linear_sm90_wgmma_streamk import StreamKGeometry
 
