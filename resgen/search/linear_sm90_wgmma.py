@@ -107,8 +107,8 @@ def gemm_rows(variant: LinearSm90WgmmaVariant, problem: LinearProblem) -> int:
 
 def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
     """The kernel's WgGeometry (StreamKGeometry for a stream-K variant). Presum is the plain
-    geometry (mext False: rows = tokens); its
-    FP16 types and decode are the render's (template_params)."""
+    geometry (mext False: rows = tokens); its FP16 types and decode are the render's
+    (template_params)."""
     from ..kernels.linear_sm90_wgmma_geom import WgGeometry
 
     mext = problem.compensation == "full" and not variant.presum
