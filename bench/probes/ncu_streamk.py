@@ -4,6 +4,7 @@ and without split-K) against stream-K (one and two CTAs per SM), Qwen3-8B NVFP4 
 M = 64, gate_up at M = 16 and 2048. Two modes, one device call:
 
     python3 bench/probes/ncu_streamk.py --time      # whole layers: $OUT/ncu_streamk_time.json
+    python3 bench/probes/ncu_streamk.py --ctas      # qkv M = 64 stream-K at 48 / 96 / 132 CTAs
     ncu --clock-control none --kernel-name regex:kernel_cutlass_.*(gemm|streamk)_kernel \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section WarpStateStats --section SchedulerStats --csv --page details \\
@@ -100,7 +101,50 @@ def summarize(csv_path: str, order_path: str) -> str:
     return "\n".join(out)
 
 
+def ctas_sweep() -> int:
+    """Where the stream-K CTA loses its time: qkv at M = 64 (48 tiles x 32 chunk pairs) with
+    the persistent grid forced to 48 CTAs (each exactly one whole tile: no fixup, one segment:
+    the grid kernel's work per CTA), 96 (half a tile each, as split-K 2) and 132, against the
+    grid kernel unsplit and split-K 2 (no PDL); whole layers under the tuner's policy, checked
+    first. $OUT/ncu_streamk_ctas.json."""
+    import json
+    import os
+
+    import torch
+
+    from resgen.search.build import compile_variant
+    from resgen.search.timing import DEFAULT_POLICY, measure
+    from resgen.search.tuner import working_set_bytes
+
+    p = LinearProblem("nvfp4", "none", 64, 6144, 4096)
+    runs = [(V(2, 1, 64, 6), None), (V(2, 1, 64, 6, split_k=2), None)] + \
+        [(V(2, 1, 64, 6, streamk=1), c) for c in (48, 96, 132)]
+    rows = []
+    for v, ctas in runs:
+        out = compile_variant(FAMILY, v, p, "sm_90a")
+        assert out.ok, out.error
+        n_sets = DEFAULT_POLICY.sets_for(working_set_bytes(FAMILY, v, p))
+        r = FAMILY.runner(out.compiled, v, p, "cuda", n_sets=n_sets, seed=0)
+        if ctas is not None:
+            r.launcher.sms = ctas              # streamk 1: ctas = sms
+        r.as_layer()
+        chk = r.check()
+        us = measure(r, DEFAULT_POLICY, n_sets).median_us if chk.ok else None
+        rows.append({"variant": v.name(), "ctas": ctas, "ok": chk.ok, "rel_err": chk.rel_err,
+                     "us": us})
+        print(f"{v.name():64s} ctas={ctas} ok={chk.ok} {us}", flush=True)
+        del r
+        torch.cuda.empty_cache()
+    out_dir = Path(os.environ.get("OUT", "."))
+    (out_dir / "ncu_streamk_ctas.json").write_text(json.dumps(
+        {"gpu": torch.cuda.get_device_name(0), "policy": DEFAULT_POLICY.as_dict(),
+         "problem": p.key(), "rows": rows}, indent=1))
+    return 0
+
+
 def main() -> int:
+    if "--ctas" in sys.argv:
+        return ctas_sweep()
     if "--summarize" in sys.argv:
         i = sys.argv.index("--summarize")
         print(summarize(sys.argv[i + 1], sys.argv[i + 2]))
