@@ -222,9 +222,10 @@ class SimulatedKernel:
         ax = self._view(axp, 4, torch.float32, 4).clone()
         aw = self._view(awp, 4, torch.float32, 4).clone()
         wt = WgWeight(g.fmt, g.packing, n, 0, nk * 64, records.clone(), aw)
-        kw = {"presum": True} if self.xop_dtype == torch.float16 else {}
-        out.copy_(simulate_launch(g, wt, xop.clone(), m, rows, ax if g.nv else None,
-                                  ctas=ctas, **kw))
+        kw: dict = {"presum": True} if self.xop_dtype == torch.float16 else {}
+        if streamk:
+            kw["ctas"] = ctas
+        out.copy_(simulate_launch(g, wt, xop.clone(), m, rows, ax if g.nv else None, **kw))
 
 
 # ----------------------------------------------------------------------------- pipeline
