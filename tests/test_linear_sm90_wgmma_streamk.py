@@ -13,7 +13,6 @@ import re
 import pytest
 import torch
 
-from resgen import calibrate as C
 from resgen import reference as R
 from resgen.kernels import linear_sm90_wgmma_layout as W
 from resgen.kernels.linear_sm90_wgmma import WgmmaLauncher
@@ -27,6 +26,8 @@ from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant as V
 from resgen.search.sm90_linear import Fold
 from resgen.search.variant import LinearProblem
 
+from test_linear_sm90_wgmma import _qweight, _ReferenceQuantizer  # noqa: E402
+
 ARCH = "sm_90a"
 
 
@@ -37,18 +38,6 @@ def _geom(**kw) -> StreamKGeometry:
     g = StreamKGeometry(**base)
     g.check()
     return g
-
-
-def _qweight(fmt, n, k, seed=0, ratio=None):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
-    sel = None
-    if ratio is not None:
-        st = C.ChannelStats(k)
-        st.update(torch.randn(16, k, generator=g) * torch.exp(torch.randn(1, k, generator=g)))
-        sel = C.select_channels(st.mean_abs(), ratio)
-    isc = torch.tensor(4.0 / (6 * 448)) if fmt == "nvfp4" else None
-    return C.prepare_weight(w, fmt, sel, input_scale=isc)
 
 
 # ----------------------------------------------------------------------------- partition
@@ -112,7 +101,7 @@ def test_simulated_streamk_kernel_matches_the_reference(fmt, comp):
     BF16 rounding but for rare one-ulp summation ties, for CTA counts from one per tile to
     several CTAs sharing each tile."""
     n, k = 256, 512
-    qw = _qweight(fmt, n, k, ratio=None if comp in ("none", "full") else comp)
+    qw = _qweight(fmt, n=n, k=k, ratio=None if comp in ("none", "full") else comp)
     mext = comp == "full"
     for packing in ("split", "nib"):
         wt = W.prepare_wgmma_weight(qw, packing)
@@ -154,30 +143,6 @@ def test_pipeline_protocol_across_segments(consumers, stages):
 # ----------------------------------------------------------------------------- plumbing
 
 
-class _TorchQuantizer:
-    """Duck-typed layer quantizer: the operand from resgen.kernels.quant_sm90's torch
-    definition (static NVFP4 scale)."""
-
-    class _Op:
-        def __init__(self, xop, alpha):
-            self.xop, self.alpha = xop, alpha
-
-    def __init__(self, comp):
-        self.comp = comp
-        self.config = type("Cfg", (), {"alpha": "static"})()
-
-    def outputs(self, m, row_multiple=1, device="cpu"):
-        return {"row_multiple": row_multiple}
-
-    def __call__(self, x, outs, alpha=None, masks=None):
-        from resgen.kernels.quant_sm90 import operand_reference
-
-        layout = "row_pair" if self.comp == "full" else "plain"
-        op = operand_reference(x, "nvfp4", self.comp, layout, outs["row_multiple"],
-                               alpha.reshape(()), masks, 256)
-        return self._Op(op.xop, op.alpha)
-
-
 @pytest.mark.parametrize("comp", ["none", "full"])
 def test_runner_passes_the_persistent_cta_count(comp):
     """The family runner end to end on the CPU: the launcher sizes the workspace for
@@ -189,7 +154,8 @@ def test_runner_passes_the_persistent_cta_count(comp):
     geom = geometry_of(v, p)
     assert isinstance(geom, StreamKGeometry) and geom.streamk == 2
     fake = SimulatedKernel(geom)
-    r = FAMILY.runner(fake, v, p, "cpu", n_sets=1, seed=2, quantizer=_TorchQuantizer(comp))
+    r = FAMILY.runner(fake, v, p, "cpu", n_sets=1, seed=2,
+                      quantizer=_ReferenceQuantizer("nvfp4", comp, "static"))
     res = r.check()
     assert res.ok, res.detail
     rows = p.rows
@@ -198,7 +164,7 @@ def test_runner_passes_the_persistent_cta_count(comp):
     assert r.launcher.ws.numel() >= geom.ws_floats(rows, 128, 2 * 132)
     assert r.launcher.sem.numel() >= geom.sem_count(rows, 128)
     # a small GPU: fewer CTAs than units, tiles shared (the launcher's sms override)
-    qw = _qweight("nvfp4", 128, 1024)
+    qw = _qweight("nvfp4", n=128, k=1024)
     wt = W.prepare_wgmma_weight(qw)
     x = torch.randn(5, 1024)
     xop, ax = make_xop(x, qw, comp, t_multiple=8)

@@ -58,8 +58,8 @@ class StreamKGeometry(WgGeometry):
 
     # ------------------------------------------------------------------ work units
     def tile_grid(self, rows: Any, n: Any) -> tuple[Any, Any]:
-        """(token tiles tt, channel tiles ct)."""
-        return (rows + (self.bn - 1)) // self.bn, n // self.bm
+        """(token tiles tt, channel tiles ct): the grid schedule's tile counts."""
+        return self.cta_tile(*self.grid(rows, n))
 
     def units(self, rows: int, n: int, nk: int) -> int:
         """U: chunk-pair units of a launch."""

@@ -20,3 +20,23 @@ def check_runner(r, v, m: int, k: int, *, reruns: bool = True) -> None:
         torch.cuda.synchronize()
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
             f"{v.name()} m={m}: reruns differ"
+
+
+def check_graph_replay(r) -> None:
+    """A runner with two input sets and a launcher holding split-K / stream-K semaphores: input
+    set 1 run eagerly, then captured into a CUDA graph over a NaN-poisoned output and replayed
+    three times; the replays must equal the eager output bit for bit, and the semaphores must be
+    back at zero after the eager run and after the replays."""
+    r.rotate(1)
+    eager = r().clone()
+    torch.cuda.synchronize()
+    assert int(r.launcher.sem.abs().sum()) == 0
+    g = torch.cuda.CUDAGraph()
+    r.out.fill_(float("nan"))
+    with torch.cuda.graph(g):
+        r()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))
+    assert int(r.launcher.sem.abs().sum()) == 0

@@ -16,7 +16,7 @@ from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Ras
                                              compile_once)
 from resgen.search.variant import LinearProblem
 
-from runner_checks import check_runner  # tests/gpu/runner_checks.py
+from runner_checks import check_graph_replay, check_runner  # tests/gpu/runner_checks.py
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -94,20 +94,7 @@ def test_qwen_decode_split_k(n, k, fmt, comp, m):
 def test_split_k_graph_replay_and_semaphores_reset():
     p = LinearProblem("nvfp4", "full", 16, 4096, 12288)
     v = LinearSm90WgmmaVariant(2, 1, 32, 6, Raster.TOK, Packing.SPLIT, 4)
-    r = FAMILY.runner(_compiled(v, p), v, p, "cuda", n_sets=2, seed=0)
-    r.rotate(1)
-    eager = r().clone()
-    torch.cuda.synchronize()
-    assert int(r.launcher.sem.abs().sum()) == 0
-    g = torch.cuda.CUDAGraph()
-    r.out.fill_(float("nan"))
-    with torch.cuda.graph(g):
-        r()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))
-    assert int(r.launcher.sem.abs().sum()) == 0
+    check_graph_replay(FAMILY.runner(_compiled(v, p), v, p, "cuda", n_sets=2, seed=0))
 
 
 @pytest.mark.parametrize("fmt, comp", [("nvfp4", "none"), ("nvfp4", "full"),

@@ -17,7 +17,7 @@ from resgen.search.linear_sm90_wgmma import FAMILY, LinearSm90WgmmaVariant as V,
 from resgen.search.sm90_linear import Fold
 from resgen.search.variant import LinearProblem
 
-from runner_checks import check_runner  # tests/gpu/runner_checks.py
+from runner_checks import check_graph_replay, check_runner  # tests/gpu/runner_checks.py
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -76,16 +76,4 @@ def test_streamk_shared_tiles(sms):
 def test_streamk_graph_replay_matches_eager():
     p = LinearProblem("nvfp4", "full", 64, 4096, 12288)
     v = V(2, 1, 64, 6, streamk=1, fold=Fold.PRESUM)
-    r = _runner(v, p, n_sets=2)
-    r.rotate(1)
-    eager = r().clone()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    r.out.fill_(float("nan"))
-    with torch.cuda.graph(g):
-        r()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))
-    assert int(r.launcher.sem.abs().sum()) == 0
+    check_graph_replay(_runner(v, p, n_sets=2))
