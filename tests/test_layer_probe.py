@@ -130,7 +130,7 @@ def test_w4a16_fused_probe_plans_checks_and_reports(tmp_path, monkeypatch):
                 assert fused[0][3]["config"] == "twin" and fused[0][2] == plain[2]
     ticks = iter(range(100))
     # t0 = 0; the cases asked for at 1 and 2 start, the one at 3 does not
-    assert len(list(W.budgeted(iter(cases), 2.5, clock=lambda: next(ticks)))) == 2
+    assert len(list(layer_probe.budgeted(iter(cases), 2.5, clock=lambda: next(ticks)))) == 2
 
     def fake_time_layer(fam, v, p, arch, cache, policy):
         fz = getattr(v, "fused", False)              # (wgmma variants have no act axis)
@@ -155,3 +155,79 @@ def test_w4a16_fused_probe_plans_checks_and_reports(tmp_path, monkeypatch):
     assert all(abs(t["plain_us"] - sum(r["plain_us"] for r in s["layers"] if r["m"] == t["m"]))
                < 1e-9 for t in s["sums"])
     assert W.table(s)[-1].startswith("M=8: sums plain")
+
+
+def test_fused_serving_probe_plans_checks_and_reports(tmp_path, monkeypatch):
+    """bench/probes/fused_serving_probe.py on the CPU: per (model, M, shape) the dispatched
+    table variant first, then linear_sm90_mma candidates (each valid, none twice; the M = 4 / 1
+    fused winner widened to the rows' token tile and to half of it, its xop twins, then the
+    prior's first fused variants), Qwen3-8B M = 16 first; the summary and table come from
+    checked, timed rows only (a failed check is never the best)."""
+    import fused_serving_probe as F
+
+    from resgen.runtime import Device, Dispatcher
+
+    disp = Dispatcher(device=Device("NVIDIA H200", "sm_90a"))      # the shipped table
+
+    def lookup(p):
+        return disp.lookup("linear", p), disp.source("linear", p)
+
+    winners = F.fused_winners()
+    assert winners and all(v.fused for v in winners.values())
+    cases = list(F.plan(lookup, winners))
+    assert (cases[0][3]["model"], cases[0][3]["m"]) == ("qwen3-8b", 16)
+    keys = list(dict.fromkeys((c[3]["model"], c[3]["m"], c[3]["layer"]) for c in cases))
+    assert len(keys) == len(F.MODELS) * len(F.MS) * 4
+    for key in keys:
+        sel = [c for c in cases if (c[3]["model"], c[3]["m"], c[3]["layer"]) == key]
+        assert sel[0][3]["config"] == "table" and len(sel) >= 2
+        p = sel[0][0]
+        assert all(c[0] == p and c[0].compensation == "none" for c in sel)
+        cands = sel[1:]
+        assert all(c[1].why_invalid(c[2], p, "sm_90a") is None for c in cands)
+        assert len({c[2] for c in cands}) == len(cands)
+        assert all(c[2].fused == (c[3]["config"] != "m4xop") for c in cands)
+        fused = cands
+        assert sum(c[3]["config"].startswith("prior") for c in fused) <= F.N_PRIOR
+        for c in fused:
+            if c[3]["config"] in ("m4twin", "m1twin"):
+                small = 4 if c[3]["config"] == "m4twin" else 1
+                w = winners[LinearProblem("nvfp4", "none", small, p.n, p.k).key()]
+                assert c[2].n_tiles in (F.n8_tiles(p.rows), max(1, F.n8_tiles(p.rows) // 2))
+                assert dataclasses.replace(c[2], n_tiles=w.n_tiles) == w
+            if c[3]["config"] == "m4xop":
+                assert c[2].cluster == 1 and c[2].n_tiles <= F.n8_tiles(p.rows)
+    assert [F.n8_tiles(r) for r in (1, 8, 9, 16, 32, 64, 128)] == [1, 1, 2, 2, 4, 8, 8]
+
+    def fake_time_layer(fam, v, p, arch, cache, policy):
+        fz = getattr(v, "fused", False)
+        ok = not (fz and v.cluster == 1)                         # a failing check: not timed
+        xop = getattr(v, "act", None) is not None and not fz and v.cluster == 1 and \
+            v.pdl and v.warps_m > 1                    # some xop twins: faster than the table
+        us = 9.0 if fz else (5.0 if xop else 6.0)
+        return {"check": {"ok": ok, "rel_err": 1e-3 if ok else 0.5},
+                **({"resgen_us": us + 0.01 * getattr(v, "warps_k", 1)} if ok else {})}
+
+    monkeypatch.setattr(layer_probe, "time_layer", fake_time_layer)
+    monkeypatch.setattr(layer_probe.torch.cuda, "get_device_name", lambda i: "Fake GPU")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(F, "plan", lambda lookup, winners: iter(cases))
+    monkeypatch.setattr(F, "fused_winners", lambda: {})
+    assert F.main(["--budget-s", "1000"]) == 0
+    doc = json.loads((tmp_path / "fused_serving_probe.json").read_text())
+    assert len(doc["rows"]) == len(cases)
+    s = doc["summary"]
+    assert len(s["layers"]) == len(keys)
+    for r in s["layers"]:
+        if r["fused_us"] is not None:
+            assert r["fused_us"] > r["table_us"] and "_cl1" not in r["fused_variant"]
+            assert abs(r["fused_over_table"] - r["fused_us"] / r["table_us"]) < 1e-12
+        if r["xop_us"] is not None:
+            assert "_actxop_" in r["xop_variant"]
+    for t in s["sums"]:
+        sel = [r for r in s["layers"] if (r["model"], r["m"]) == (t["model"], t["m"])]
+        assert abs(t["table_us"] - sum(r["table_us"] for r in sel)) < 1e-9
+        best = sum(min(u for u in (r["table_us"], r["fused_us"], r["xop_us"]) if u)
+                   for r in sel)
+        assert abs(t["best_us"] - best) < 1e-9 and t["best_us"] <= t["table_us"]
+    assert "sums table" in F.table(s)[-1]

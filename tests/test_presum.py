@@ -224,25 +224,30 @@ def test_kext_presum_layout_is_validated():
     assert "fp16 xop only" in cfg.why_invalid()
 
 
-def test_layer_quant_config_is_pack16_for_presum_mext_only():
-    """The M-Ext presum layer quantizer runs the measured configuration (pack16, 4 warps,
-    unroll 1: quant_layer_config_probe_s33 / _s34) where K allows pack16; every other layout
-    keeps the QuantConfig defaults, and the compensation, K, alpha and layout are the layer's."""
+def test_layer_quant_config_is_pack16_where_measured():
+    """The NVFP4 layer quantizers of M-Ext presum rows and plain W4A4 rows run the measured
+    configuration (pack16, 4 warps, unroll 1: quant_layer_config_probe_s33 / _s34 / _s37)
+    where K allows pack16; every other layout keeps the QuantConfig defaults, and the
+    compensation, K, alpha and layout are the layer's."""
     from resgen.kernels.quant_sm90 import QuantConfig
     from resgen.search import sm90_linear as SL
 
-    p = LinearProblem("nvfp4", "full", 64, 4096, 12288)
-    cfg = SL.layer_quant_config(p, "presum")
-    assert (cfg.ept, cfg.warps, cfg.unroll, cfg.persist) == (16, 4, 1, False)
-    assert (cfg.compensation, cfg.k, cfg.layout, cfg.kp_align) == ("full", 12288, "presum", 256)
-    assert cfg.write_xop and not cfg.write_codes and cfg.why_invalid() is None
-    assert cfg.alpha == ("static" if p.static_scale else "dynamic")
     default = QuantConfig("nvfp4", "full", 4096, "presum")
-    # K = 768 is not a multiple of pack16's warp tile (512): the defaults
-    odd = SL.layer_quant_config(LinearProblem("nvfp4", "full", 64, 4096, 768), "presum")
-    assert (odd.ept, odd.warps, odd.unroll) == (default.ept, default.warps, default.unroll)
-    for comp, layout in (("none", None), ("full", None), ("0.25", "presum")):
-        c = SL.layer_quant_config(LinearProblem("nvfp4", comp, 64, 4096, 4096), layout)
+    for comp, layout, k in (("full", "presum", 12288), ("none", None, 4096)):
+        p = LinearProblem("nvfp4", comp, 64, 4096, k)
+        cfg = SL.layer_quant_config(p, layout)
+        assert (cfg.ept, cfg.warps, cfg.unroll, cfg.persist) == (16, 4, 1, False)
+        assert (cfg.compensation, cfg.k, cfg.layout, cfg.kp_align) == \
+            (comp, k, layout or "plain", 256)
+        assert cfg.write_xop and not cfg.write_codes and cfg.why_invalid() is None
+        assert cfg.alpha == ("static" if p.static_scale else "dynamic")
+        # K = 768 is not a multiple of pack16's warp tile (512): the defaults
+        odd = SL.layer_quant_config(LinearProblem("nvfp4", comp, 64, 4096, 768), layout)
+        assert (odd.ept, odd.warps, odd.unroll) == (default.ept, default.warps, default.unroll)
+    # unmeasured: row pairs (M-Ext exact), K-Ext extensions, MXFP4 plain
+    for fmt, comp, layout in (("nvfp4", "full", None), ("nvfp4", "0.25", "presum"),
+                              ("nvfp4", "0.25", None), ("mxfp4", "none", None)):
+        c = SL.layer_quant_config(LinearProblem(fmt, comp, 64, 4096, 4096), layout)
         assert (c.ept, c.warps, c.unroll, c.persist) == (default.ept, default.warps,
                                                          default.unroll, default.persist)
     # MXFP4 has no presum quantizer layout: nothing is tuned into an invalid configuration

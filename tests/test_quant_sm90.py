@@ -699,8 +699,11 @@ _COMPILE = [
                   alpha="dynamic"),
     Q.QuantConfig("mxfp4", "full", 4096, "tile8", ept=16, warps=8, unroll=2, persist=True,
                   alpha="none"),
-    # the M-Ext presum layer quantizer (sm90_linear.PRESUM_LAYER_CONFIG)
+    # the measured layer quantizers (sm90_linear.LAYER_QUANT_CONFIG): M-Ext presum rows and
+    # plain W4A4 rows
     Q.QuantConfig("nvfp4", "full", 4096, "presum", ept=16, warps=4, unroll=1,
+                  write_codes=False, kp_align=256),
+    Q.QuantConfig("nvfp4", "none", 12288, "plain", ept=16, warps=4, unroll=1,
                   write_codes=False, kp_align=256),
 ]
 

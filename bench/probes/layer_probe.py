@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -79,6 +80,18 @@ def write_rows(path: Path, rows: list[dict], **extra: Any) -> dict:
            "rows": rows, **extra}
     path.write_text(json.dumps(doc, indent=1))
     return doc
+
+
+def budgeted(cases: Iterable[Case], budget_s: float, name: str = "probe",
+             clock: Callable[[], float] = time.monotonic) -> Iterator[Case]:
+    """The cases, none started after budget_s seconds from the first (a probe's cut that keeps
+    the cases it put first; `name` labels the stop message)."""
+    t0 = clock()
+    for c in cases:
+        if clock() - t0 > budget_s:
+            print(f"{name}: budget of {budget_s:.0f} s spent, stopping", flush=True)
+            return
+        yield c
 
 
 def check_and_time(fam: Any, v: Any, p: Any, cache: dict) -> dict:

@@ -1,8 +1,9 @@
 """The layer quantizer's configuration (issue 20 section 1: full residue <= 1.05x plain).
 `sm90_linear.layer_quantizer` ran quant_sm90's QuantConfig defaults (pack8, 4 warps,
 unroll 2, one-shot grid) in every layout until session 34; this probe's rows (s33: M = 512 /
-2048, s34: M = 16 / 64 / 128) moved the M-Ext presum layout to pack16, 4 warps, unroll 1
-(`sm90_linear.PRESUM_LAYER_CONFIG`); "default" here is still the QuantConfig defaults.
+2048, s34: M = 16 / 64 / 128) moved the M-Ext presum layout to pack16, 4 warps, unroll 1, and
+s37's (plain, M = 16 / 32 / 64 / 128, then 512 / 2048) the plain W4A4 layout too
+(`sm90_linear.LAYER_QUANT_CONFIG`); "default" here is still the QuantConfig defaults.
 bench/probes/presum_split_probe.py measured the
 presum layout's quantizer at 1.23-1.56x the plain one's over Qwen3-8B's four layers. Here every
 configuration of quant_sm90's search space (ept 8 / 16, warps, unroll, persistent grids), in

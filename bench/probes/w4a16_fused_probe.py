@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -83,17 +82,6 @@ def plan(lookup: Callable[[LinearProblem], tuple[Any, str]],
             for cfg, v in cands:
                 yield w16, FAMILY, v, {**base, "role": "w4a16_fused", "config": cfg,
                                        "source": "pinned"}
-
-
-def budgeted(cases: Iterator[tuple], budget_s: float,
-             clock: Callable[[], float] = time.monotonic) -> Iterator[tuple]:
-    """The cases, none started after budget_s seconds from the first."""
-    t0 = clock()
-    for c in cases:
-        if clock() - t0 > budget_s:
-            print(f"w4a16_fused_probe: budget of {budget_s:.0f} s spent, stopping", flush=True)
-            return
-        yield c
 
 
 def summary(rows: list[dict]) -> dict:
@@ -162,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = args.budget_s
     rc, doc = layer_probe.summarized_probe(
-        "w4a16_fused_probe", budgeted(plan(lookup, xop_winners()), budget),
+        "w4a16_fused_probe", layer_probe.budgeted(plan(lookup, xop_winners()), budget,
+                                                  "w4a16_fused_probe"),
         tag=lambda rec: f"m{rec['m']} {rec['role']:11s} {rec['config']:6s} ", summary=summary)
     print("\n".join(table(doc["summary"])))
     return rc

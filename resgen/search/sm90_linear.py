@@ -54,7 +54,7 @@ __all__ = ["Packing", "Fold", "PRESUM_MEXT_ONLY", "KEXT_PRESUM_ONLY", "presum_ca
            "compensation_of",
            "quantizer_k", "QUANT_K_ALIGN", "reference_output", "fold_of", "check_folds",
            "bf16_operand",
-           "W4A16Operand", "PRESUM_LAYER_CONFIG", "layer_quant_config", "layer_quantizer",
+           "W4A16Operand", "LAYER_QUANT_CONFIG", "layer_quant_config", "layer_quantizer",
            "random_layer",
            "cached_weight_sets", "clone_tensors",
            "LinearBinding", "Sm90LinearFamily", "Sm90LinearRunner"]
@@ -246,20 +246,25 @@ class W4A16Operand:
 
 _LAYER_QUANT: dict[tuple, Any] = {}
 
-# The M-Ext presum layer quantizer's configuration: pack16 (one NVFP4 block per lane), 4 warps,
-# unroll 1, one-shot grid. Measured against the QuantConfig defaults (pack8, 4 warps, unroll 2)
-# in the layer's form (xop only, kp_align 256) over Qwen3-8B's four layers at M = 16, 64, 128,
-# 512 and 2048 (bench/results/h200/quant_layer_config_probe_s33 and _s34, every row bit-exact
-# first): 0.88-0.98x the defaults' four-layer sums at every M, geometric mean 0.92, the best
-# single configuration over all five M. Other layouts (plain, row pairs, K-Ext) keep the
-# defaults: they were not measured in the layer's form.
-PRESUM_LAYER_CONFIG: dict[str, Any] = {"ept": 16, "warps": 4, "unroll": 1, "persist": False}
+# The layer quantizer's configuration where it was measured in the layer's form (xop only,
+# kp_align 256, every row bit-exact first, over Qwen3-8B's four layers): pack16 (one NVFP4 block
+# per lane), 4 warps, unroll 1, one-shot grid, against the QuantConfig defaults (pack8, 4 warps,
+# unroll 2):
+# - M-Ext presum rows: 0.88-0.98x the defaults' four-layer sums at M = 16, 64, 128, 512, 2048
+#   (bench/results/h200/quant_layer_config_probe_s33 and _s34), the best single configuration;
+# - plain W4A4 NVFP4 rows: 0.92 / 0.89 / 0.99 / 0.92x at M = 16 / 32 / 64 / 128 and
+#   <see LAYER_QUANT_PLAIN_NOTE> (quant_layer_config_probe_s37), the best single configuration
+#   over those M (pack8 with unroll 1 is as fast at M = 16 / 64, slower at 32).
+# Other layouts (row pairs, K-Ext extensions, MXFP4) keep the defaults: not measured.
+LAYER_QUANT_CONFIG: dict[str, Any] = {"ept": 16, "warps": 4, "unroll": 1, "persist": False}
+# (layout, compensation) of the measured NVFP4 layer quantizers
+_LAYER_QUANT_MEASURED = frozenset({("presum", "full"), ("plain", "none")})
 
 
 def layer_quant_config(problem: LinearProblem, layout: str | None = None) -> Any:
     """The quant_sm90 QuantConfig of `problem`'s layer quantizer (see layer_quantizer):
-    PRESUM_LAYER_CONFIG for M-Ext in the presum layout where K allows it (K a multiple of 512
-    for pack16), the QuantConfig defaults otherwise."""
+    LAYER_QUANT_CONFIG for the measured NVFP4 layouts (M-Ext presum rows, plain W4A4 rows)
+    where K allows it (K a multiple of 512 for pack16), the QuantConfig defaults otherwise."""
     from ..kernels.quant_sm90 import QuantConfig
 
     comp = problem.compensation
@@ -273,8 +278,8 @@ def layer_quant_config(problem: LinearProblem, layout: str | None = None) -> Any
     cfg = QuantConfig(fmt=problem.fmt, compensation=comp, k=quantizer_k(problem),
                       layout=layout, write_codes=False, write_xop=True, alpha=alpha,
                       kp_align=256)
-    if layout == "presum" and comp == "full":
-        tuned = replace(cfg, **PRESUM_LAYER_CONFIG)
+    if problem.fmt == "nvfp4" and (layout, comp) in _LAYER_QUANT_MEASURED:
+        tuned = replace(cfg, **LAYER_QUANT_CONFIG)
         if tuned.why_invalid() is None:
             return tuned
     return cfg
