@@ -82,6 +82,29 @@ def write_rows(path: Path, rows: list[dict], **extra: Any) -> dict:
     return doc
 
 
+def launch_twice(fam: Any, v: Any, p: Any, label: str) -> bool:
+    """Compile `v` for `p`, bind one input set as the whole layer (fam.runner + as_layer) and
+    launch it twice (under Nsight Compute the first launch warms instruction caches and TLBs,
+    the second is the one a summary reads), then print `label` (the order files of the ncu
+    probes) and free it. False (printing SKIP) where it does not compile."""
+    from resgen.search.build import compile_variant
+
+    out = compile_variant(fam, v, p, ARCH)
+    if not out.ok:
+        print(f"SKIP {label}: {(out.error or 'compile failed')[:200]}", flush=True)
+        return False
+    r = fam.runner(out.compiled, v, p, "cuda", n_sets=1, seed=0)
+    r.as_layer()
+    torch.cuda.synchronize()
+    for _ in range(2):
+        r()
+    torch.cuda.synchronize()
+    print(label, flush=True)
+    del r
+    torch.cuda.empty_cache()
+    return True
+
+
 def budgeted(cases: Iterable[Case], budget_s: float, name: str = "probe",
              clock: Callable[[], float] = time.monotonic) -> Iterator[Case]:
     """The cases, none started after budget_s seconds from the first (a probe's cut that keeps

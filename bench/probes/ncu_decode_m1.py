@@ -49,9 +49,9 @@ def best_variants() -> list[tuple[str, str, str]]:
 
 
 def main() -> None:
-    import torch
+    sys.path.insert(0, str(ROOT / "bench" / "probes"))
+    import layer_probe
 
-    from resgen.search.build import compile_variant
     from resgen.search.linear_sm90_mma import FAMILY, LinearSm90Variant
     from resgen.search.variant import LinearProblem
 
@@ -59,19 +59,7 @@ def main() -> None:
         n, k = SHAPES[shape]
         p = LinearProblem("nvfp4", mode, 1, n, k)
         v = LinearSm90Variant.from_key(key)
-        out = compile_variant(FAMILY, v, p, "sm_90a")
-        if not out.ok:
-            print(f"SKIP {shape} {mode} {v.name()}: compile failed", flush=True)
-            continue
-        r = FAMILY.runner(out.compiled, v, p, "cuda", n_sets=1, seed=0)
-        r.as_layer()
-        torch.cuda.synchronize()
-        for _ in range(2):
-            r()
-        torch.cuda.synchronize()
-        print(f"{shape} {mode} {v.name()}", flush=True)
-        del r
-        torch.cuda.empty_cache()
+        layer_probe.launch_twice(FAMILY, v, p, f"{shape} {mode} {v.name()}")
 
 
 if __name__ == "__main__":

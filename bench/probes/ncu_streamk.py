@@ -45,24 +45,10 @@ def cases():
 
 
 def launch_all() -> None:
-    import torch
-
-    from resgen.search.build import compile_variant
+    import layer_probe
 
     for p, v in cases():
-        out = compile_variant(FAMILY, v, p, "sm_90a")
-        if not out.ok:
-            print(f"SKIP {p.n}x{p.k} M={p.m} {v.name()}: {out.error[:200]}", flush=True)
-            continue
-        r = FAMILY.runner(out.compiled, v, p, "cuda", n_sets=1, seed=0)
-        r.as_layer()
-        torch.cuda.synchronize()
-        for _ in range(2):
-            r()
-        torch.cuda.synchronize()
-        print(f"{p.n}x{p.k} M={p.m} {v.name()}", flush=True)
-        del r
-        torch.cuda.empty_cache()
+        layer_probe.launch_twice(FAMILY, v, p, f"{p.n}x{p.k} M={p.m} {v.name()}")
 
 
 SUMMARY = ("Duration", "Grid Size", "DRAM Throughput", "Compute (SM) Throughput",
