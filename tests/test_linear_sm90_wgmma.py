@@ -22,7 +22,7 @@ from resgen.kernels.linear_sm90_wgmma_geom import WgGeometry, record_bytes
 from resgen.kernels.linear_sm90_wgmma_sim import (SimulatedKernel, cvt_bf16x2, prmt,
                                                   simulate_launch, simulate_pipeline)
 from resgen.search.linear_sm90_mma import Packing
-from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Raster,
+from resgen.search.linear_sm90_wgmma import (FAMILY, LinearSm90WgmmaVariant, Producer, Raster,
                                              geometry_of, kp_of)
 from resgen.search.variant import LinearProblem
 
@@ -350,6 +350,15 @@ COMPILE_CASES = [
     # a deep ring for a narrow token tile, one warpgroup over two m64 blocks
     (LinearProblem("nvfp4", "none", 16, 24576, 4096),
      LinearSm90WgmmaVariant(1, 2, 16, 12, Raster.TOK, Packing.SPLIT, 1, True)),
+    # one producer warp after the consumer warpgroup (160 threads): plain, M-Ext with split-K
+    # and PDL, MXFP4
+    (LinearProblem("nvfp4", "none", 64, 24576, 4096),
+     LinearSm90WgmmaVariant(1, 1, 64, 6, producer=Producer.WARP)),
+    (LinearProblem("nvfp4", "full", 32, 4096, 12288),
+     LinearSm90WgmmaVariant(1, 1, 64, 4, Raster.TOK, Packing.SPLIT, 4, True,
+                            producer=Producer.WARP)),
+    (LinearProblem("mxfp4", "none", 16, 24576, 4096),
+     LinearSm90WgmmaVariant(1, 2, 16, 8, Raster.CH, Packing.NIB, producer=Producer.WARP)),
 ]
 
 
@@ -384,6 +393,10 @@ def test_compiles_for_sm90a(p, v, tmp_path):
     # launch bounds (.reqntid + .minnctapersm 1) make ptxas launch with the whole register
     # file, so the producer's setmaxnreg.dec frees what the consumers' .inc asks for
     assert ".minnctapersm 1" in ptx
+    # the CTA: a producer warpgroup (or one producer warp) and the consumer warpgroups
+    assert re.search(rf"\.reqntid {geometry_of(v, p).threads}, 1, 1", ptx)
+    assert geometry_of(v, p).threads == 128 * v.consumers + (
+        32 if v.producer == Producer.WARP else 128)
     if v.consumers == 2:
         assert res.registers == 168
     assert "mul.rn.bf16x2" in ptx and "ftz" not in ptx

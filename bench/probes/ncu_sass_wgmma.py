@@ -16,7 +16,8 @@ no unit saturated), launched under Nsight Compute with warp-state PC sampling
 Each GEMM runs twice (bench/probes/layer_probe.launch_twice: the first warms caches); the
 order file names the variant of each pair. Here, the ledger of the second launch of each:
 
-    python bench/probes/ncu_sass_wgmma.py --summarize ncu_sass_wgmma.sass.csv[.xz]
+    python bench/probes/ncu_sass_wgmma.py --summarize ncu_sass_wgmma.sass.csv[.xz] \\
+        ncu_sass_wgmma.order.txt
 """
 
 from __future__ import annotations
@@ -55,24 +56,20 @@ def launch_all() -> None:
         layer_probe.launch_twice(fam, v, p, f"{n}x{k} M={m} {v.name()}")
 
 
-# Where an instruction belongs in the kernel's loop, by its SASS opcode (first match wins)
-PHASES = (("mbarrier wait (try_wait loop)", re.compile(r"SYNCS\.PHASECHK|SYNCS\.ARRIVE.*TRYWAIT")),
-          ("mbarrier arrive / expect_tx", re.compile(r"SYNCS\.")),
-          ("wgmma", re.compile(r"HGMMA|WARPGROUP")),
-          ("TMA / bulk copy", re.compile(r"UTMALDG|UBLKCP|UTMACMDFLUSH|UBLKPF")),
-          ("shared loads", re.compile(r"^LDS|^LDSM")),
-          ("global loads / stores", re.compile(r"^LDG|^STG|^RED|^ATOM")),
-          ("branch / barrier", re.compile(r"^BRA|^BAR|^BSYNC|^BSSY|^WARPSYNC|^EXIT|^NANOSLEEP")),
-          ("integer / FP ALU (decode, addressing)", re.compile(r".")))
-
-
-def _rows(text: str) -> list[dict[str, str]]:
-    """The source page's CSV rows (every line from the first quoted header on)."""
-    lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith('"')), None)
-    if start is None:
-        raise SystemExit("no CSV header in the source page export")
-    return list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+# Where an instruction belongs in the kernel's loop, by its SASS opcode (first match wins; a
+# branch right after an mbarrier try_wait is the wait's spin loop)
+PHASES = (("mbarrier wait (try_wait spin)", re.compile(r"^SYNCS\.PHASECHK")),
+          ("mbarrier arrive / init", re.compile(r"^SYNCS\.")),
+          ("wgmma issue / wait", re.compile(r"^(HGMMA|WARPGROUP)")),
+          ("TMA / bulk copy issue", re.compile(r"^(UTMALDG|UBLKCP|UTMA|UBLK)")),
+          ("shared loads", re.compile(r"^LDS")),
+          ("global loads / stores", re.compile(r"^(LDG|STG|RED|ATOM|LD\.|ST\.)")),
+          ("control (branch, barrier, exit)",
+           re.compile(r"^(BRA|BAR|BSYNC|BSSY|WARPSYNC|EXIT|NANOSLEEP|BPT)")),
+          ("FP / FP16 (decode scale, epilogue)",
+           re.compile(r"^(HMUL2|HFMA2|HADD2|FMUL|FADD|FFMA|F2F|F2FP)")),
+          ("integer ALU (decode, addresses)", re.compile(r".")))
+SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def _num(v: str | None) -> float:
@@ -82,69 +79,89 @@ def _num(v: str | None) -> float:
         return 0.0
 
 
-def ledger(rows: list[dict[str, str]], top: int = 25) -> str:
-    """Markdown: warp-state samples summed per phase (PHASES), then the `top` SASS instructions
-    by samples with their two largest stall reasons. The samples column is the source page's
-    "Warp Stall Sampling (All Samples)"; stall columns are those named stall_* or containing
-    "Stall"."""
+def _opcode(source: str) -> str:
+    """The SASS opcode of a source-page line (its predicate guard dropped)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", source.strip())
+
+
+def split_kernels(text: str) -> list[list[dict[str, str]]]:
+    """The source page export: per profiled launch a "Kernel Name" line, then a CSV block
+    (header "Address","Source",...) of its SASS instructions; the blocks' rows, in launch
+    order."""
+    lines = text.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith('"Kernel Name"')]
+    out = []
+    for a, b in zip(starts, starts[1:] + [len(lines)]):
+        block = [ln for ln in lines[a + 1:b] if ln.startswith('"')]
+        out.append(list(csv.DictReader(io.StringIO("\n".join(block)))))
+    return out
+
+
+def phases(rows: list[dict[str, str]]) -> dict[str, float]:
+    """Share of the launch's warp samples per PHASES entry (a branch right after a try_wait
+    counts as the wait)."""
+    total = sum(_num(r.get(SAMPLES)) for r in rows) or 1.0
+    share: dict[str, float] = {}
+    prev = ""
+    for r in rows:
+        op = _opcode(r.get("Source") or "")
+        if op.startswith("BRA") and prev.startswith("SYNCS.PHASECHK"):
+            name = PHASES[0][0]
+        else:
+            name = next(n for n, rx in PHASES if rx.search(op))
+        share[name] = share.get(name, 0.0) + _num(r.get(SAMPLES)) / total
+        prev = op
+    return share
+
+
+def ledger(rows: list[dict[str, str]], top: int = 12) -> str:
+    """Markdown: the launch's warp samples per phase, then its `top` SASS instructions by
+    samples with their two largest stall reasons (the source page's stall_* columns)."""
     if not rows:
         return "(no rows)"
-    cols = list(rows[0])
-    samp = next((c for c in cols if "Sampling (All" in c), None) or \
-        next((c for c in cols if "Samples" in c), None)
-    src = next((c for c in cols if c.lower() in ("source", "sass")), cols[1] if len(cols) > 1
-               else cols[0])
-    if samp is None:
-        return "no warp-sampling column in: " + ", ".join(cols)
-    stall_cols = [c for c in cols if c != samp and ("stall" in c.lower())
-                  and "Sampling" not in c]
-    total = sum(_num(r.get(samp)) for r in rows) or 1.0
-    phase: dict[str, float] = {}
-    for r in rows:
-        op = (r.get(src) or "").strip().lstrip("@!P0123456789T ").strip()
-        name = next(n for n, rx in PHASES if rx.search(op))
-        phase[name] = phase.get(name, 0.0) + _num(r.get(samp))
-    out = ["| phase | share of warp samples |", "| --- | ---: |"]
-    out += [f"| {n} | {100 * s / total:.1f} % |" for n, s in
-            sorted(phase.items(), key=lambda t: -t[1])]
+    total = sum(_num(r.get(SAMPLES)) for r in rows) or 1.0
+    stall_cols = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    execd = sum(_num(r.get("Instructions Executed")) for r in rows)
+    out = [f"{int(total)} warp samples, {execd / 1e6:.2f} M warp instructions executed", "",
+           "| phase | share of warp samples |", "| --- | ---: |"]
+    out += [f"| {n} | {100 * v:.1f} % |"
+            for n, v in sorted(phases(rows).items(), key=lambda t: -t[1])]
     out += ["", "| SASS | share | top stall reasons |", "| --- | ---: | --- |"]
-    for r in sorted(rows, key=lambda r: -_num(r.get(samp)))[:top]:
-        reasons = sorted(((c, _num(r.get(c))) for c in stall_cols), key=lambda t: -t[1])[:2]
-        why = ", ".join(f"{c} {v:.0f}" for c, v in reasons if v > 0)
-        out.append(f"| `{(r.get(src) or '').strip()[:70]}` | "
-                   f"{100 * _num(r.get(samp)) / total:.1f} % | {why} |")
+    for r in sorted(rows, key=lambda r: -_num(r.get(SAMPLES)))[:top]:
+        why = sorted(((c, _num(r.get(c))) for c in stall_cols), key=lambda t: -t[1])[:2]
+        out.append(f"| `{(r.get('Source') or '').strip()[:64]}` | "
+                   f"{100 * _num(r.get(SAMPLES)) / total:.1f} % | "
+                   + ", ".join(f"{c[6:]} {v:.0f}" for c, v in why if v > 0) + " |")
     return "\n".join(out)
 
 
-def split_kernels(text: str) -> list[str]:
-    """The source page export holds one CSV block per profiled kernel launch, each after a
-    line naming the kernel; the blocks, in launch order."""
-    blocks, cur = [], []
-    for ln in text.splitlines():
-        if ln.startswith('"') or not cur and not ln.strip():
-            cur.append(ln)
-        elif cur and any(c.startswith('"') for c in cur):
-            blocks.append("\n".join(cur))
-            cur = [] if not ln.startswith('"') else [ln]
-    if cur and any(c.startswith('"') for c in cur):
-        blocks.append("\n".join(cur))
-    return blocks
+def summarize(sass_csv: str, order: str) -> str:
+    """Markdown ledgers of the second launch of every profiled variant (`order`: the probe's
+    stdout under ncu; lines starting with "==" are ncu's own)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "report"))
+    from report_io import read_text
+
+    blocks = split_kernels(read_text(Path(sass_csv)))
+    names = [ln.strip() for ln in read_text(Path(order)).splitlines()
+             if ln.strip() and not ln.startswith("==") and not ln.startswith("SKIP")]
+    if len(blocks) != 2 * len(names):
+        raise SystemExit(f"{len(blocks)} profiled launches for {len(names)} variants "
+                         "(want 2 each)")
+    out = []
+    for i, name in enumerate(names):
+        out += [f"## {name}", "", ledger(blocks[2 * i + 1]), ""]
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--summarize", metavar="SASS_CSV", help="print the ledgers of an export")
+    ap.add_argument("--summarize", nargs=2, metavar=("SASS_CSV", "ORDER"),
+                    help="print the ledgers of a source-page export and its order file")
     args = ap.parse_args(argv)
     if not args.summarize:
         launch_all()
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "report"))
-    from report_io import read_text
-
-    blocks = split_kernels(read_text(Path(args.summarize)))
-    for i, b in enumerate(blocks):
-        print(f"\n## profiled launch {i + 1} of {len(blocks)}\n")
-        print(ledger(_rows(b)))
+    print(summarize(*args.summarize))
     return 0
 
 

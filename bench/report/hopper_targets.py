@@ -48,16 +48,21 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "h200"
 # it supersedes s33.
 # s35: plain and K-Ext 0.125 / 0.5 in both folds at M = 16 / 64 / 128 / 256 / 2048 after the
 # K-Ext presum tune (kext_presum_s35); rows that need full M-Ext or M = 1 come from s34.
+# s37: plain, full M-Ext and W4A16 at every M on the s35 table with the plain layer quantizer
+# at pack16 / 4 warps / unroll 1 (sm90_linear.LAYER_QUANT_CONFIG); K-Ext rows come from s35.
 REPORTS: dict[str, tuple[str, ...]] = {
-    "qwen3-8b": ("bench_s37_qwen3-8b.json.xz", "bench_s35_qwen3-8b.json.xz", "bench_s34_qwen3-8b.json.xz",
+    "qwen3-8b": ("bench_s37_qwen3-8b.json.xz", "bench_s35_qwen3-8b.json.xz",
+                 "bench_s34_qwen3-8b.json.xz",
                  "bench_s33_qwen3-8b.json.xz",
                  "bench_s31b_qwen3-8b.json.xz",
                  "bench_s30a_qwen3-8b.json.xz", "bench_s30b_qwen3-8b.json.xz"),
-    "qwen3-4b": ("bench_s37_qwen3-4b.json.xz", "bench_s35_qwen3-4b.json.xz", "bench_s34_qwen3-4b.json.xz",
+    "qwen3-4b": ("bench_s37_qwen3-4b.json.xz", "bench_s35_qwen3-4b.json.xz",
+                 "bench_s34_qwen3-4b.json.xz",
                  "bench_s33_qwen3-4b.json.xz",
                  "bench_s31b_qwen3-4b.json.xz",
                  "bench_s30d_qwen3-4b.json.xz", "bench_s30b_qwen3-4b.json.xz"),
-    "qwen3-32b": ("bench_s37_qwen3-32b.json.xz", "bench_s35_qwen3-32b.json.xz", "bench_s34_qwen3-32b.json.xz",
+    "qwen3-32b": ("bench_s37_qwen3-32b.json.xz", "bench_s35_qwen3-32b.json.xz",
+                  "bench_s34_qwen3-32b.json.xz",
                   "bench_s33_qwen3-32b.json.xz",
                   "bench_s31b_qwen3-32b.json.xz",
                   "bench_s30d_qwen3-32b.json.xz", "bench_s30c_qwen3-32b.json.xz"),

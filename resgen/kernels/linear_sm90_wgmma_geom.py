@@ -37,6 +37,7 @@ __all__ = ["WgGeometry", "STORES", "PLAIN_SEL", "MEXT_SEL", "RASTERS", "SLOT_ROW
 
 STORES: tuple[str, ...] = ("direct",)
 RASTERS: tuple[str, ...] = ("tok", "ch")
+PRODUCERS: tuple[str, ...] = ("wg", "warp")
 REC_WORD_BYTES = 2048            # 4 warps x 32 lanes x 4 words of 4 bytes
 # A fragment slot s = 0..7 (a0..a7) of k16 step j for lane (g, t) of warp q:
 #   row = 16 q + g + SLOT_ROW8[s],  column (inside the 64-wide chunk) = 16 j + 2 t + SLOT_COL[s]
@@ -82,6 +83,11 @@ class WgGeometry:
     store: str = "direct"
     split_k: int = 1   # K slices (grid z); > 1: workspace + last-CTA reduction in split order
     pdl: bool = False  # programmatic dependent launch behind the quantizer (see the template)
+    # who issues the copies: "wg" a producer warpgroup 0 whose warp 0 works (setmaxnreg moves
+    # the other registers to 2 consumers), "warp" one producer warp after the consumer
+    # warpgroup (1 consumer only): 160 threads, so the idle producer warps hold no registers
+    # and more CTAs fit an SM
+    producer: str = "wg"
 
     # ------------------------------------------------------------------ derived constants
     @property
@@ -98,7 +104,27 @@ class WgGeometry:
 
     @property
     def threads(self) -> int:
-        return 128 * (1 + self.consumers)
+        return 128 * self.consumers + (32 if self.producer == "warp" else 128)
+
+    @property
+    def prod_wg(self) -> int:
+        """The producer's warpgroup (warp // 4): 0, or after the consumers for "warp"."""
+        return self.consumers if self.producer == "warp" else 0
+
+    @property
+    def prod_warp(self) -> int:
+        """The one warp that issues the copies: the producer warpgroup's first."""
+        return 4 * self.prod_wg
+
+    @property
+    def cons_wg0(self) -> int:
+        """The first consumer warpgroup (consumer index wgi = warp // 4 - cons_wg0)."""
+        return 0 if self.producer == "warp" else 1
+
+    @property
+    def cons_tid0(self) -> int:
+        """The first consumer thread (consumer thread ctid = tid - cons_tid0)."""
+        return 128 * self.cons_wg0
 
     @property
     def release_count(self) -> int:
@@ -150,6 +176,11 @@ class WgGeometry:
             raise ValueError(f"unknown packing {self.packing!r}")
         if self.consumers not in (1, 2):
             raise ValueError("consumers must be 1 or 2 warpgroups")
+        if self.producer not in PRODUCERS:
+            raise ValueError(f"producer must be one of {PRODUCERS}")
+        if self.producer == "warp" and self.consumers != 1:
+            raise ValueError("a one-warp producer serves one consumer warpgroup (two need "
+                             "setmaxnreg, which moves registers per warpgroup)")
         if self.m_wg not in (1, 2):
             raise ValueError("m_wg must be 1 or 2 m64 blocks per warpgroup")
         if self.bn % 16 or not 16 <= self.bn <= 256:

@@ -19,6 +19,9 @@ The variant axes (LinearSm90WgmmaVariant) and what they change in the kernel
                 sums them in split order (deterministic, one launch)
     pdl         programmatic dependent launch behind the layer quantizer: weight copies of the
                 first stages before griddepcontrol.wait, activation boxes after it
+    producer    "wg" (a producer warpgroup, warp 0 issuing) or "warp" (one consumer
+                warpgroup, then one producer warp: 160 threads, more CTAs per SM); keyed only
+                where not "wg". Valid, not enumerated
     fold        how M-Ext's base and residue meet: "exact" (row pairs as extra B rows, folded
                 in the epilogue: Blackwell's numerics, twice the MMAs) or "presum" (the layer
                 quantizer writes fp16(X_hat + R_hat), one row per token, quant_sm90 layout
@@ -48,7 +51,8 @@ from .sm90_linear import (KEXT_PRESUM_ONLY, PRESUM_MEXT_ONLY, TOLERANCE, Fold, P
                           cached_weight_sets, compare, kp_of, pow2_ceil)
 from .variant import UNKEYED_DEFAULT, Choice, IntRange, LinearProblem, VariantBase
 
-__all__ = ["Raster", "Fold", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily", "FAMILY",
+__all__ = ["Raster", "Producer", "Fold", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily",
+           "FAMILY",
            "TOLERANCE", "compare", "geometry_of", "gemm_rows", "kp_of", "compile_once",
            "PRESUM_MEXT_ONLY", "PRESUM_NVFP4_ONLY"]
 
@@ -64,6 +68,13 @@ _SPLITS = (1, 2, 4, 8, 3, 6)
 class Raster(Choice):
     TOK = "tok"
     CH = "ch"
+
+
+class Producer(Choice):
+    """Who issues a CTA's copies: a producer warpgroup (its warp 0 works; "wg") or one
+    producer warp after the single consumer warpgroup ("warp": 160 threads per CTA)."""
+    WG = "wg"
+    WARP = "warp"
 
 
 PRESUM_NVFP4_ONLY = ("MXFP4 presum needs each token row's power-of-two shift (formats."
@@ -89,6 +100,11 @@ class LinearSm90WgmmaVariant(VariantBase):
     # linear_sm90_wgmma_streamk). Keyed only where not 0, as fold. Valid, not enumerated
     streamk: int = field(default=0, metadata={"range": IntRange(0, 2), "short": "ps",
                                               UNKEYED_DEFAULT: True})
+    # one producer warp instead of a producer warpgroup (consumers 1, grid schedule): the
+    # three idle producer warps no longer hold registers, so more CTAs fit an SM. Keyed only
+    # where not "wg", as fold. Valid, not enumerated (measured: docs/linear_sm90_wgmma.md)
+    producer: Producer = field(default=Producer.WG, metadata={"short": "pr",
+                                                              UNKEYED_DEFAULT: True})
 
     @property
     def deterministic(self) -> bool:
@@ -115,7 +131,8 @@ def geometry_of(variant: LinearSm90WgmmaVariant, problem: LinearProblem):
     kw: dict[str, Any] = dict(fmt=problem.fmt, mext=mext, packing=variant.packing.value,
                               consumers=variant.consumers, m_wg=variant.m_wg, bn=variant.bn,
                               stages=variant.stages, raster=variant.raster.value,
-                              split_k=variant.split_k, pdl=bool(variant.pdl))
+                              split_k=variant.split_k, pdl=bool(variant.pdl),
+                              producer=variant.producer.value)
     if variant.streamk:
         from ..kernels.linear_sm90_wgmma_streamk import StreamKGeometry
 
@@ -171,6 +188,12 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                 return PRESUM_MEXT_ONLY
         elif p.kext_presum:
             return KEXT_PRESUM_ONLY
+        if v.producer == Producer.WARP:
+            if v.consumers != 1:
+                return ("a one-warp producer serves one consumer warpgroup (two need "
+                        "setmaxnreg, which moves registers per warpgroup)")
+            if v.streamk:
+                return "the one-warp producer runs the grid schedule (streamk 0)"
         if v.streamk:
             if v.split_k != 1 or v.pdl:
                 return "stream-K (streamk > 0) runs split_k 1 without PDL"
@@ -327,7 +350,10 @@ class LinearSm90WgmmaFamily(Sm90LinearFamily):
                 "streamk_import": ", linear_sm90_wgmma_streamk as SKM" if variant.streamk
                 else "",
                 "geometry_cls": "SKM.StreamKGeometry" if variant.streamk else "WgGeometry",
-                "streamk_arg": f", streamk={variant.streamk}" if variant.streamk else ""}
+                "streamk_arg": f", streamk={variant.streamk}" if variant.streamk else "",
+                # the producer layout (substituted: "" renders the warpgroup producer as before)
+                "producer_arg": (f', producer="{variant.producer.value}"'
+                                 if variant.producer != Producer.WG else "")}
 
     def compile_key(self, variant: LinearSm90WgmmaVariant, problem: LinearProblem
                     ) -> LinearProblem:
