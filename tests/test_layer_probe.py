@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+
+import pytest
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -231,3 +233,83 @@ def test_fused_serving_probe_plans_checks_and_reports(tmp_path, monkeypatch):
                    for r in sel)
         assert abs(t["best_us"] - best) < 1e-9 and t["best_us"] <= t["table_us"]
     assert "sums table" in F.table(s)[-1]
+
+
+def test_producer_probe_plans_checks_and_reports(tmp_path, monkeypatch):
+    """bench/probes/producer_probe.py on the CPU: per (M, shape) the dispatched table variant,
+    then producer-warp linear_sm90_wgmma candidates only (valid, none twice); the summary
+    compares only against the table's own row for the M ("table_exact"), never against a
+    fallback to a smaller bucket."""
+    import producer_probe as PP
+
+    from resgen.runtime import Device, Dispatcher
+    from resgen.search.linear_sm90_wgmma import FAMILY as WG, Producer
+
+    disp = Dispatcher(device=Device("NVIDIA H200", "sm_90a"))      # the shipped table
+
+    def lookup(p):
+        return disp.lookup("linear", p), disp.source("linear", p)
+
+    cases = list(PP.plan(lookup))
+    keys = list(dict.fromkeys((c[3]["m"], c[3]["layer"]) for c in cases))
+    assert len(keys) == len(PP.MS) * 4
+    for key in keys:
+        sel = [c for c in cases if (c[3]["m"], c[3]["layer"]) == key]
+        assert sel[0][3]["config"] == "table" and sel[0][3]["table_exact"]
+        cands = sel[1:]
+        assert cands and len({c[2] for c in cands}) == len(cands)
+        assert all(c[1] is WG and c[2].producer == Producer.WARP and c[2].consumers == 1
+                   and WG.why_invalid(c[2], c[0], "sm_90a") is None for c in cands)
+
+    def fake_time_layer(fam, v, p, arch, cache, policy):
+        pw = getattr(v, "producer", None) == Producer.WARP
+        return {"check": {"ok": True, "rel_err": 1e-3},
+                "resgen_us": (4.0 if pw else 5.0) + 0.01 * getattr(v, "stages", 1)}
+
+    # one layer's table row falls back (a stale fingerprint): no ratio for it
+    fell = keys[0]
+    staled = [(p, f, v, {**e, "table_exact": False} if (e["m"], e["layer"]) == fell
+               and e["config"] == "table" else e) for p, f, v, e in cases]
+    monkeypatch.setattr(layer_probe, "time_layer", fake_time_layer)
+    monkeypatch.setattr(layer_probe.torch.cuda, "get_device_name", lambda i: "Fake GPU")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(PP, "plan", lambda lookup: iter(staled))
+    assert PP.main(["--budget-s", "1000"]) == 0
+    s = json.loads((tmp_path / "producer_probe.json").read_text())["summary"]
+    by = {(r["m"], r["layer"]): r for r in s["layers"]}
+    assert by[fell]["table_us"] is None and "pw_over_table" not in by[fell]
+    assert all(r["pw_over_table"] < 1 for k, r in by.items() if k != fell)
+    assert [t["m"] for t in s["sums"]] == [m for m in PP.MS if m != fell[0]]
+    assert "per-layer best" in PP.table(s)[-1]
+
+
+def test_ncu_sass_ledger_splits_launches_and_prices_phases(tmp_path):
+    """bench/probes/ncu_sass_wgmma.py's summary of a source-page export: one CSV block per
+    launch after its "Kernel Name" line, the second launch of each variant in the order file,
+    samples per phase (a branch right after a try_wait is the wait), stall reasons."""
+    import ncu_sass_wgmma as S
+
+    hdr = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+           '"stall_long_sb","stall_math","stall_long_sb (Not Issued)"')
+
+    def block(scale):
+        rows = [("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2", 1, 0, 0),
+                ("@P0   BRA 0x10", 3, 3, 0), ("LOP3.LUT R3, R4, 0xf, RZ, 0xc0, !PT", 4, 0, 2),
+                ("HMUL2.BF16_V2 R5, R5, R6", 1, 0, 1),
+                ("HGMMA.64x64x16.F32.BF16 R24, R72, gdesc[UR4], R24", 1, 0, 0)]
+        return ['"Kernel Name","kernel_x"', hdr] + [
+            f'"0x{i:x}","      {src}","{n * scale}","10","{lsb * scale}","{math}","0"'
+            for i, (src, n, lsb, math) in enumerate(rows)]
+    csv_text = "\n".join(block(1) + block(10))
+    (tmp_path / "s.csv").write_text(csv_text + "\n")
+    (tmp_path / "o.txt").write_text("==PROF== Connected\n6144x4096 M=64 v1\n==PROF== x\n")
+    doc = S.summarize(str(tmp_path / "s.csv"), str(tmp_path / "o.txt"))
+    assert doc.startswith("## 6144x4096 M=64 v1") and "100 warp samples" in doc
+    share = S.phases(S.split_kernels(csv_text)[1])
+    assert abs(share["mbarrier wait (try_wait spin)"] - 0.4) < 1e-9
+    assert abs(share["integer ALU (decode, addresses)"] - 0.4) < 1e-9
+    assert abs(share["wgmma issue / wait"] - 0.1) < 1e-9
+    assert "long_sb 30" in doc and "Not Issued" not in doc
+    (tmp_path / "o2.txt").write_text("a\nb\n")
+    with pytest.raises(SystemExit, match="want 2 each"):
+        S.summarize(str(tmp_path / "s.csv"), str(tmp_path / "o2.txt"))

@@ -6,6 +6,8 @@ launcher / runner plumbing with the simulation standing in for the GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 import pytest
@@ -280,6 +282,48 @@ def test_variant_keys_round_trip():
 def test_why_invalid_reasons(v, p, reason):
     why = FAMILY.why_invalid(v, p, ARCH)
     assert why is not None and reason in why, why
+
+
+def test_producer_warp_is_valid_keyed_only_when_set_and_not_enumerated():
+    """The one-warp producer (axis producer = "warp"): one consumer warpgroup on the grid
+    schedule; keyed (and named) only when set, so every stored key is unchanged; the space
+    does not enumerate it (not yet measured against the table in one run)."""
+    p = LinearProblem("nvfp4", "none", 64, 24576, 4096)
+    v = LinearSm90WgmmaVariant(1, 1, 64, 6, producer=Producer.WARP)
+    assert FAMILY.why_invalid(v, p, ARCH) is None
+    assert LinearSm90WgmmaVariant.from_key(v.key()) == v and v.name().endswith("_prwarp")
+    assert "producer" not in LinearSm90WgmmaVariant(1, 1, 64, 6).key()
+    assert '"producer":"warp"' in v.key()
+    assert "one consumer warpgroup" in FAMILY.why_invalid(
+        LinearSm90WgmmaVariant(2, 1, 64, 6, producer=Producer.WARP), p, ARCH)
+    assert "grid schedule" in FAMILY.why_invalid(
+        LinearSm90WgmmaVariant(1, 1, 64, 6, producer=Producer.WARP, streamk=1), p, ARCH)
+    for q in (p, LinearProblem("nvfp4", "full", 16, 4096, 12288)):
+        assert not any(u.producer == Producer.WARP for u in FAMILY.space(q, ARCH))
+    # the roles: consumers at warps 0-3, the producer warp 4 (160 threads); the warpgroup
+    # producer keeps warpgroup 0 and the consumers after it
+    g, w = geometry_of(v, p), geometry_of(LinearSm90WgmmaVariant(1, 1, 64, 6), p)
+    assert (g.threads, g.prod_wg, g.prod_warp, g.cons_wg0, g.cons_tid0) == (160, 1, 4, 0, 0)
+    assert (w.threads, w.prod_wg, w.prod_warp, w.cons_wg0, w.cons_tid0) == (256, 0, 0, 1, 128)
+    assert geometry_of(LinearSm90WgmmaVariant(2, 1, 64, 6), p).threads == 384
+    with pytest.raises(ValueError, match="one consumer warpgroup"):
+        dataclasses.replace(g, consumers=2).check()
+    with pytest.raises(ValueError, match="producer must be"):
+        dataclasses.replace(g, producer="lane").check()
+
+
+def test_producer_is_substituted_only_when_set():
+    """A warpgroup-producer render constructs its geometry exactly as before the axis (its
+    PTX stayed equal: the table's refingerprint); a producer-warp render passes the field."""
+    from resgen.kernels import codegen
+
+    p = LinearProblem("nvfp4", "none", 64, 24576, 4096)
+    wg, pw = (codegen.render(FAMILY.TEMPLATE, FAMILY.template_params(v, FAMILY.compile_key(v, p)))
+              for v in (LinearSm90WgmmaVariant(1, 1, 64, 6),
+                        LinearSm90WgmmaVariant(1, 1, 64, 6, producer=Producer.WARP)))
+    assert "producer=" not in wg.split("G.check()")[0]
+    assert 'pdl=False, producer="warp")' in pw
+    assert wg.count("wg == G.prod_wg") == pw.count("wg == G.prod_wg") == 2
 
 
 def test_why_invalid_arch_and_types():
