@@ -1256,8 +1256,10 @@ def _bench_triton(bl: Any, x: Any, p: Any, policy: Any) -> dict[str, Any]:
 
 # -- db --------------------------------------------------------------------------------------------
 def _parse_key(kind: str, key: str) -> str | None:
-    """Validated parse of a stored key through its family's types; error text or None."""
+    """Validated parse of a stored key through its family's types, which must give back the
+    key itself (canonical); error text or None."""
     from .search.family import families, get_family
+    from .search.variant import canonical_json
 
     try:
         d = json.loads(key)
@@ -1265,18 +1267,25 @@ def _parse_key(kind: str, key: str) -> str | None:
         return "key is not JSON"
     if not isinstance(d, dict):
         return f"key is a JSON {type(d).__name__}, not an object"
+    def canonical(obj: Any) -> str | None:
+        # a key that parses but is not its object's canonical key (a default field spelled
+        # out, say) names the same variant / workload as another row: a duplicate that
+        # lookups and merges would treat as distinct
+        if obj.key() != canonical_json(d):
+            return (f"not the canonical key of what it parses to "
+                    f"({_printable(obj.key(), 160)})")
+        return None
+
     try:
         if kind == "variant":
-            get_family(d.get("family")).VARIANT.from_dict(d)
-            return None
+            return canonical(get_family(d.get("family")).VARIANT.from_dict(d))
         classes = {f.PROBLEM for f in families().values() if f.PROBLEM.OP == d.get("op")}
         if not classes:
             return f"no registered family for op {_printable(repr(d.get('op')), 60)}"
         errs = []
         for cls in classes:
             try:
-                cls.from_dict(d)
-                return None
+                return canonical(cls.from_dict(d))
             except (TypeError, ValueError) as e:
                 errs.append(str(e))
         return "; ".join(errs)

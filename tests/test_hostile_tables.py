@@ -197,6 +197,33 @@ def test_verify_show_merge_survive_hostile_keys(tmp_path, capsys, key, table):
     _lookup_is_safe(path)
 
 
+def test_verify_warns_of_a_key_that_parses_but_is_not_canonical(tmp_path, capsys):
+    """A stored key whose object parses but whose canonical key differs (a default field
+    spelled out: the same variant as the canonical key's row, under another digest) is
+    reported, as a parse failure is; the canonical keys of the same table are not."""
+    from resgen.cli import _parse_key
+    from resgen.search.linear_sm90_wgmma import LinearSm90WgmmaVariant
+    from resgen.search.variant import sha256_json
+
+    canon = LinearSm90WgmmaVariant(1, 1, 64, 6).key()
+    spelled = {**json.loads(canon), "fold": "exact", "producer": "wg"}
+    assert _parse_key("variant", canon) is None
+    assert "not the canonical key" in (_parse_key("variant", json.dumps(spelled)) or "")
+    path = _base(tmp_path)
+    rc, text = _cli(capsys, "db", "verify", str(path))
+    assert rc == 0 and "canonical" not in text
+    _tamper(path, 1, table="variants", key=json.dumps(spelled), digest=sha256_json(spelled))
+    c = sqlite3.connect(path)
+    rids = [r for (r,) in c.execute("SELECT id FROM results WHERE variant_id = 1")]
+    c.close()
+    for rid in rids:                    # a hostile author reseals what the new digest breaks
+        _reseal(path, rid)
+    rc, text = _cli(capsys, "db", "verify", str(path))
+    assert rc == 0 and "error" not in text
+    assert "warning: variants 1:" in text and "not the canonical key of what it parses" in text
+    assert canon in text
+
+
 def test_verify_and_show_report_text_medians(tmp_path, capsys):
     path = _base(tmp_path)
     win = _winner_row(path)
