@@ -22,6 +22,14 @@ from resgen.search.linear_sm90_mma import FAMILY, LinearSm90Variant, Pipeline  #
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 
+def _fake_gpu(monkeypatch, tmp_path, fake_time_layer) -> None:
+    """layer_probe on the CPU: `fake_time_layer` for resgen.cli.time_layer, a named fake
+    GPU, and $OUT in tmp_path."""
+    monkeypatch.setattr(layer_probe, "time_layer", fake_time_layer)
+    monkeypatch.setattr(layer_probe.torch.cuda, "get_device_name", lambda i: "Fake GPU")
+    monkeypatch.setenv("OUT", str(tmp_path))
+
+
 def test_probe_records_every_case(tmp_path, monkeypatch):
     calls = []
 
@@ -31,9 +39,7 @@ def test_probe_records_every_case(tmp_path, monkeypatch):
             raise RuntimeError("compile failed")
         return {"check": {"ok": True, "rel_err": 1e-3}, "resgen_us": 5.0}
 
-    monkeypatch.setattr(layer_probe, "time_layer", fake_time_layer)
-    monkeypatch.setattr(layer_probe.torch.cuda, "get_device_name", lambda i: "Fake GPU")
-    monkeypatch.setenv("OUT", str(tmp_path))
+    _fake_gpu(monkeypatch, tmp_path, fake_time_layer)
     p = LinearProblem("nvfp4", "none", 1, 2560, 9728)
     ok = LinearSm90Variant(1, 8, 1, 1, 1, Pipeline.CP_ASYNC, 3)
     bad = LinearSm90Variant(1, 8, 1, 1, 2, Pipeline.CP_ASYNC, 3)      # ragged needs U = 1
@@ -141,9 +147,7 @@ def test_w4a16_fused_probe_plans_checks_and_reports(tmp_path, monkeypatch):
         return {"check": {"ok": ok, "rel_err": 1e-3 if ok else 0.5},
                 **({"resgen_us": us + 0.01 * getattr(v, "warps_k", 1)} if ok else {})}
 
-    monkeypatch.setattr(layer_probe, "time_layer", fake_time_layer)
-    monkeypatch.setattr(layer_probe.torch.cuda, "get_device_name", lambda i: "Fake GPU")
-    monkeypatch.setenv("OUT", str(tmp_path))
+    _fake_gpu(monkeypatch, tmp_path, fake_time_layer)
     monkeypatch.setattr(W, "plan", lambda lookup, winners: iter(cases))
     monkeypatch.setattr(W, "xop_winners", lambda: {})
     assert W.main(["--budget-s", "1000"]) == 0
@@ -210,9 +214,7 @@ def test_fused_serving_probe_plans_checks_and_reports(tmp_path, monkeypatch):
         return {"check": {"ok": ok, "rel_err": 1e-3 if ok else 0.5},
                 **({"resgen_us": us + 0.01 * getattr(v, "warps_k", 1)} if ok else {})}
 
-    monkeypatch.setattr(layer_probe, "time_layer", fake_time_layer)
-    monkeypatch.setattr(layer_probe.torch.cuda, "get_device_name", lambda i: "Fake GPU")
-    monkeypatch.setenv("OUT", str(tmp_path))
+    _fake_gpu(monkeypatch, tmp_path, fake_time_layer)
     monkeypatch.setattr(F, "plan", lambda lookup, winners: iter(cases))
     monkeypatch.setattr(F, "fused_winners", lambda: {})
     assert F.main(["--budget-s", "1000"]) == 0
@@ -270,9 +272,7 @@ def test_producer_probe_plans_checks_and_reports(tmp_path, monkeypatch):
     fell = keys[0]
     staled = [(p, f, v, {**e, "table_exact": False} if (e["m"], e["layer"]) == fell
                and e["config"] == "table" else e) for p, f, v, e in cases]
-    monkeypatch.setattr(layer_probe, "time_layer", fake_time_layer)
-    monkeypatch.setattr(layer_probe.torch.cuda, "get_device_name", lambda i: "Fake GPU")
-    monkeypatch.setenv("OUT", str(tmp_path))
+    _fake_gpu(monkeypatch, tmp_path, fake_time_layer)
     monkeypatch.setattr(PP, "plan", lambda lookup: iter(staled))
     assert PP.main(["--budget-s", "1000"]) == 0
     s = json.loads((tmp_path / "producer_probe.json").read_text())["summary"]

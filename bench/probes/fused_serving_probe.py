@@ -27,7 +27,6 @@ best fused time, and per (model, M) the four shapes' sums where both were timed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import replace
@@ -151,16 +150,14 @@ def summary(rows: list[dict]) -> dict:
 
 def table(s: dict) -> list[str]:
     """The short table printed last."""
+    cell = layer_probe.cell
     out = [f"{'model':9s} {'M':>3s} {'layer':8s} {'table':>8s} {'xop twin':>8s} {'fused':>8s} "
            f"{'f/table':>8s}  best fused"]
 
-    def f(v: Any) -> str:
-        return f"{v:8.2f}" if v else f"{'-':>8s}"
-
     for r in s["layers"]:
-        ratio = f"{r['fused_over_table']:8.3f}" if r.get("fused_over_table") else f"{'-':>8s}"
-        out.append(f"{r['model']:9s} {r['m']:3d} {r['layer']:8s} {f(r['table_us'])} "
-                   f"{f(r['xop_us'])} {f(r['fused_us'])} {ratio}  {r['fused_config'] or ''} "
+        ratio = cell(r.get("fused_over_table"), 8, 3)
+        out.append(f"{r['model']:9s} {r['m']:3d} {r['layer']:8s} {cell(r['table_us'])} "
+                   f"{cell(r['xop_us'])} {cell(r['fused_us'])} {ratio}  {r['fused_config'] or ''} "
                    f"{(r['fused_variant'] or '')[16:]}")
     for t in s["sums"]:
         out.append(f"{t['model']} M={t['m']}: sums table {t['table_us']:.2f} us, all fused "
@@ -170,23 +167,10 @@ def table(s: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from resgen.runtime import Dispatcher
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--budget-s", type=float, default=240.0,
-                    help="start no case after this many seconds (default 240)")
-    args = ap.parse_args(argv)
-    disp = Dispatcher()
-
-    def lookup(p: LinearProblem) -> tuple[Any, str]:
-        return disp.lookup("linear", p), disp.source("linear", p)
-
-    rc, doc = layer_probe.summarized_probe(
-        "fused_serving_probe",
-        layer_probe.budgeted(plan(lookup, fused_winners()), args.budget_s, "fused_serving_probe"),
-        tag=lambda rec: f"{rec['model']} m{rec['m']} {rec['config']:7s} ", summary=summary)
-    print("\n".join(table(doc["summary"])))
-    return rc
+    return layer_probe.run_dispatched_probe(
+        "fused_serving_probe", __doc__, argv, 240.0, lambda lookup: plan(lookup, fused_winners()),
+        tag=lambda rec: f"{rec['model']} m{rec['m']} {rec['config']:7s} ",
+        summary=summary, table=table)
 
 
 if __name__ == "__main__":

@@ -153,6 +153,40 @@ def probe(name: str, cases: Iterable[Case],
     return 0
 
 
+def cell(v: float | None, width: int = 8, digits: int = 2) -> str:
+    """A probe table's number cell: v right-aligned in `width` with `digits` decimals, or "-"
+    where nothing was measured."""
+    return f"{v:{width}.{digits}f}" if v else f"{'-':>{width}s}"
+
+
+def dispatched_lookup() -> Callable[[Any], tuple[Any, str]]:
+    """problem -> (the variant the runtime dispatches for it, where from: Dispatcher.source)
+    on this machine's GPU and the shipped table."""
+    from resgen.runtime import Dispatcher
+
+    disp = Dispatcher()
+    return lambda p: (disp.lookup("linear", p), disp.source("linear", p))
+
+
+def run_dispatched_probe(name: str, doc: str, argv: list[str] | None, budget_s: float,
+                         plan: Callable[[Callable[[Any], tuple[Any, str]]], Iterable[Case]],
+                         tag: Callable[[dict], str], summary: Callable[[list[dict]], Any],
+                         table: Callable[[Any], list[str]]) -> int:
+    """The main() of a probe that starts from the dispatched variants: --budget-s (default
+    budget_s), plan(lookup) cut by budgeted(), summarized_probe(), then table(summary)
+    printed last. `doc`: the probe's docstring (its first line is the --help text)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--budget-s", type=float, default=budget_s,
+                    help=f"start no case after this many seconds (default {budget_s:.0f})")
+    args = ap.parse_args(argv)
+    rc, out = summarized_probe(name, budgeted(plan(dispatched_lookup()), args.budget_s, name),
+                               tag=tag, summary=summary)
+    print("\n".join(table(out["summary"])))
+    return rc
+
+
 def summarized_probe(name: str, cases: Iterable[Case], tag: Callable[[dict], str],
                      summary: Callable[[list[dict]], Any]) -> tuple[int, dict]:
     """probe(), then its JSON gains "summary": summary(rows), also when a `timeout -s INT`

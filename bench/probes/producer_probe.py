@@ -29,7 +29,6 @@ four-shape sums where both were timed."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import replace
@@ -133,16 +132,14 @@ def summary(rows: list[dict]) -> dict:
 
 def table(s: dict) -> list[str]:
     """The short table printed last."""
+    cell = layer_probe.cell
     out = [f"{'model':9s} {'M':>3s} {'layer':8s} {'table':>8s} {'pw':>8s} {'pw/table':>8s}"
            "  best producer-warp variant"]
 
-    def f(v: Any) -> str:
-        return f"{v:8.2f}" if v else f"{'-':>8s}"
-
     for r in s["layers"]:
-        ratio = f"{r['pw_over_table']:8.3f}" if r.get("pw_over_table") else f"{'-':>8s}"
-        out.append(f"{r['model']:9s} {r['m']:3d} {r['layer']:8s} {f(r['table_us'])} "
-                   f"{f(r['pw_us'])} {ratio}  {(r['pw_variant'] or '')[18:]}")
+        ratio = cell(r.get("pw_over_table"), 8, 3)
+        out.append(f"{r['model']:9s} {r['m']:3d} {r['layer']:8s} {cell(r['table_us'])} "
+                   f"{cell(r['pw_us'])} {ratio}  {(r['pw_variant'] or '')[18:]}")
     for t in s["sums"]:
         out.append(f"{t['model']} M={t['m']}: sums table {t['table_us']:.2f} us, producer "
                    f"warp {t['pw_us']:.2f}, per-layer best {t['best_us']:.2f} "
@@ -151,22 +148,10 @@ def table(s: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from resgen.runtime import Dispatcher
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--budget-s", type=float, default=170.0,
-                    help="start no case after this many seconds (default 170)")
-    args = ap.parse_args(argv)
-    disp = Dispatcher()
-
-    def lookup(p: LinearProblem) -> tuple[Any, str]:
-        return disp.lookup("linear", p), disp.source("linear", p)
-
-    rc, doc = layer_probe.summarized_probe(
-        "producer_probe", layer_probe.budgeted(plan(lookup), args.budget_s, "producer_probe"),
-        tag=lambda rec: f"{rec['model']} m{rec['m']} {rec['config']:5s} ", summary=summary)
-    print("\n".join(table(doc["summary"])))
-    return rc
+    return layer_probe.run_dispatched_probe(
+        "producer_probe", __doc__, argv, 170.0, plan,
+        tag=lambda rec: f"{rec['model']} m{rec['m']} {rec['config']:5s} ",
+        summary=summary, table=table)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ xop and best fused W4A16 times, and per M the four shapes' sums where all three 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -118,16 +117,14 @@ def summary(rows: list[dict]) -> dict:
 
 def table(s: dict) -> list[str]:
     """The short table printed last."""
+    cell = layer_probe.cell
     out = [f"{'M':>2s} {'layer':8s} {'plain':>8s} {'a16 xop':>8s} {'a16 fused':>9s} "
            f"{'fused/plain':>11s}  best fused W4A16"]
 
-    def f(v: Any) -> str:
-        return f"{v:8.2f}" if v else f"{'-':>8s}"
-
     for r in s["layers"]:
-        ratio = f"{r['fused_over_plain']:11.3f}" if r.get("fused_over_plain") else f"{'-':>11s}"
-        out.append(f"{r['m']:2d} {r['layer']:8s} {f(r['plain_us'])} {f(r['w4a16_xop_us'])} "
-                   f"{f(r['w4a16_fused_us'])} {ratio}  {r['fused_config'] or ''} "
+        ratio = cell(r.get("fused_over_plain"), 11, 3)
+        out.append(f"{r['m']:2d} {r['layer']:8s} {cell(r['plain_us'])} {cell(r['w4a16_xop_us'])} "
+                   f"{cell(r['w4a16_fused_us'])} {ratio}  {r['fused_config'] or ''} "
                    f"{(r['fused_variant'] or '')[16:]}")
     for t in s["sums"]:
         out.append(f"M={t['m']}: sums plain {t['plain_us']:.2f} us, W4A16 xop "
@@ -137,24 +134,10 @@ def table(s: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from resgen.runtime import Dispatcher
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--budget-s", type=float, default=110.0,
-                    help="start no case after this many seconds (default 110)")
-    args = ap.parse_args(argv)
-    disp = Dispatcher()
-
-    def lookup(p: LinearProblem) -> tuple[Any, str]:
-        return disp.lookup("linear", p), disp.source("linear", p)
-
-    budget = args.budget_s
-    rc, doc = layer_probe.summarized_probe(
-        "w4a16_fused_probe", layer_probe.budgeted(plan(lookup, xop_winners()), budget,
-                                                  "w4a16_fused_probe"),
-        tag=lambda rec: f"m{rec['m']} {rec['role']:11s} {rec['config']:6s} ", summary=summary)
-    print("\n".join(table(doc["summary"])))
-    return rc
+    return layer_probe.run_dispatched_probe(
+        "w4a16_fused_probe", __doc__, argv, 110.0, lambda lookup: plan(lookup, xop_winners()),
+        tag=lambda rec: f"m{rec['m']} {rec['role']:11s} {rec['config']:6s} ",
+        summary=summary, table=table)
 
 
 if __name__ == "__main__":

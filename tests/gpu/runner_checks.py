@@ -40,3 +40,25 @@ def check_graph_replay(r) -> None:
     torch.cuda.synchronize()
     assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))
     assert int(r.launcher.sem.abs().sum()) == 0
+
+
+def check_layer_graph_behind_the_quantizer(r) -> None:
+    """A runner with two input sets and the layer quantizer attached (PDL variants right
+    behind it): the whole layer checked twice on fresh inputs, then three layers captured in
+    one CUDA graph (the programmatic edges let each GEMM start under its quantizer) and
+    replayed over a NaN-poisoned output; it must equal an eager run on input set 1 bit for
+    bit."""
+    for _ in range(2):
+        res = r.check_quantized()
+        assert res.ok, f"{res.detail} (rel {res.rel_err:.3e})"
+    r.rotate(1)
+    eager = r().clone()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    r.out.fill_(float("nan"))
+    with torch.cuda.graph(g):
+        for _ in range(3):
+            r()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))

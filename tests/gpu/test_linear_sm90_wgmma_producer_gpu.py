@@ -20,7 +20,9 @@ from resgen.search.linear_sm90_wgmma import FAMILY, LinearSm90WgmmaVariant as V,
 from resgen.search.sm90_linear import Fold
 from resgen.search.variant import LinearProblem
 
-from runner_checks import check_graph_replay, check_runner  # tests/gpu/runner_checks.py
+# tests/gpu/runner_checks.py
+from runner_checks import (check_graph_replay, check_layer_graph_behind_the_quantizer,
+                           check_runner)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -88,20 +90,7 @@ def test_producer_warp_behind_the_quantizer_with_pdl_and_graph():
                                     write_xop=True, alpha="static", kp_align=256))[0]
     r = _runner(v, p, n_sets=2)
     r.attach_quantizer(qk)
-    for _ in range(2):
-        res = r.check_quantized()
-        assert res.ok, f"{res.detail} (rel {res.rel_err:.3e})"
-    r.rotate(1)
-    eager = r().clone()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    r.out.fill_(float("nan"))
-    with torch.cuda.graph(g):
-        for _ in range(3):
-            r()
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(r.out.view(torch.int16), eager.view(torch.int16))
+    check_layer_graph_behind_the_quantizer(r)
 
 
 def test_producer_warp_graph_replay_and_semaphores_reset():
