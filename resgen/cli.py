@@ -1267,6 +1267,7 @@ def _parse_key(kind: str, key: str) -> str | None:
         return "key is not JSON"
     if not isinstance(d, dict):
         return f"key is a JSON {type(d).__name__}, not an object"
+
     def canonical(obj: Any) -> str | None:
         # a key that parses but is not its object's canonical key (a default field spelled
         # out, say) names the same variant / workload as another row: a duplicate that

@@ -52,9 +52,8 @@ from .sm90_linear import (KEXT_PRESUM_ONLY, PRESUM_MEXT_ONLY, TOLERANCE, Fold, P
 from .variant import UNKEYED_DEFAULT, Choice, IntRange, LinearProblem, VariantBase
 
 __all__ = ["Raster", "Producer", "Fold", "LinearSm90WgmmaVariant", "LinearSm90WgmmaFamily",
-           "FAMILY",
-           "TOLERANCE", "compare", "geometry_of", "gemm_rows", "kp_of", "compile_once",
-           "PRESUM_MEXT_ONLY", "PRESUM_NVFP4_ONLY"]
+           "FAMILY", "TOLERANCE", "compare", "geometry_of", "gemm_rows", "kp_of",
+           "compile_once", "PRESUM_MEXT_ONLY", "PRESUM_NVFP4_ONLY"]
 
 _SMEM_MAX = 227 * 1024
 # consumer registers: accumulators + two A register sets + about 40 for addresses, scales,
@@ -102,7 +101,8 @@ class LinearSm90WgmmaVariant(VariantBase):
                                               UNKEYED_DEFAULT: True})
     # one producer warp instead of a producer warpgroup (consumers 1, grid schedule): the
     # three idle producer warps no longer hold registers, so more CTAs fit an SM. Keyed only
-    # where not "wg", as fold. Valid, not enumerated (measured: docs/linear_sm90_wgmma.md)
+    # where not "wg", as fold. Valid, not enumerated: not yet measured against the table in one
+    # run (docs/linear_sm90_wgmma.md, "One producer warp")
     producer: Producer = field(default=Producer.WG, metadata={"short": "pr",
                                                               UNKEYED_DEFAULT: True})
 

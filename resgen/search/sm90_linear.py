@@ -252,9 +252,9 @@ _LAYER_QUANT: dict[tuple, Any] = {}
 # unroll 2):
 # - M-Ext presum rows: 0.88-0.98x the defaults' four-layer sums at M = 16, 64, 128, 512, 2048
 #   (bench/results/h200/quant_layer_config_probe_s33 and _s34), the best single configuration;
-# - plain W4A4 NVFP4 rows: 0.92 / 0.89 / 0.99 / 0.92x at M = 16 / 32 / 64 / 128 and
-#   <see LAYER_QUANT_PLAIN_NOTE> (quant_layer_config_probe_s37), the best single configuration
-#   over those M (pack8 with unroll 1 is as fast at M = 16 / 64, slower at 32).
+# - plain W4A4 NVFP4 rows: 0.92 / 0.89 / 0.99 / 0.92 / 1.00 / 0.97x at M = 16 / 32 / 64 / 128 /
+#   512 / 2048 (quant_layer_config_probe_s37 and _s37b), the best single configuration over
+#   those M (pack8 with unroll 1 is as fast at M = 16 / 64, slower at 32 and 2048).
 # Other layouts (row pairs, K-Ext extensions, MXFP4) keep the defaults: not measured.
 LAYER_QUANT_CONFIG: dict[str, Any] = {"ept": 16, "warps": 4, "unroll": 1, "persist": False}
 # (layout, compensation) of the measured NVFP4 layer quantizers
