@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "report"))
 
-from report_io import read_text  # noqa: E402
+from report_io import ncu_number as _num, read_text  # noqa: E402
 
 DB = ROOT / "tuned" / "h200.sqlite.xz"
 LINEAR_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
@@ -160,13 +160,6 @@ def run(linear_ms: tuple[int, ...] = (1,), attention: bool = True,
 
 
 # ----------------------------------------------------------------------------- summary (CPU)
-
-
-def _num(s: str) -> float | None:
-    try:
-        return float(s.replace(",", ""))
-    except ValueError:
-        return None
 
 
 def load_rows(csv_text: str) -> list[dict[str, str]]:

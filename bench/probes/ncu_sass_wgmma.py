@@ -31,7 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "report"))
 
+from report_io import ncu_number, read_text  # noqa: E402
 from resgen.search.variant import LinearProblem  # noqa: E402
 
 CASES = ((6144, 4096, 64), (24576, 4096, 64), (24576, 4096, 128))   # (N, K, M): qkv, gate_up
@@ -42,13 +44,12 @@ def launch_all() -> None:
     shipped table), twice each."""
     import layer_probe
 
-    from resgen.runtime import Dispatcher
     from resgen.search.family import get_family
 
-    disp = Dispatcher()
+    lookup = layer_probe.dispatched_lookup()
     for n, k, m in CASES:
         p = LinearProblem("nvfp4", "none", m, n, k)
-        v = disp.lookup("linear", p)
+        v, _ = lookup(p)
         fam = get_family(type(v).FAMILY)
         if fam.NAME != "linear_sm90_wgmma":
             print(f"SKIP {n}x{k} M={m}: the table serves {fam.NAME}", flush=True)
@@ -73,10 +74,8 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def _num(v: str | None) -> float:
-    try:
-        return float((v or "0").replace(",", ""))
-    except ValueError:
-        return 0.0
+    """A source-page cell's number; 0 where it holds none (report_io.ncu_number)."""
+    return ncu_number(v or "0") or 0.0
 
 
 def _opcode(source: str) -> str:
@@ -138,9 +137,6 @@ def ledger(rows: list[dict[str, str]], top: int = 12) -> str:
 def summarize(sass_csv: str, order: str) -> str:
     """Markdown ledgers of the second launch of every profiled variant (`order`: the probe's
     stdout under ncu; lines starting with "==" are ncu's own)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "report"))
-    from report_io import read_text
-
     blocks = split_kernels(read_text(Path(sass_csv)))
     names = [ln.strip() for ln in read_text(Path(order)).splitlines()
              if ln.strip() and not ln.startswith("==") and not ln.startswith("SKIP")]

@@ -15,6 +15,15 @@ def read_text(path: Path) -> str:
     return (lzma.decompress(raw) if Path(path).suffix == ".xz" else raw).decode()
 
 
+def ncu_number(s: str) -> float | None:
+    """A number of an Nsight Compute CSV cell ("1,234.5" -> 1234.5); None where the cell holds
+    no number (ncu writes "-" or text there)."""
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return None
+
+
 def load_json(path: Path) -> Any:
     """A JSON report, plain or xz-compressed."""
     return json.loads(read_text(path))
